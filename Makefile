@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The pinned stack differs per device: CPU fbgemm on machines without a GPU.
+DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+STAMP  := $(VENV)/.installed-$(DEVICE)
+ARGS   ?=
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/$(DEVICE).txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements/$(DEVICE).txt
+	# torchrec declares the CUDA fbgemm-gpu; its real needs are in requirements/.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+train: setup
+	$(BIN)/rankmix train $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/tower.py
+
+clean:
+	rm -rf $(VENV) runs .cache
