@@ -1,0 +1,1 @@
+"""Training: config tree, data pipeline, train/eval loop, metrics and logging."""

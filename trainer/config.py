@@ -1,0 +1,473 @@
+"""The typed configuration tree: defaults < TOML file < `--section.key=value` overrides.
+
+Every field carries a one-line docstring (the string literal after it); `rankmix train
+--help` prints them. Unknown keys and wrong types are `ValueError`s naming the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
+NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
+SPARSE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+
+
+@dataclass
+class FeatureSpec:
+    """One input feature: where it comes from, how it is embedded, which group it feeds."""
+
+    name: str = ""
+    """Feature name: the key in the KeyedJaggedTensor, in logs and in CLI overrides."""
+    column: str = ""
+    """Source column in the Parquet files (defaults to `name`)."""
+    kind: str = "id"
+    """id (one id per row) | id_list (multi-hot) | sequence (behaviour ids, most recent last) | numeric."""
+    table: str = ""
+    """Embedding table (defaults to `name`); features naming one table share it."""
+    num_embeddings: int = 0
+    """Rows of the embedding table."""
+    embedding_dim: int = 16
+    """Width of the embedding table."""
+    hashing: str = "modulo"
+    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error."""
+    pooling: str = "sum"
+    """How an id list is pooled into one vector: sum | mean."""
+    group: str = "default"
+    """Semantic group (user, item, context, sequence, cross...) the feature's token slice belongs to."""
+    max_len: int = 0
+    """id_list / sequence: keep only the last max_len ids (0 keeps all)."""
+    transform: list[str] = field(default_factory=list)
+    """numeric: transforms applied in order, from log1p | clip | standardize."""
+    clip_min: float = -math.inf
+    """numeric `clip`: lower bound."""
+    clip_max: float = math.inf
+    """numeric `clip`: upper bound."""
+    mean: float = 0.0
+    """numeric `standardize`: subtracted mean."""
+    std: float = 1.0
+    """numeric `standardize`: divisor."""
+    fill_null: float | None = None
+    """numeric: value that replaces nulls (unset: a null is an error)."""
+
+
+@dataclass
+class TaskSpec:
+    """One prediction task: a binary label column and its loss weight."""
+
+    name: str = "click"
+    """Task name used in logs and metrics."""
+    label: str = ""
+    """Label column (0/1; defaults to `name`)."""
+    weight: float = 1.0
+    """Weight of this task's binary cross-entropy in the total loss."""
+
+
+@dataclass
+class DataConfig:
+    """Where training and evaluation rows come from and how they are batched."""
+
+    dataset: str = "synth"
+    """Registered dataset: synth (generated) | movielens (converted from source_dir) | parquet (paths)."""
+    train_path: str = ""
+    """Training Parquet files: a file, directory or glob, local or a pyarrow filesystem URI."""
+    eval_path: str = ""
+    """Held-out Parquet files, same forms as train_path."""
+    batch_size: int = 512
+    """Rows per step on each rank (the global batch is batch_size x world size)."""
+    eval_batch_size: int = 4096
+    """Rows per evaluation step on each rank."""
+    shuffle_buffer: int = 65_536
+    """Rows held in memory and shuffled together (0 disables shuffling)."""
+    user_column: str = "user_id"
+    """Column that identifies the user for UAUC ('' disables UAUC)."""
+    synth_rows: int = 200_000
+    """synth dataset: rows generated (train plus 10% held out)."""
+    source_dir: str = ""
+    """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
+    cache_dir: str = ".cache/data"
+    """Where generated or converted Parquet files are kept and reused."""
+
+
+@dataclass
+class EmbeddingsConfig:
+    """Sparse side: TorchRec tables, sharding and the fused optimizer."""
+
+    optimizer: str = "adagrad"
+    """Fused sparse optimizer: adagrad | rowwise_adagrad."""
+    lr: float = 0.1
+    """Sparse learning rate."""
+    eps: float = 1e-8
+    """Adagrad epsilon."""
+    plan: str = "auto"
+    """Registered sharding plan builder (auto: TorchRec's planner)."""
+    sharding_types: list[str] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))
+    """Sharding types the planner may choose; data_parallel would train tables densely, outside Adagrad."""
+
+
+@dataclass
+class ModelConfig:
+    """Tokenizer, dense tower and task heads."""
+
+    tower: str = "rankmixer"
+    """Registered dense tower: rankmixer | logreg."""
+    tokenizer: str = "slice"
+    """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
+    num_tokens: int = 8
+    """T, tokens for the slice tokenizer (the group tokenizer uses the number of groups)."""
+    token_dim: int = 0
+    """d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
+    hidden_dim: int = 64
+    """D, token width."""
+    num_layers: int = 2
+    """L, RankMixer blocks."""
+    ffn_ratio: int = 4
+    """k, per-token FFN hidden width is k x D."""
+    head_hidden: int = 0
+    """Hidden width of each task head's MLP (0: one linear layer)."""
+    tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
+    """Prediction tasks, one head each."""
+
+
+@dataclass
+class OptimConfig:
+    """Dense optimizer (RMSProp, as in the RankMixer paper) and schedule."""
+
+    lr: float = 0.002
+    """Dense learning rate (the paper's 0.01 is for its scale; 0.002 trains the default better)."""
+    alpha: float = 0.99
+    """RMSProp smoothing constant."""
+    eps: float = 1e-8
+    """RMSProp epsilon."""
+    momentum: float = 0.0
+    """RMSProp momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty on dense weights."""
+    warmup_steps: int = 0
+    """Linear warm-up of both learning rates over this many steps."""
+    grad_clip_norm: float = 0.0
+    """Clip the dense gradient norm to this value (0 disables)."""
+
+
+@dataclass
+class TrainConfig:
+    """Length, seeding and placement of a run."""
+
+    steps: int = 0
+    """Optimizer steps (0: `epochs` passes over the training data)."""
+    epochs: int = 3
+    """Passes over the training data when steps is 0."""
+    seed: int = 0
+    """Seed for initialisation, data order and shuffling."""
+    run_dir: str = "runs/default"
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events."""
+    device: str = "auto"
+    """auto (cuda when available) | cpu | cuda."""
+    deterministic: bool = True
+    """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
+
+
+@dataclass
+class MetricsConfig:
+    """Evaluation and logging."""
+
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    eval_batches: int = 0
+    """Evaluation batches per rank (0: the whole held-out split)."""
+    log_every: int = 20
+    """Log training loss and throughput every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars into the run folder."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class LaunchConfig:
+    """Process-group set-up."""
+
+    backend: str = "auto"
+    """Collective backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input data."""
+    features: list[FeatureSpec] = field(default_factory=list)
+    """Feature schema (TOML: [[features]]); empty means the dataset's built-in schema."""
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    """Sparse side."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Dense side."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Dense optimizer."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Run length and placement."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Evaluation and logging."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Distributed set-up."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    cfg = _build(Config, raw, "")
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `--a.b=value` (list entries by name: `--features.item_id.num_embeddings=10`)."""
+    if not item.startswith("--") or "=" not in item:
+        raise ValueError(f"override {item!r} must look like --section.key=value")
+    dotted, text = item[2:].split("=", 1)
+    parts = dotted.split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts[:-1]):
+        obj = _child(obj, part, ".".join(parts[: i + 1]))
+    key = parts[-1]
+    if not dataclasses.is_dataclass(obj) or key not in _fields(type(obj)):
+        raise ValueError(f"unknown config key: {dotted}")
+    hint = _hints(type(obj))[key]
+    setattr(obj, key, _coerce(_parse_scalar(text, hint), hint, dotted))
+
+
+def _child(obj: Any, part: str, where: str) -> Any:
+    if isinstance(obj, list):
+        for entry in obj:
+            if getattr(entry, "name", None) == part:
+                return entry
+        raise ValueError(f"unknown config key: {where} (no entry named {part!r})")
+    if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
+        return getattr(obj, part)
+    raise ValueError(f"unknown config key: {where}")
+
+
+def _parse_scalar(text: str, hint: Any) -> Any:
+    if hint is str:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        if typing.get_origin(hint) is list:
+            return [t.strip() for t in text.split(",") if t.strip()]
+        return text
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config key {where or '<root>'} must be a table, got {type(raw).__name__}")
+    hints, known = _hints(cls), _fields(cls)
+    for key in raw:
+        if key not in known:
+            raise ValueError(f"unknown config key: {_join(where, key)}")
+    return cls(**{k: _coerce(v, hints[k], _join(where, k)) for k, v in raw.items()})
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against the field's type; ints widen to float, nothing else converts."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ValueError(f"config key {where} must be a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except ValueError:
+                pass
+        raise ValueError(f"config key {where} has the wrong type: {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif hint in (str, bool) and isinstance(value, hint):
+        return value
+    raise ValueError(f"config key {where} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
+    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "model.hidden_dim",
+                    "model.num_layers", "model.ffn_ratio", "model.num_tokens")
+    _check_nonnegative(cfg, "data.shuffle_buffer", "train.steps", "train.epochs",
+                       "model.token_dim", "metrics.eval_every", "metrics.log_every")
+    _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
+    _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
+    _check_choice(cfg, "model.tokenizer", ("slice", "group"))
+    _check_choice(cfg, "embeddings.optimizer", ("adagrad", "rowwise_adagrad"))
+    bad = [t for t in cfg.embeddings.sharding_types if t not in SPARSE_SHARDING_TYPES]
+    if bad or not cfg.embeddings.sharding_types:
+        raise ValueError(f"embeddings.sharding_types: {bad or 'empty'}; choose from {SPARSE_SHARDING_TYPES}")
+    if cfg.train.steps == 0 and cfg.train.epochs == 0:
+        raise ValueError("train.steps and train.epochs are both 0: nothing to train")
+    if not cfg.model.tasks:
+        raise ValueError("model.tasks is empty: at least one task is needed")
+    for task in cfg.model.tasks:
+        task.label = task.label or task.name
+    names = [t.name for t in cfg.model.tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model.tasks has duplicate names: {names}")
+    validate_features(cfg.features)
+
+
+def validate_features(features: list[FeatureSpec]) -> None:
+    """Fill defaults (column, table) and check each feature and table sharing."""
+    seen: set[str] = set()
+    tables: dict[str, FeatureSpec] = {}
+    for f in features:
+        where = f"features.{f.name or '<unnamed>'}"
+        if not f.name:
+            raise ValueError("features: every feature needs a name")
+        if f.name in seen:
+            raise ValueError(f"{where}: duplicate feature name")
+        seen.add(f.name)
+        f.column = f.column or f.name
+        if f.kind not in FEATURE_KINDS:
+            raise ValueError(f"{where}.kind must be one of {FEATURE_KINDS}, got {f.kind!r}")
+        if f.kind == "numeric":
+            bad = [t for t in f.transform if t not in NUMERIC_TRANSFORMS]
+            if bad:
+                raise ValueError(f"{where}.transform: unknown {bad}; choose from {NUMERIC_TRANSFORMS}")
+            if f.std <= 0:
+                raise ValueError(f"{where}.std must be positive, got {f.std}")
+            continue
+        f.table = f.table or f.name
+        if f.num_embeddings <= 0 or f.embedding_dim <= 0:
+            raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
+        if f.hashing not in ("modulo", "none"):
+            raise ValueError(f"{where}.hashing must be modulo or none, got {f.hashing!r}")
+        if f.pooling not in ("sum", "mean"):
+            raise ValueError(f"{where}.pooling must be sum or mean, got {f.pooling!r}")
+        other = tables.setdefault(f.table, f)
+        if (other.num_embeddings, other.embedding_dim) != (f.num_embeddings, f.embedding_dim):
+            raise ValueError(
+                f"{where}: shares table {f.table!r} with features.{other.name} but their "
+                "num_embeddings / embedding_dim differ")
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) <= 0:
+            raise ValueError(f"{key} must be positive, got {_get(cfg, key)}")
+
+
+def _check_nonnegative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise ValueError(f"{key} must be >= 0, got {_get(cfg, key)}")
+
+
+def _check_choice(cfg: Config, key: str, choices: tuple[str, ...]) -> None:
+    if _get(cfg, key) not in choices:
+        raise ValueError(f"{key} must be one of {choices}, got {_get(cfg, key)!r}")
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain TOML values; unset (None) fields are left out, as TOML has no null."""
+    return _drop_none(dataclasses.asdict(cfg))
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dump_toml(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config so that `--config path` reproduces the run."""
+    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line docstring, read from the class source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+    return docs
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """`--section.key  (type, default)  doc` lines for every field, for --help."""
+    lines = []
+    docs, hints = field_docs(cls), _hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            lines += describe(hint, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if typing.get_origin(hint) is list and typing.get_args(hint)[0] in (FeatureSpec, TaskSpec):
+            lines.append(f"  [[{prefix}{f.name}]]  {docs.get(f.name, '')}")
+            continue
+        lines.append(f"  --{prefix}{f.name}={default!r}  {docs.get(f.name, '')}")
+    return lines
