@@ -1,0 +1,1 @@
+"""Data pipeline: Parquet streaming, feature encoding, batches and dataset converters."""
