@@ -1,0 +1,114 @@
+"""Datasets chosen by name (`data.dataset`): where the Parquet files are and, for the
+built-in ones, the feature schema that fits them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainer.config import Config, FeatureSpec
+
+
+@dataclass
+class DatasetFiles:
+    """Resolved inputs of a run."""
+
+    train_path: str
+    eval_path: str
+    features: list[FeatureSpec]
+
+
+DatasetBuilder = Callable[[Config], DatasetFiles]
+DATASETS: dict[str, DatasetBuilder] = {}
+
+
+def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
+    """Make a dataset selectable as `data.dataset = name`."""
+    def wrap(fn: DatasetBuilder) -> DatasetBuilder:
+        DATASETS[name] = fn
+        return fn
+    return wrap
+
+
+def build_dataset(cfg: Config) -> DatasetFiles:
+    """Resolve `data.dataset`; call on every rank (rank 0 prepares, the others wait)."""
+    if cfg.data.dataset not in DATASETS:
+        raise ValueError(f"data.dataset={cfg.data.dataset!r} is not one of {sorted(DATASETS)}")
+    return DATASETS[cfg.data.dataset](cfg)
+
+
+@register_dataset("parquet")
+def parquet(cfg: Config) -> DatasetFiles:
+    """User files: data.train_path, data.eval_path and a [[features]] schema."""
+    for key in ("train_path", "eval_path"):
+        if not getattr(cfg.data, key):
+            raise ValueError(f"data.{key} is empty: the parquet dataset needs it")
+    if not cfg.features:
+        raise ValueError("features is empty: the parquet dataset needs a [[features]] schema")
+    return DatasetFiles(cfg.data.train_path, cfg.data.eval_path, cfg.features)
+
+
+def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
+    """`folder` made once by rank 0 (into a temporary folder, renamed when complete)."""
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "_SUCCESS").exists():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        summary = make(tmp)
+        (tmp / "_SUCCESS").write_text(json.dumps(summary, indent=1, default=str))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+@register_dataset("synth")
+def synth(cfg: Config) -> DatasetFiles:
+    """Synthetic logs with a hidden teacher (trainer/data/synth.py), generated on first use."""
+    from trainer.data.synth import write_synthetic
+
+    rows, seed = cfg.data.synth_rows, cfg.train.seed
+    folder = _prepared(Path(cfg.data.cache_dir) / f"synth-{rows}-seed{seed}",
+                       lambda out: write_synthetic(out, rows=rows, seed=seed))
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or synth_features())
+
+
+@register_dataset("movielens")
+def movielens(cfg: Config) -> DatasetFiles:
+    """MovieLens-100K converted from data.source_dir on first use (trainer/data/movielens.py)."""
+    from trainer.data.movielens import convert_movielens
+
+    if not cfg.data.source_dir:
+        raise ValueError("data.source_dir is empty: the movielens dataset needs the ml-100k folder")
+    if not cfg.features:
+        raise ValueError("features is empty: the movielens dataset needs a [[features]] schema "
+                         "(see configs/movielens.toml)")
+    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k",
+                       lambda out: convert_movielens(cfg.data.source_dir, out))
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features)
+
+
+def synth_features() -> list[FeatureSpec]:
+    """The schema of `write_synthetic`'s columns, in semantic groups."""
+    f = FeatureSpec
+    return [
+        f(name="user_id", num_embeddings=5_001, embedding_dim=16, hashing="none", group="user"),
+        f(name="user_age", num_embeddings=9, embedding_dim=8, group="user"),
+        f(name="user_gender", num_embeddings=3, embedding_dim=4, group="user"),
+        f(name="user_activity", kind="numeric", transform=["log1p"], group="user"),
+        f(name="item_id", table="item", num_embeddings=2_001, embedding_dim=16, hashing="none", group="item"),
+        f(name="item_category", num_embeddings=33, embedding_dim=8, group="item"),
+        f(name="item_tags", kind="id_list", num_embeddings=201, embedding_dim=8, group="item"),
+        f(name="item_price", kind="numeric", transform=["log1p"], group="item"),
+        f(name="hour", num_embeddings=24, embedding_dim=4, group="context"),
+        f(name="weekday", num_embeddings=7, embedding_dim=4, group="context"),
+        f(name="device", num_embeddings=5, embedding_dim=4, group="context"),
+        f(name="hist_items", kind="sequence", table="item", num_embeddings=2_001, embedding_dim=16,
+          hashing="none", pooling="mean", max_len=30, group="behaviour"),
+    ]
