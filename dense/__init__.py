@@ -1,0 +1,1 @@
+"""Dense side: tokenizers, towers (chosen by name) and task heads."""

@@ -1,0 +1,44 @@
+"""How pooled embeddings and numeric features are laid out into e_input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import FeatureSpec
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One feature's place in e_input."""
+
+    name: str
+    group: str
+    width: int
+    numeric_index: int  # column of Batch.dense, or -1 for an embedding
+
+
+class InputLayout:
+    """e_input = [e_group1; e_group2; ...]: groups in order of first appearance in the
+    feature schema, features within a group in schema order. Embeddings are taken from
+    the pooled KeyedTensor by feature name, never by position (its order depends on
+    the sharding plan)."""
+
+    def __init__(self, features: list[FeatureSpec]):
+        numeric = [f.name for f in features if f.kind == "numeric"]
+        groups = list(dict.fromkeys(f.group for f in features))
+        self.slots = [
+            Slot(f.name, f.group, 1 if f.kind == "numeric" else f.embedding_dim,
+                 numeric.index(f.name) if f.kind == "numeric" else -1)
+            for g in groups for f in features if f.group == g
+        ]
+        self.groups = groups
+        self.group_widths = [sum(s.width for s in self.slots if s.group == g) for g in groups]
+        self.width = sum(self.group_widths)
+
+    def assemble(self, pooled: dict[str, torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        """pooled: name -> [B, dim]; dense: [B, F] -> e_input [B, E]."""
+        parts = [pooled[s.name] if s.numeric_index < 0 else dense[:, s.numeric_index:s.numeric_index + 1]
+                 for s in self.slots]
+        return torch.cat(parts, dim=1)

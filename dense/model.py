@@ -1,0 +1,41 @@
+"""The whole ranking model: sparse lookup -> e_input -> tower -> one logit per task."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection
+
+from dense.layout import InputLayout
+from trainer.data.batch import Batch
+
+
+class TaskHeads(nn.Module):
+    """One head per task: [B, in] -> logits [B, K]; linear, or a small MLP when hidden > 0."""
+
+    def __init__(self, in_dim: int, num_tasks: int, hidden: int = 0):
+        super().__init__()
+        if hidden:
+            self.heads = nn.ModuleList(
+                nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+                for _ in range(num_tasks))
+        else:  # K linear heads are one [in, K] matrix
+            self.heads = nn.ModuleList([nn.Linear(in_dim, num_tasks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h(x) for h in self.heads], dim=1)
+
+
+class RankingModel(nn.Module):
+    """Batch -> logits [B, K]. `ebc` is sharded by DMP; the rest is replicated."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads):
+        super().__init__()
+        self.ebc = ebc
+        self.layout = layout
+        self.tower = tower
+        self.heads = heads
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        pooled = self.ebc(batch.sparse).to_dict()  # by name: key order depends on the plan
+        return self.heads(self.tower(self.layout.assemble(pooled, batch.dense)))

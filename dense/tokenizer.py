@@ -1,0 +1,62 @@
+"""Tokenizers: e_input [B, E] -> tokens [B, T, D] (RankMixer eq. 2, UniMixer eq. 9)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class SliceTokenizer(nn.Module):
+    """Cut e_input into T slices of d and project each with its own Proj_i: R^d -> R^D.
+
+    x_i = e_input[d(i-1) : d i] W_i + b_i. When T*d exceeds E the tail of e_input is
+    padded with zeros (the last token sees fewer real inputs); T*d < E is an error,
+    since features would be dropped.
+    """
+
+    def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int):
+        super().__init__()
+        self.input_dim, self.num_tokens = input_dim, num_tokens
+        self.token_dim = token_dim or math.ceil(input_dim / num_tokens)
+        if self.token_dim * num_tokens < input_dim:
+            raise ValueError(f"model.token_dim={token_dim} x model.num_tokens={num_tokens} is smaller "
+                             f"than e_input's width {input_dim}: features would be dropped")
+        bound = 1 / math.sqrt(self.token_dim)
+        self.weight = nn.Parameter(torch.empty(num_tokens, self.token_dim, hidden_dim).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(num_tokens, hidden_dim).uniform_(-bound, bound))
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        """[B, E] -> [B, T, D]."""
+        pad = self.num_tokens * self.token_dim - self.input_dim
+        slices = nn.functional.pad(e_input, (0, pad)).view(-1, self.num_tokens, self.token_dim)
+        return torch.einsum("btd,tdh->bth", slices, self.weight) + self.bias
+
+
+class GroupTokenizer(nn.Module):
+    """One token per semantic group, each projected by its own Linear(E_g, D)."""
+
+    def __init__(self, group_widths: list[int], hidden_dim: int):
+        super().__init__()
+        self.group_widths = list(group_widths)
+        self.proj = nn.ModuleList(nn.Linear(w, hidden_dim) for w in group_widths)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.group_widths)
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        """[B, E] -> [B, T = number of groups, D]."""
+        groups = torch.split(e_input, self.group_widths, dim=1)
+        return torch.stack([p(g) for p, g in zip(self.proj, groups)], dim=1)
+
+
+def build_tokenizer(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,
+                    hidden_dim: int) -> nn.Module:
+    """`model.tokenizer`: slice (eq. 2) or group (one token per semantic group)."""
+    if kind == "slice":
+        return SliceTokenizer(sum(group_widths), num_tokens, token_dim, hidden_dim)
+    if kind == "group":
+        return GroupTokenizer(group_widths, hidden_dim)
+    raise ValueError(f"model.tokenizer must be slice or group, got {kind!r}")

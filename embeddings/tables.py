@@ -1,0 +1,49 @@
+"""TorchRec tables from the feature schema, with FBGEMM's fused Adagrad attached."""
+
+from __future__ import annotations
+
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from trainer.config import EmbeddingsConfig, FeatureSpec
+
+_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+
+def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
+    """One EmbeddingBagConfig per table; features naming the same table share its rows.
+
+    TorchRec pools per table, so the multi-id features sharing a table must agree on
+    pooling (a single id pools the same either way).
+    """
+    tables: dict[str, EmbeddingBagConfig] = {}
+    pooled_by: dict[str, FeatureSpec] = {}
+    for f in features:
+        if f.kind == "numeric":
+            continue
+        if f.table not in tables:
+            tables[f.table] = EmbeddingBagConfig(
+                name=f.table, num_embeddings=f.num_embeddings, embedding_dim=f.embedding_dim,
+                feature_names=[], pooling=_POOLING[f.pooling])
+        table = tables[f.table]
+        table.feature_names.append(f.name)
+        if f.kind == "id":
+            continue
+        first = pooled_by.setdefault(f.table, f)
+        if first.pooling != f.pooling:
+            raise ValueError(f"features.{f.name}.pooling={f.pooling!r} differs from features."
+                             f"{first.name}.pooling={first.pooling!r}, which shares table {f.table!r}: "
+                             "TorchRec pools per table")
+        table.pooling = _POOLING[f.pooling]
+    return list(tables.values())
+
+
+def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingBagCollection:
+    """An EmbeddingBagCollection on the meta device (DMP materialises only local shards),
+    its parameters marked for the fused optimizer that runs inside the backward pass."""
+    ebc = EmbeddingBagCollection(tables=table_configs(features), device=torch.device("meta"))
+    optimizer = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[cfg.optimizer]
+    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})
+    return ebc
