@@ -1,0 +1,1 @@
+"""Entry points: the `rankmix` command, torchrun wiring and the torchx component."""

@@ -1,0 +1,59 @@
+"""Process group and device set-up: gloo on CPU, NCCL on CUDA, the same code for both."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
+    """Join the job `torchrun` describes in the environment, or start a job of one.
+
+    DMP needs a process group even for one process, so a plain `rankmix train` makes
+    a world of size 1 on a free local port.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but no CUDA device is available")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=dev if use_cuda else None)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

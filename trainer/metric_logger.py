@@ -1,0 +1,58 @@
+"""Where numbers go: TensorBoard scalars, metrics.jsonl and a progress bar (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class MetricLogger:
+    """Writes each record as one JSON line and as TensorBoard scalars under `prefix/key`."""
+
+    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool, progress: bool):
+        self.enabled = enabled
+        self.writer = None
+        self.bar = None
+        self.jsonl = None
+        if not enabled:
+            return
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+        if progress:
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, step: int, prefix: str, values: dict[str, float]) -> None:
+        """Record `values` at `step` (train/..., eval/...)."""
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": prefix, "time": time.time(), **values}
+        self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def advance(self) -> None:
+        """One step done."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def postfix(self, **values: float) -> None:
+        """Show the latest loss and examples/s beside the bar."""
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

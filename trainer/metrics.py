@@ -1,0 +1,65 @@
+"""Ranking metrics over a whole evaluation split: AUC, UAUC and logloss per task."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve; NaN when only one class is present."""
+    if labels.min() == labels.max():
+        return float("nan")
+    return float(binary_auroc(scores, labels.long()))
+
+
+def logloss(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean binary cross-entropy of probabilities."""
+    return float(torch.nn.functional.binary_cross_entropy(probs.double(), labels.double()))
+
+
+def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
+    """Per-user AUC averaged over users with both classes, weighted by their impressions.
+
+    Vectorised rank-sum (Mann-Whitney) form with tied scores given their average rank,
+    so it scales to millions of users.
+    """
+    order = np.lexsort((scores, users))
+    u, s, y = users[order], scores[order], labels[order].astype(np.float64)
+    n = len(u)
+    user_start = np.r_[True, u[1:] != u[:-1]]
+    uid = np.cumsum(user_start) - 1
+    first = np.flatnonzero(user_start)
+    rank = np.arange(n) - first[uid] + 1.0
+    tie_start = user_start | np.r_[True, s[1:] != s[:-1]]
+    tie = np.cumsum(tie_start) - 1
+    rank = (np.bincount(tie, rank) / np.bincount(tie))[tie]
+    count = np.bincount(uid).astype(np.float64)
+    pos = np.bincount(uid, y)
+    neg = count - pos
+    both = (pos > 0) & (neg > 0)
+    if not both.any():
+        return float("nan")
+    rank_sum = np.bincount(uid, rank * y)[both]
+    per_user = (rank_sum - pos[both] * (pos[both] + 1) / 2) / (pos[both] * neg[both])
+    return float((per_user * count[both]).sum() / count[both].sum())
+
+
+def task_metrics(logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor,
+                 task_names: list[str], with_uauc: bool = True) -> dict[str, float]:
+    """logits, labels: [N, K]; users: [N] -> {'auc', 'uauc', 'logloss'} of the first task
+    plus '<task>/<metric>' for every task."""
+    out: dict[str, float] = {}
+    probs = torch.sigmoid(logits.double())
+    for k, name in enumerate(task_names):
+        y = labels[:, k]
+        out[f"{name}/auc"] = auc(logits[:, k].double(), y)
+        out[f"{name}/logloss"] = logloss(probs[:, k], y)
+        if with_uauc:
+            out[f"{name}/uauc"] = uauc(logits[:, k].double().numpy(), y.numpy(), users.numpy())
+    first = task_names[0]
+    for metric in ("auc", "uauc", "logloss"):
+        if f"{first}/{metric}" in out:
+            out[metric] = out[f"{first}/{metric}"]
+    return out

@@ -1,0 +1,245 @@
+"""The training loop: fetch, forward, finiteness check, backward, step, log, evaluate."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from dense.layout import InputLayout
+from dense.model import RankingModel, TaskHeads
+from dense.towers import build_tower
+from embeddings.sharding import shard_model
+from embeddings.tables import build_embedding_bags
+from trainer.config import Config, dump_toml, validate_features
+from trainer.data.batch import Batch
+from trainer.data.datasets import build_dataset
+from trainer.data.encode import RowEncoder
+from trainer.data.reader import ParquetReader
+from trainer.dist import DistEnv, init_distributed
+from trainer.metric_logger import MetricLogger
+from trainer.metrics import task_metrics
+
+# TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
+warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
+warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
+logging.getLogger("torchrec").setLevel(logging.ERROR)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped before an optimizer step because the loss was NaN or infinite."""
+
+
+class Trainer:
+    """One run of `rankmix train`: builds everything from the config, then `fit()`."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        files = build_dataset(cfg)
+        cfg.features = files.features
+        validate_features(cfg.features)
+        self.eval_path = files.eval_path
+        self.task_names = [t.name for t in cfg.model.tasks]
+        self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=self.env.device)
+        self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column)
+        self.train_reader = ParquetReader(
+            files.train_path, self.encoder, batch_size=cfg.data.batch_size,
+            shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
+            rank=self.env.rank, world_size=self.env.world_size)
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        warmup = max(cfg.optim.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.step = 0
+        self.total_steps = cfg.train.steps or sum(
+            self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
+        self.run_dir = Path(cfg.train.run_dir)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_toml(cfg, self.run_dir / "config.toml")
+        self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
+                                   tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_model(self) -> nn.Module:
+        cfg = self.cfg
+        layout = InputLayout(cfg.features)
+        tower = build_tower(cfg.model, layout)
+        heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
+        model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads)
+        return shard_model(model, cfg.embeddings, self.env.device)
+
+    def _build_optimizer(self) -> CombinedOptimizer:
+        o = self.cfg.optim
+        dense = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        self.dense_params = list(dense.values())
+        rmsprop = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
+            params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay))
+        # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
+        return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", rmsprop)])
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train for the configured steps, evaluating on schedule and at the end."""
+        batches = iter(self.train_reader)
+        examples, train_time, window_start = 0, 0.0, time.perf_counter()
+        loss_sum = torch.zeros(len(self.task_names))
+        every, eval_every = self.cfg.metrics.log_every or self.total_steps, self.cfg.metrics.eval_every
+        while self.step < self.total_steps:
+            tic = time.perf_counter()
+            batch = self.fetch(batches)
+            loss, task_losses = self.forward(batch)
+            self.check_finite(loss)
+            self.backward(loss)
+            self.optimizer_step()
+            self.logger.advance()
+            train_time += time.perf_counter() - tic
+            examples += len(batch) * self.env.world_size
+            loss_sum += task_losses.detach().cpu()
+            if self.step % every == 0 or self.step == self.total_steps:
+                n = (self.step - 1) % every + 1
+                self.log_train(loss_sum / n, (n * len(batch) * self.env.world_size)
+                               / (time.perf_counter() - window_start))
+                loss_sum.zero_()
+                window_start = time.perf_counter()
+            if eval_every and self.step % eval_every == 0 and self.step < self.total_steps:
+                self.evaluate()
+        metrics = self.evaluate()
+        summary = {"auc": metrics["auc"], "uauc": metrics.get("uauc", float("nan")),
+                   "logloss": metrics["logloss"], "steps": self.step,
+                   "examples_per_sec": examples / max(train_time, 1e-9), "run_dir": str(self.run_dir),
+                   **{k: v for k, v in metrics.items() if "/" in k}}
+        self.logger.close()
+        if self.env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def fetch(self, batches) -> Batch:
+        """Next training batch, on the device."""
+        return next(batches).to(self.env.device, non_blocking=True)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted sum of per-task BCE losses, and the per-task losses [K]."""
+        self.model.train()
+        logits = self.model(batch)
+        task_losses = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none").mean(dim=0)
+        return (task_losses * self.task_weights).sum(), task_losses
+
+    def check_finite(self, loss: torch.Tensor) -> None:
+        """Stop every rank before any update (the sparse update runs inside backward)."""
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if self.env.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise NonFiniteLossError(f"non-finite loss at step {self.step + 1} "
+                                     f"(loss on rank {self.env.rank}: {loss.item()}); no update was applied")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients for the dense side; the fused sparse optimizer updates embeddings here."""
+        loss.backward()
+        if self.cfg.optim.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+
+    def log_train(self, task_losses: torch.Tensor, examples_per_sec: float) -> None:
+        lrs = {f"lr/{name}": group["lr"] for name, group in
+               zip(("sparse", "dense"), self._lr_groups())}
+        values = {"loss": float(task_losses @ self.task_weights.cpu()), "examples_per_sec": examples_per_sec,
+                  **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)}, **lrs}
+        self.logger.log(self.step, "train", values)
+        self.logger.postfix(loss=values["loss"], ex_per_s=examples_per_sec)
+
+    def _lr_groups(self) -> list[dict]:
+        """The first param group of the sparse and of the dense optimizer."""
+        return [opt.param_groups[0] for _, opt in self.optimizer.optimizers]
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the whole held-out split, gathered from every rank."""
+        self.model.eval()
+        reader = ParquetReader(self.eval_path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
+                               shuffle=False, drop_last=False, rank=self.env.rank,
+                               world_size=self.env.world_size)
+        logits, labels, users, weights = [], [], [], []
+        for i, batch in enumerate(reader):
+            if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
+                break
+            batch = batch.to(self.env.device)
+            logits.append(self.model(batch).float())
+            labels.append(batch.labels)
+            users.append(batch.users)
+            weights.append(batch.weights)
+        gathered = [_gather(torch.cat(t)) for t in (logits, labels, users, weights)]
+        keep = gathered[3] > 0
+        metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
+                               with_uauc=bool(self.cfg.data.user_column))
+        metrics["examples"] = int(keep.sum())
+        self.logger.log(self.step, "eval", metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """The loop's own state (model and optimizers are checkpointed with DCP)."""
+        return {"step": self.step, "reader": self.train_reader.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.train_reader.load_state_dict(state["reader"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate `t` from every rank on the CPU (every rank holds equally many rows)."""
+    if dist.get_world_size() == 1:
+        return t.cpu()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out).cpu()
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed every generator the run draws from."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
