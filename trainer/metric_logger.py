@@ -7,7 +7,37 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
+
+
+class StepMeter:
+    """Mean task losses and examples/s since the last flush, and examples/s over the run
+    (step time only: evaluation and logging are not counted)."""
+
+    def __init__(self, num_tasks: int):
+        self.loss_sum = torch.zeros(num_tasks, dtype=torch.float64)
+        self.steps = self.examples = self.total_examples = 0
+        self.seconds = self.total_seconds = 0.0
+
+    def add(self, task_losses: torch.Tensor, examples: int, seconds: float) -> None:
+        self.loss_sum += task_losses.double().cpu()
+        self.steps += 1
+        self.examples += examples
+        self.seconds += seconds
+
+    def flush(self) -> tuple[torch.Tensor, float]:
+        """(mean task losses [K], examples/s) since the last flush; starts a new window."""
+        out = self.loss_sum / max(self.steps, 1), self.examples / max(self.seconds, 1e-9)
+        self.total_examples += self.examples
+        self.total_seconds += self.seconds
+        self.loss_sum.zero_()
+        self.steps, self.examples, self.seconds = 0, 0, 0.0
+        return out
+
+    @property
+    def examples_per_sec(self) -> float:
+        return (self.total_examples + self.examples) / max(self.total_seconds + self.seconds, 1e-9)
 
 
 class MetricLogger:

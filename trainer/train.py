@@ -27,7 +27,7 @@ from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
-from trainer.metric_logger import MetricLogger
+from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.metrics import task_metrics
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
@@ -97,9 +97,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured steps, evaluating on schedule and at the end."""
         batches = iter(self.train_reader)
-        examples, train_time, window_start = 0, 0.0, time.perf_counter()
-        loss_sum = torch.zeros(len(self.task_names))
-        every, eval_every = self.cfg.metrics.log_every or self.total_steps, self.cfg.metrics.eval_every
+        meter = StepMeter(len(self.task_names))
         while self.step < self.total_steps:
             tic = time.perf_counter()
             batch = self.fetch(batches)
@@ -107,23 +105,22 @@ class Trainer:
             self.check_finite(loss)
             self.backward(loss)
             self.optimizer_step()
+            meter.add(task_losses.detach(), len(batch) * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
-            train_time += time.perf_counter() - tic
-            examples += len(batch) * self.env.world_size
-            loss_sum += task_losses.detach().cpu()
-            if self.step % every == 0 or self.step == self.total_steps:
-                n = (self.step - 1) % every + 1
-                self.log_train(loss_sum / n, (n * len(batch) * self.env.world_size)
-                               / (time.perf_counter() - window_start))
-                loss_sum.zero_()
-                window_start = time.perf_counter()
-            if eval_every and self.step % eval_every == 0 and self.step < self.total_steps:
+            if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
+                self.log_train(*meter.flush())
+            if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
-        metrics = self.evaluate()
+        return self.finish(self.evaluate(), meter.examples_per_sec)
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def finish(self, metrics: dict[str, float], examples_per_sec: float) -> dict:
+        """The run's summary: final metrics and throughput, also saved as summary.json."""
         summary = {"auc": metrics["auc"], "uauc": metrics.get("uauc", float("nan")),
-                   "logloss": metrics["logloss"], "steps": self.step,
-                   "examples_per_sec": examples / max(train_time, 1e-9), "run_dir": str(self.run_dir),
-                   **{k: v for k, v in metrics.items() if "/" in k}}
+                   "logloss": metrics["logloss"], "steps": self.step, "examples_per_sec": examples_per_sec,
+                   "run_dir": str(self.run_dir), **{k: v for k, v in metrics.items() if "/" in k}}
         self.logger.close()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -163,16 +160,13 @@ class Trainer:
         self.step += 1
 
     def log_train(self, task_losses: torch.Tensor, examples_per_sec: float) -> None:
-        lrs = {f"lr/{name}": group["lr"] for name, group in
-               zip(("sparse", "dense"), self._lr_groups())}
-        values = {"loss": float(task_losses @ self.task_weights.cpu()), "examples_per_sec": examples_per_sec,
-                  **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)}, **lrs}
+        """Weighted and per-task loss, throughput and both learning rates."""
+        values = {"loss": float(task_losses @ self.task_weights.cpu().double()),
+                  "examples_per_sec": examples_per_sec,
+                  **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)},
+                  **{f"lr/{name}": opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers}}
         self.logger.log(self.step, "train", values)
         self.logger.postfix(loss=values["loss"], ex_per_s=examples_per_sec)
-
-    def _lr_groups(self) -> list[dict]:
-        """The first param group of the sparse and of the dense optimizer."""
-        return [opt.param_groups[0] for _, opt in self.optimizer.optimizers]
 
     # ------------------------------------------------------------------ evaluation
 
