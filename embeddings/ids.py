@@ -29,8 +29,7 @@ def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str
     if flat.null_count:
         row = _row_of(np.flatnonzero(np.asarray(flat.is_null()))[0], lengths)
         raise ValueError(f"{where}, column {spec.column!r}: null id inside the list at row {row}")
-    values = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    values = _hash(values, lengths, spec, where)
+    values = _hash(flat.to_numpy(zero_copy_only=False), lengths, spec, where)
     if spec.max_len and spec.kind != "id":
         values, lengths = _keep_last(values, lengths, spec.max_len)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
@@ -39,20 +38,22 @@ def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str
 
 
 def _hash(values: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, where: str) -> np.ndarray:
+    """Valid int64 rows; computed in the column's own integer type, so that uint64
+    hashes above 2^63 are reduced rather than wrapped to negative numbers."""
     negative = np.flatnonzero(values < 0)
     if negative.size:
         i = negative[0]
         raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
                          f"at row {_row_of(i, lengths)}")
     if spec.hashing == "modulo":
-        return values % spec.num_embeddings
+        return (values % values.dtype.type(spec.num_embeddings)).astype(np.int64)
     too_big = np.flatnonzero(values >= spec.num_embeddings)
     if too_big.size:
         i = too_big[0]
         raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
                          f"{_row_of(i, lengths)} is out of range for num_embeddings="
                          f"{spec.num_embeddings} (features.{spec.name}.hashing is 'none')")
-    return values
+    return values.astype(np.int64, copy=False)
 
 
 def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

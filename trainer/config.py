@@ -90,7 +90,7 @@ class DataConfig:
     eval_batch_size: int = 4096
     """Rows per evaluation step on each rank."""
     shuffle_buffer: int = 65_536
-    """Rows held in memory and shuffled together (0 disables shuffling)."""
+    """Rows held in memory and shuffled together (0: rows keep their order within a row group)."""
     user_column: str = "user_id"
     """Column that identifies the user for UAUC ('' disables UAUC)."""
     synth_rows: int = 200_000
@@ -341,10 +341,11 @@ def _fields(cls: type) -> tuple[str, ...]:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
-    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "model.hidden_dim",
-                    "model.num_layers", "model.ffn_ratio", "model.num_tokens")
-    _check_nonnegative(cfg, "data.shuffle_buffer", "train.steps", "train.epochs",
-                       "model.token_dim", "metrics.eval_every", "metrics.log_every")
+    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
+                    "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr")
+    _check_nonnegative(cfg, "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
+                       "model.head_hidden", "optim.warmup_steps", "optim.grad_clip_norm",
+                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))
@@ -386,6 +387,8 @@ def validate_features(features: list[FeatureSpec]) -> None:
                 raise ValueError(f"{where}.std must be positive, got {f.std}")
             continue
         f.table = f.table or f.name
+        if f.max_len < 0:
+            raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
         if f.num_embeddings <= 0 or f.embedding_dim <= 0:
             raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
         if f.hashing not in ("modulo", "none"):

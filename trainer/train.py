@@ -66,6 +66,9 @@ class Trainer:
         self.step = 0
         self.total_steps = cfg.train.steps or sum(
             self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
+        if self.total_steps == 0:
+            raise ValueError(f"{files.train_path}: not one batch of data.batch_size={cfg.data.batch_size} "
+                             f"per rank in {cfg.train.epochs} epoch(s)")
         self.run_dir = Path(cfg.train.run_dir)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

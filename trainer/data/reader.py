@@ -88,6 +88,7 @@ class ParquetReader:
         self.drop_last = drop_last
         self.rank, self.world_size = rank, world_size
         self.num_epochs = num_epochs if drop_last else 1
+        self.source = paths
         self.fs, self.files = resolve_files(paths)
         self.row_groups = self._discover()
         self.epoch, self.step = 0, 0
@@ -152,6 +153,10 @@ class ParquetReader:
 
     def _epoch_batches(self) -> Iterator[Batch]:
         steps = self.steps_in_epoch(self.epoch)
+        if steps == 0:
+            rows = min(sum(g.num_rows for g in groups) for groups in self._assignment(self.epoch))
+            raise ValueError(f"{self.source}: a rank gets only {rows} rows in epoch {self.epoch}, fewer than "
+                             f"one batch of {self.batch_size}; use a smaller batch or fewer ranks")
         windows = self._windows(self._assignment(self.epoch)[self.rank])
         chunks = self._window_stream(windows, skip=self.step * self.batch_size)
         held: pa.Table | None = None
