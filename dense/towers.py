@@ -11,27 +11,17 @@ from dense.layout import InputLayout
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
 from trainer.config import ModelConfig
+from trainer.registry import Registry
 
-TowerBuilder = Callable[[ModelConfig, InputLayout], nn.Module]
-TOWERS: dict[str, TowerBuilder] = {}
-
-
-def register_tower(name: str) -> Callable[[TowerBuilder], TowerBuilder]:
-    """Make a tower selectable as `model.tower = name`."""
-    def wrap(fn: TowerBuilder) -> TowerBuilder:
-        TOWERS[name] = fn
-        return fn
-    return wrap
+TOWERS: Registry[Callable[[ModelConfig, InputLayout], nn.Module]] = Registry("model.tower")
 
 
 def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     """The tower named by `model.tower`; it exposes `out_dim`."""
-    if cfg.tower not in TOWERS:
-        raise ValueError(f"model.tower={cfg.tower!r} is not one of {sorted(TOWERS)}")
-    return TOWERS[cfg.tower](cfg, layout)
+    return TOWERS.get(cfg.tower)(cfg, layout)
 
 
-@register_tower("rankmixer")
+@TOWERS.register("rankmixer")
 def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
                                 cfg.hidden_dim)
@@ -50,6 +40,6 @@ class Passthrough(nn.Module):
         return e_input
 
 
-@register_tower("logreg")
+@TOWERS.register("logreg")
 def logreg(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return Passthrough(layout.width)

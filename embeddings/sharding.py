@@ -14,20 +14,13 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.types import ShardingPlan
 
 from trainer.config import EmbeddingsConfig
+from trainer.registry import Registry
 
-PlanBuilder = Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]
-PLANS: dict[str, PlanBuilder] = {}
-
-
-def register_plan(name: str) -> Callable[[PlanBuilder], PlanBuilder]:
-    """Make a plan builder selectable as `embeddings.plan = name`."""
-    def wrap(fn: PlanBuilder) -> PlanBuilder:
-        PLANS[name] = fn
-        return fn
-    return wrap
+PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]] = \
+    Registry("embeddings.plan")
 
 
-@register_plan("auto")
+@PLANS.register("auto")
 def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
     """TorchRec's planner, run collectively so that every rank gets the same plan."""
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
@@ -46,7 +39,5 @@ def _tables(model: nn.Module) -> list:
 
 def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> DistributedModelParallel:
     """Shard the embedding tables by the configured plan; the rest is replicated (DDP)."""
-    if cfg.plan not in PLANS:
-        raise ValueError(f"embeddings.plan={cfg.plan!r} is not one of {sorted(PLANS)}")
-    plan = PLANS[cfg.plan](model, cfg, device)
+    plan = PLANS.get(cfg.plan)(model, cfg, device)
     return DistributedModelParallel(model, device=device, plan=plan)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainer.config import Config, FeatureSpec
+from trainer.registry import Registry
 
 
 @dataclass
@@ -24,26 +25,15 @@ class DatasetFiles:
     features: list[FeatureSpec]
 
 
-DatasetBuilder = Callable[[Config], DatasetFiles]
-DATASETS: dict[str, DatasetBuilder] = {}
-
-
-def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-    """Make a dataset selectable as `data.dataset = name`."""
-    def wrap(fn: DatasetBuilder) -> DatasetBuilder:
-        DATASETS[name] = fn
-        return fn
-    return wrap
+DATASETS: Registry[Callable[[Config], DatasetFiles]] = Registry("data.dataset")
 
 
 def build_dataset(cfg: Config) -> DatasetFiles:
     """Resolve `data.dataset`; call on every rank (rank 0 prepares, the others wait)."""
-    if cfg.data.dataset not in DATASETS:
-        raise ValueError(f"data.dataset={cfg.data.dataset!r} is not one of {sorted(DATASETS)}")
-    return DATASETS[cfg.data.dataset](cfg)
+    return DATASETS.get(cfg.data.dataset)(cfg)
 
 
-@register_dataset("parquet")
+@DATASETS.register("parquet")
 def parquet(cfg: Config) -> DatasetFiles:
     """User files: data.train_path, data.eval_path and a [[features]] schema."""
     for key in ("train_path", "eval_path"):
@@ -68,7 +58,7 @@ def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
     return folder
 
 
-@register_dataset("synth")
+@DATASETS.register("synth")
 def synth(cfg: Config) -> DatasetFiles:
     """Synthetic logs with a hidden teacher (trainer/data/synth.py), generated on first use."""
     from trainer.data.synth import write_synthetic
@@ -79,7 +69,7 @@ def synth(cfg: Config) -> DatasetFiles:
     return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or synth_features())
 
 
-@register_dataset("movielens")
+@DATASETS.register("movielens")
 def movielens(cfg: Config) -> DatasetFiles:
     """MovieLens-100K converted from data.source_dir on first use (trainer/data/movielens.py)."""
     from trainer.data.movielens import convert_movielens
