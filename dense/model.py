@@ -27,15 +27,24 @@ class TaskHeads(nn.Module):
 
 
 class RankingModel(nn.Module):
-    """Batch -> logits [B, K]. `ebc` is sharded by DMP; the rest is replicated."""
+    """Batch -> logits [B, K]. `ebc` is sharded by DMP; the rest is replicated (DDP).
 
-    def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads):
+    `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
+    """
+
+    def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.ebc = ebc
         self.layout = layout
         self.tower = tower
         self.heads = heads
+        self.autocast_dtype = autocast_dtype
 
     def forward(self, batch: Batch) -> torch.Tensor:
         pooled = self.ebc(batch.sparse).to_dict()  # by name: key order depends on the plan
-        return self.heads(self.tower(self.layout.assemble(pooled, batch.dense)))
+        e_input = self.layout.assemble(pooled, batch.dense)
+        if self.autocast_dtype is None:
+            return self.heads(self.tower(e_input))
+        with torch.autocast(e_input.device.type, dtype=self.autocast_dtype):
+            return self.heads(self.tower(e_input)).float()

@@ -1,15 +1,25 @@
-"""Sharding plans chosen by name, and the DistributedModelParallel wrapper."""
+"""Sharding plans chosen by name, per-table overrides, and the DistributedModelParallel wrapper.
+
+`embeddings.plan = "auto"` runs TorchRec's planner over `embeddings.sharding_types`; the
+other plans apply one sharding type to every table. `embeddings.table_sharding` then
+overrides single tables. TorchRec's planner offers no row-wise sharding on CPU, so every
+explicit type is built here with TorchRec's own constructors (`table_wise`, `row_wise`,
+...), which work on both CPU (gloo) and CUDA (NCCL).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec import EmbeddingBagCollection
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed import sharding_plan as sp
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingPlan
 
@@ -18,26 +28,109 @@ from trainer.registry import Registry
 
 PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]] = \
     Registry("embeddings.plan")
+FUSED = EmbeddingComputeKernel.FUSED.value
+
+
+def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection]:
+    """The model's (single) EmbeddingBagCollection and its path."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
+    assert len(found) == 1, f"expected one EmbeddingBagCollection, found {len(found)}"
+    return found[0]
 
 
 @PLANS.register("auto")
 def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
     """TorchRec's planner, run collectively so that every rank gets the same plan."""
-    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
-    constraints = {
-        table.name: ParameterConstraints(sharding_types=list(cfg.sharding_types),
-                                         compute_kernels=[EmbeddingComputeKernel.FUSED.value])
-        for table in _tables(model)}
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type,
+                        local_world_size=_local_size())
+    _, ebc = embedding_module(model)
+    constraints = {t.name: ParameterConstraints(sharding_types=list(cfg.sharding_types), compute_kernels=[FUSED])
+                   for t in ebc.embedding_bag_configs()}
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     return planner.collective_plan(model, None, dist.GroupMember.WORLD)
 
 
-def _tables(model: nn.Module) -> list:
-    return [t for m in model.modules() if isinstance(m, EmbeddingBagCollection)
-            for t in m.embedding_bag_configs()]
+def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]:
+    def build(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
+        _, ebc = embedding_module(model)
+        return _construct(model, device, {t.name: kind for t in ebc.embedding_bag_configs()})
+    build.__doc__ = f"Every table {kind}."
+    return build
+
+
+for _kind in ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"):
+    PLANS.register(_kind)(_explicit(_kind))
+
+
+def _construct(model: nn.Module, device: torch.device, kinds: dict[str, str]) -> ShardingPlan:
+    """A plan giving each named table its sharding type (table-wise ones balanced by size)."""
+    path, ebc = embedding_module(model)
+    world, local = dist.get_world_size(), _local_size()
+    tables = {t.name: t for t in ebc.embedding_bag_configs()}
+    load = [0] * world
+    per_param = {}
+    for name in sorted(kinds, key=lambda n: -_size(tables[n])):  # biggest first, onto the lightest rank
+        kind = kinds[name]
+        if kind == "table_wise":
+            rank = min(range(world), key=load.__getitem__)
+            load[rank] += _size(tables[name])
+            per_param[name] = sp.table_wise(rank=rank, compute_kernel=FUSED)
+        elif kind == "row_wise":
+            per_param[name] = sp.row_wise(compute_kernel=FUSED)
+        elif kind == "column_wise":
+            per_param[name] = sp.column_wise(ranks=list(range(world)), compute_kernel=FUSED)
+        elif kind == "table_row_wise":
+            per_param[name] = sp.table_row_wise(host_index=len(per_param) % (world // local))
+        elif kind == "table_column_wise":
+            host = len(per_param) % (world // local)
+            per_param[name] = sp.column_wise(ranks=list(range(host * local, (host + 1) * local)),
+                                             compute_kernel=FUSED)
+        else:
+            raise ValueError(f"unknown sharding type {kind!r} for table {name!r}")
+    module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=local,
+                                                    world_size=world, device_type=device.type)
+    return ShardingPlan({path: module_plan})
+
+
+def build_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
+    """The configured plan with `embeddings.table_sharding` applied on top."""
+    plan = PLANS.get(cfg.plan)(model, cfg, device)
+    if cfg.table_sharding:
+        path, ebc = embedding_module(model)
+        unknown = set(cfg.table_sharding) - {t.name for t in ebc.embedding_bag_configs()}
+        if unknown:
+            raise ValueError(f"embeddings.table_sharding names unknown tables: {sorted(unknown)}")
+        # TorchRec's constructor wants every table; keep only the overridden ones' entries.
+        kinds = {t.name: cfg.table_sharding.get(t.name, "table_wise") for t in ebc.embedding_bag_configs()}
+        overridden = _construct(model, device, kinds).plan[path]
+        plan.plan[path].update({name: overridden[name] for name in cfg.table_sharding})
+    return plan
 
 
 def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> DistributedModelParallel:
     """Shard the embedding tables by the configured plan; the rest is replicated (DDP)."""
-    plan = PLANS.get(cfg.plan)(model, cfg, device)
+    plan = build_plan(model, cfg, device)
     return DistributedModelParallel(model, device=device, plan=plan)
+
+
+def _size(table: EmbeddingBagConfig) -> int:
+    return table.num_embeddings * table.embedding_dim
+
+
+def _local_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight as one whole CPU tensor on rank 0 (sharded tables gathered; a
+    collective: call on every rank). Other ranks get an empty dict."""
+    rank = dist.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            value = full
+        if rank == 0:
+            out[key] = value.detach().cpu().clone()
+    return out

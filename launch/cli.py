@@ -1,6 +1,8 @@
 """`rankmix`: train, and convert or generate data.
 
     rankmix train [--config F.toml] [--section.key=value ...]
+    rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
+        [--config F.toml] [--section.key=value ...]
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
 """
@@ -23,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return train(rest)
+        if command == "launch":
+            return launch(rest)
         if command == "data":
             return data(rest)
         raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
@@ -67,6 +71,29 @@ def train(argv: list[str]) -> int:
             print(json.dumps(summary), flush=True)
     finally:
         shutdown()
+    return 0
+
+
+def launch(argv: list[str]) -> int:
+    """`rankmix train` on several processes of this node (or of several nodes) via torchrun."""
+    parser = argparse.ArgumentParser(prog="rankmix launch", description="the rest goes to `rankmix train`")
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--max-restarts", type=int, default=0)
+    args, train_args = parser.parse_known_args(argv)
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ValueError("--nproc-per-node and --nnodes must be at least 1")
+    from torch.distributed.run import main as torchrun
+
+    rendezvous = (["--standalone"] if args.nnodes == 1 else
+                  ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                   "--master-port", str(args.master_port)])
+    torchrun(["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+              "--max-restarts", str(args.max_restarts), *rendezvous,
+              "-m", "launch.cli", "train", *train_args])
     return 0
 
 

@@ -62,6 +62,11 @@ class FeatureSpec:
     fill_null: float | None = None
     """numeric: value that replaces nulls (unset: a null is an error)."""
 
+    def __post_init__(self) -> None:
+        self.column = self.column or self.name
+        if self.kind != "numeric":
+            self.table = self.table or self.name
+
 
 @dataclass
 class TaskSpec:
@@ -73,6 +78,9 @@ class TaskSpec:
     """Label column (0/1; defaults to `name`)."""
     weight: float = 1.0
     """Weight of this task's binary cross-entropy in the total loss."""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name
 
 
 @dataclass
@@ -86,7 +94,11 @@ class DataConfig:
     eval_path: str = ""
     """Held-out Parquet files, same forms as train_path."""
     batch_size: int = 512
-    """Rows per step on each rank (the global batch is batch_size x world size)."""
+    """Rows per step on each rank; the global batch is batch_size x world size."""
+    global_batch_size: int = 0
+    """If set, rows per step over all ranks (overrides batch_size; must divide by the world size)."""
+    shuffle: bool = True
+    """Shuffle row groups per epoch and rows through the shuffle buffer."""
     eval_batch_size: int = 4096
     """Rows per evaluation step on each rank."""
     shuffle_buffer: int = 65_536
@@ -115,6 +127,8 @@ class EmbeddingsConfig:
     """Registered sharding plan builder (auto: TorchRec's planner)."""
     sharding_types: list[str] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))
     """Sharding types the planner may choose; data_parallel would train tables densely, outside Adagrad."""
+    table_sharding: dict[str, str] = field(default_factory=dict)
+    """Per-table sharding type overriding the plan, e.g. {item = "row_wise"}."""
 
 
 @dataclass
@@ -177,6 +191,10 @@ class TrainConfig:
     """auto (cuda when available) | cpu | cuda."""
     deterministic: bool = True
     """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
+    pipeline: str = "auto"
+    """auto (sparse_dist on CUDA, none on CPU) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
+    mixed_precision: str = "none"
+    """none | bf16: autocast the dense tower to bfloat16 on CUDA (fp32 master weights)."""
 
 
 @dataclass
@@ -252,9 +270,16 @@ def apply_override(cfg: Config, item: str) -> None:
     dotted, text = item[2:].split("=", 1)
     parts = dotted.split(".")
     obj: Any = cfg
+    hint: Any = Config
     for i, part in enumerate(parts[:-1]):
+        if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
+            hint = _hints(type(obj))[part]
         obj = _child(obj, part, ".".join(parts[: i + 1]))
     key = parts[-1]
+    if isinstance(obj, dict):  # a table of free keys: `--embeddings.table_sharding.item=row_wise`
+        item = typing.get_args(hint)[1]
+        obj[key] = _coerce(_parse_scalar(text, item), item, dotted)
+        return
     if not dataclasses.is_dataclass(obj) or key not in _fields(type(obj)):
         raise ValueError(f"unknown config key: {dotted}")
     hint = _hints(type(obj))[key]
@@ -298,6 +323,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {where} must be a table, got {value!r}")
+        return {str(k): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -343,12 +373,17 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
                     "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr")
-    _check_nonnegative(cfg, "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
+    _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
                        "model.head_hidden", "optim.warmup_steps", "optim.grad_clip_norm",
                        "metrics.eval_every", "metrics.eval_batches", "metrics.log_every")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))
+    _check_choice(cfg, "train.pipeline", ("auto", "sparse_dist", "none"))
+    _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
+    for table, kind in cfg.embeddings.table_sharding.items():
+        if kind not in SPARSE_SHARDING_TYPES:
+            raise ValueError(f"embeddings.table_sharding.{table}={kind!r}; choose from {SPARSE_SHARDING_TYPES}")
     _check_choice(cfg, "embeddings.optimizer", ("adagrad", "rowwise_adagrad"))
     bad = [t for t in cfg.embeddings.sharding_types if t not in SPARSE_SHARDING_TYPES]
     if bad or not cfg.embeddings.sharding_types:

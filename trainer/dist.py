@@ -42,6 +42,11 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not use_cuda and local_world > 1:
+        # Ranks sharing a CPU must share its cores: oversubscribed OpenMP pools spin
+        # against each other and run many times slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=dev if use_cuda else None)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)

@@ -19,6 +19,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from dense.layout import InputLayout
 from dense.model import RankingModel, TaskHeads
 from dense.towers import build_tower
+from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
 from embeddings.tables import build_embedding_bags
 from trainer.config import Config, dump_toml, validate_features
@@ -34,6 +35,7 @@ from trainer.metrics import task_metrics
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
 logging.getLogger("torchrec").setLevel(logging.ERROR)
+logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,8 +56,9 @@ class Trainer:
         self.task_names = [t.name for t in cfg.model.tasks]
         self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=self.env.device)
         self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column)
+        self.batch_size = per_rank_batch_size(cfg, self.env.world_size)
         self.train_reader = ParquetReader(
-            files.train_path, self.encoder, batch_size=cfg.data.batch_size,
+            files.train_path, self.encoder, batch_size=self.batch_size, shuffle=cfg.data.shuffle,
             shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
             rank=self.env.rank, world_size=self.env.world_size)
         self.model = self._build_model()
@@ -67,12 +70,16 @@ class Trainer:
         self.total_steps = cfg.train.steps or sum(
             self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
         if self.total_steps == 0:
-            raise ValueError(f"{files.train_path}: not one batch of data.batch_size={cfg.data.batch_size} "
+            raise ValueError(f"{files.train_path}: not one batch of {self.batch_size} rows "
                              f"per rank in {cfg.train.epochs} epoch(s)")
         self.run_dir = Path(cfg.train.run_dir)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_toml(cfg, self.run_dir / "config.toml")
+            plan = str(self.model.plan)
+            (self.run_dir / "plan.txt").write_text(plan + "\n")
+            print(f"world size {self.env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{plan}",
+                  flush=True)
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
 
@@ -83,8 +90,11 @@ class Trainer:
         layout = InputLayout(cfg.features)
         tower = build_tower(cfg.model, layout)
         heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
-        model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads)
-        return shard_model(model, cfg.embeddings, self.env.device)
+        model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
+                             autocast_dtype=autocast_dtype(cfg.train.mixed_precision, self.env.device))
+        sharded = shard_model(model, cfg.embeddings, self.env.device)
+        init_embeddings(sharded, cfg.train.seed)
+        return sharded
 
     def _build_optimizer(self) -> CombinedOptimizer:
         o = self.cfg.optim
@@ -209,6 +219,26 @@ class Trainer:
         self.train_reader.load_state_dict(state["reader"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+
+
+def per_rank_batch_size(cfg: Config, world_size: int) -> int:
+    """data.global_batch_size split over the ranks, or data.batch_size per rank."""
+    if not cfg.data.global_batch_size:
+        return cfg.data.batch_size
+    if cfg.data.global_batch_size % world_size:
+        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} does not divide "
+                         f"over {world_size} ranks")
+    return cfg.data.global_batch_size // world_size
+
+
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """train.mixed_precision -> the tower's autocast dtype (weights stay fp32)."""
+    if mixed_precision == "none":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"train.mixed_precision={mixed_precision!r} needs a CUDA device, this run is on "
+                         f"{device.type}")
+    return torch.bfloat16
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.config import Config, FeatureSpec
+from trainer.config import Config, FeatureSpec, validate_features
 from trainer.registry import Registry
 
 
@@ -87,7 +87,7 @@ def movielens(cfg: Config) -> DatasetFiles:
 def synth_features() -> list[FeatureSpec]:
     """The schema of `write_synthetic`'s columns, in semantic groups."""
     f = FeatureSpec
-    return [
+    features = [
         f(name="user_id", num_embeddings=5_001, embedding_dim=16, hashing="none", group="user"),
         f(name="user_age", num_embeddings=9, embedding_dim=8, group="user"),
         f(name="user_gender", num_embeddings=3, embedding_dim=4, group="user"),
@@ -102,3 +102,5 @@ def synth_features() -> list[FeatureSpec]:
         f(name="hist_items", kind="sequence", table="item", num_embeddings=2_001, embedding_dim=16,
           hashing="none", pooling="mean", max_len=30, group="behaviour"),
     ]
+    validate_features(features)
+    return features

@@ -94,7 +94,7 @@ class ParquetReader:
         self.epoch, self.step = 0, 0
         self._filler: pa.Table | None = None
         self.peak_buffered_rows = 0
-        if len(self.row_groups) < world_size:
+        if drop_last and len(self.row_groups) < world_size:
             raise ValueError(f"{paths}: {len(self.row_groups)} row groups cannot be split over "
                              f"{world_size} ranks; write smaller row groups or more files")
 
@@ -163,9 +163,9 @@ class ParquetReader:
         while self.step < steps:
             while (held is None or held.num_rows < self.batch_size) and (t := next(chunks, None)) is not None:
                 held = t if held is None else pa.concat_tables([held, t])
-            if held is None:  # resumed inside an evaluation's padding: any row will do
-                held = self._load_window(windows[0], 0).slice(0, 0)
-                self._filler = self._filler or self._load_window(windows[0], 0).slice(0, 1)
+            if held is None:  # evaluation on a rank with no rows left: pad with any row, weight 0
+                held = self._read(self.row_groups[0]).slice(0, 0)
+                self._filler = self._filler or self._read(self.row_groups[0]).slice(0, 1)
             rows, held = held.slice(0, self.batch_size), held.slice(self.batch_size)
             self.step += 1
             yield self._padded(rows)

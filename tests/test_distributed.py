@@ -1,0 +1,115 @@
+"""Multi-process training on gloo: plans, equivalence with one process, uneven data, torchrun."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer.config import load_config
+from trainer.data.datasets import synth_features
+from trainer.data.synth import write_synthetic
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS_PER_GROUP = 32  # = the 2-rank per-rank batch: rank r reads row groups r, r+2, ...
+STEPS = 6
+# Adagrad's and RMSProp's first step moves a weight by about lr * g / (|g| + eps): with the
+# default eps of 1e-8 a gradient at float rounding level (1e-9) still moves it by a sizeable
+# fraction of lr, in a direction the rounding picks. A larger eps bounds that amplification
+# so that summation order alone cannot decide a comparison at 1e-5.
+EXTRA = ["--embeddings.eps=1e-3", "--optim.eps=1e-3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Synthetic rows rewritten into row groups of exactly ROWS_PER_GROUP rows."""
+    root = tmp_path_factory.mktemp("dist")
+    write_synthetic(root / "src", rows=4_000, files=1, seed=3)
+    table = pq.read_table(root / "src" / "train")
+    for split, rows in (("train", 2 * STEPS * 2 * ROWS_PER_GROUP), ("valid", 512)):
+        (root / split).mkdir()
+        part = table.slice(0, rows) if split == "train" else table.slice(table.num_rows - rows)
+        pq.write_table(part, root / split / "part-0.parquet", row_group_size=ROWS_PER_GROUP)
+    return root
+
+
+def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: str, out: str,
+                  steps: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from embeddings.sharding import full_state_dict
+    from trainer.dist import shutdown
+    from trainer.train import Trainer
+
+    cfg = load_config(None, [f"--data.train_path={data}/train", f"--data.eval_path={data}/valid",
+                             "--data.dataset=parquet", "--data.shuffle=false", "--metrics.progress=false",
+                             "--metrics.tensorboard=false", f"--train.run_dir={out}.run", *overrides])
+    cfg.features = synth_features()
+    trainer = Trainer(cfg)
+    batches = iter(trainer.train_reader)
+    losses = []
+    for _ in range(steps):
+        loss, _ = trainer.forward(trainer.fetch(batches))
+        trainer.check_finite(loss)
+        trainer.backward(loss)
+        trainer.optimizer_step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    weights = full_state_dict(trainer.model)
+    if rank == 0:
+        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.model.plan)}, out)
+    shutdown()
+
+
+def train(world: int, overrides: list[str], data: Path, out: Path, steps: int = STEPS) -> dict:
+    """Losses, gathered weights and plan of `steps` steps on `world` processes."""
+    mp.spawn(_train_worker, args=(world, free_port(), overrides, str(data), str(out), steps), nprocs=world)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single(data_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("single") / "w.pt"
+    return train(1, [f"--data.batch_size={2 * ROWS_PER_GROUP}", *EXTRA], data_dir, out)
+
+
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise"])
+def test_two_ranks_match_one_rank_with_twice_the_batch(plan, data_dir, single, tmp_path):
+    two = train(2, [f"--data.global_batch_size={2 * ROWS_PER_GROUP}", f"--embeddings.plan={plan}", *EXTRA],
+                data_dir, tmp_path / "w.pt")
+    assert plan in two["plan"]
+    assert two["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    assert two["weights"].keys() == single["weights"].keys()
+    for key, value in single["weights"].items():
+        assert torch.allclose(two["weights"][key], value, atol=1e-5), key
+    # and training moved the weights: the comparison is not between two initial states
+    table = "ebc.embedding_bags.user_id.weight"
+    initial = train(1, [f"--data.batch_size={2 * ROWS_PER_GROUP}", *EXTRA], data_dir, tmp_path / "init.pt", steps=0)
+    assert not torch.allclose(single["weights"][table], initial["weights"][table])
+
+
+def test_initial_embeddings_do_not_depend_on_the_plan(data_dir, tmp_path):
+    one = train(1, ["--embeddings.plan=table_wise", "--data.batch_size=32"], data_dir, tmp_path / "a.pt", steps=0)
+    two = train(2, ["--embeddings.plan=row_wise", "--embeddings.table_sharding.item=column_wise",
+                    "--data.batch_size=32"], data_dir,
+                tmp_path / "b.pt", steps=0)
+    assert "column_wise" in two["plan"] and "row_wise" in two["plan"]
+    for key, value in one["weights"].items():
+        if ".embedding_bags." in key:
+            assert torch.equal(two["weights"][key], value), key

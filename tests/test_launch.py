@@ -1,0 +1,100 @@
+"""Launchers: torchrun through `rankmix launch`, a real torchx local run, scheduler specs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import tomli_w
+
+from trainer.config import TaskSpec, to_dict
+from trainer.data.datasets import synth_features
+from trainer.data.encode import RowEncoder
+from trainer.data.reader import ParquetReader
+from trainer.data.synth import write_synthetic
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONWARNINGS": "ignore"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def last_json(text: str) -> dict:
+    lines = [line for line in text.splitlines() if '"auc"' in line]
+    return json.loads(lines[-1][lines[-1].index("{"):])
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> Path:
+    """Three training files of 2,000, 300 and 200 rows, one row group each, and a config
+    with the synthetic schema for them."""
+    root = tmp_path_factory.mktemp("uneven")
+    (root / "features.toml").write_text(tomli_w.dumps({"features": [to_dict(f) for f in synth_features()]}))
+    write_synthetic(root / "src", rows=3_000, files=1, seed=5)
+    table = pq.read_table(root / "src" / "train")
+    (root / "train").mkdir()
+    for i, (start, rows) in enumerate([(0, 2_000), (2_000, 300), (2_300, 200)]):
+        pq.write_table(table.slice(start, rows), root / "train" / f"part-{i}.parquet", row_group_size=5_000)
+    return root
+
+
+def test_torchrun_with_uneven_files_finishes_on_every_rank(uneven, tmp_path):
+    # Row groups are dealt out shuffled, so one rank may hold 2,000 rows and the other 200:
+    # both must stop after the smaller rank's steps instead of waiting on each other forever.
+    proc = run(sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2",
+               "--data.dataset=parquet", f"--data.train_path={uneven / 'train'}",
+               f"--data.eval_path={uneven / 'src' / 'valid'}", "--data.batch_size=50", "--train.epochs=3",
+               "--model.num_tokens=4", "--model.hidden_dim=16", f"--train.run_dir={tmp_path}",
+               "--metrics.progress=false", "--config", str(uneven / "features.toml"), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    readers = [ParquetReader(str(uneven / "train"), RowEncoder(synth_features(), [TaskSpec()]),
+                             batch_size=50, rank=r, world_size=2) for r in (0, 1)]
+    expected = sum(readers[0].steps_in_epoch(e) for e in range(3))
+    assert expected == sum(readers[1].steps_in_epoch(e) for e in range(3))
+    assert summary["steps"] == expected
+    assert summary["steps"] < 3 * 2_500 // 100  # fewer than the even split would give
+
+
+def test_torchx_local_run_with_two_processes(tmp_path):
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "-s", "local_cwd", "launch/component.py:train",
+               "--nproc_per_node", "2", "--config", "configs/debug.toml", "--",
+               f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
+               "--train.steps=8", "--metrics.progress=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Job finished: SUCCEEDED" in proc.stderr + proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 8 and 0 < summary["auc"] < 1
+    assert "rank:1/cpu" in (tmp_path / "run" / "plan.txt").read_text()  # tables really on two ranks
+
+
+def test_slurm_job_spec(tmp_path):
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "slurm",
+               "launch/component.py:train", "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "8",
+               "--memMB", "65536", "--cpu", "32", "--config", "configs/movielens.toml", "--", "--train.steps=100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = proc.stdout
+    assert "#SBATCH hetjob" in script  # one het-group per node
+    assert script.count("--gpus-per-task=8") == 2 and "--mem=65536" in script and "--cpus-per-task=32" in script
+    assert ("--nnodes 2 --nproc_per_node 8" in script and "--rdzv_backend c10d" in script)
+    assert "-m launch.cli train --config configs/movielens.toml --train.steps=100" in script
+
+
+def test_kubernetes_job_spec():
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "kubernetes",
+               "launch/component.py:train", "--image", "registry.example/rankmix:1", "--nnodes", "2",
+               "--nproc_per_node", "4", "--gpu", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = proc.stdout
+    assert "kind: Job" in spec and "apiVersion: batch.volcano.sh/v1alpha1" in spec
+    assert spec.count("image: registry.example/rankmix:1") == 2
+    assert spec.count("nvidia.com/gpu: '4'") == 4  # limits and requests of both pods
+    assert "--nnodes 2 --nproc_per_node 4" in spec and "-m launch.cli train --config configs/debug.toml" in spec
