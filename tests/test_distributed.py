@@ -64,16 +64,13 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
     batches = iter(trainer.train_reader)
     losses = []
     for _ in range(steps):
-        loss, _ = trainer.forward(trainer.fetch(batches))
-        trainer.check_finite(loss)
-        trainer.backward(loss)
-        trainer.optimizer_step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        loss = (trainer.train_step(batches) * trainer.task_weights).sum()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
     weights = full_state_dict(trainer.model)
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.model.plan)}, out)
+        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.model.plan),
+                    "pipelined": trainer.pipeline is not None}, out)
     shutdown()
 
 
@@ -94,6 +91,7 @@ def test_two_ranks_match_one_rank_with_twice_the_batch(plan, data_dir, single, t
     two = train(2, [f"--data.global_batch_size={2 * ROWS_PER_GROUP}", f"--embeddings.plan={plan}", *EXTRA],
                 data_dir, tmp_path / "w.pt")
     assert plan in two["plan"]
+    assert two["pipelined"] and not single["pipelined"]  # auto: TrainPipelineSparseDist across ranks
     assert two["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert two["weights"].keys() == single["weights"].keys()
     for key, value in single["weights"].items():

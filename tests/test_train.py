@@ -54,6 +54,19 @@ def test_debug_run_writes_run_folder(tmp_path, cache_dir):
     assert json.loads((run / "summary.json").read_text()) == summary
 
 
+def test_pipeline_with_evaluation_trains_exactly_like_the_plain_loop(tmp_path, cache_dir):
+    def losses(*args):
+        run = tmp_path / "-".join(args)
+        summary_of(rankmix("train", "--config", "configs/debug.toml", f"--train.run_dir={run}",
+                           f"--data.cache_dir={cache_dir}", "--metrics.tensorboard=false", *args))
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                if '"train"' in line]
+
+    plain = losses("--train.pipeline=none")
+    assert losses("--train.pipeline=sparse_dist", "--metrics.eval_every=10") == plain
+    assert losses("--train.pipeline=none", "--metrics.eval_every=10") == plain
+
+
 def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir):
     common = ("--train.epochs=2", f"--data.cache_dir={cache_dir}", "--metrics.progress=false")
     rm = summary_of(rankmix("train", *common, f"--train.run_dir={tmp_path / 'rm'}"))

@@ -7,6 +7,8 @@ import logging
 import random
 import time
 import warnings
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
 from trainer.metric_logger import MetricLogger, StepMeter
+from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.metrics import task_metrics
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
@@ -66,7 +69,10 @@ class Trainer:
         warmup = max(cfg.optim.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.pipeline = self._build_pipeline()
         self.step = 0
+        self.reader_state = self.train_reader.state_dict()
+        self._reader_states: deque[dict] = deque()
         self.total_steps = cfg.train.steps or sum(
             self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
         if self.total_steps == 0:
@@ -105,26 +111,55 @@ class Trainer:
         # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
         return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", rmsprop)])
 
+    def _build_pipeline(self) -> CheckedSparseDistPipeline | None:
+        """train.pipeline; auto pipelines where there is communication to hide."""
+        choice = self.cfg.train.pipeline
+        if choice == "auto":
+            choice = "sparse_dist" if self.env.world_size > 1 or self.env.device.type == "cuda" else "none"
+        if choice == "none":
+            return None
+        return CheckedSparseDistPipeline(self.model, self.optimizer, self.env.device, loss_fn=self._pipeline_loss,
+                                         check=self.check_finite, after_backward=self.clip_gradients)
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
         """Train for the configured steps, evaluating on schedule and at the end."""
-        batches = iter(self.train_reader)
+        batches = self._tracked(iter(self.train_reader))
         meter = StepMeter(len(self.task_names))
         while self.step < self.total_steps:
             tic = time.perf_counter()
-            batch = self.fetch(batches)
-            loss, task_losses = self.forward(batch)
-            self.check_finite(loss)
-            self.backward(loss)
-            self.optimizer_step()
-            meter.add(task_losses.detach(), len(batch) * self.env.world_size, time.perf_counter() - tic)
+            task_losses = self.train_step(batches)
+            self.scheduler.step()
+            self.step += 1
+            self.reader_state = self._reader_states.popleft()
+            meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
             if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
                 self.log_train(*meter.flush())
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
         return self.finish(self.evaluate(), meter.examples_per_sec)
+
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """One optimizer step; returns the per-task losses [K] (detached)."""
+        if self.pipeline is not None:  # the same stages, with the next batch's input dist overlapped
+            return self.pipeline.progress(batches)
+        batch = self.fetch(batches)
+        loss, task_losses = self.forward(batch)
+        self.check_finite(loss)
+        self.backward(loss)
+        self.clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return task_losses.detach()
+
+    def _tracked(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """Record the reader's position after each batch: the pipeline reads ahead of the
+        step being trained, and a checkpoint must hold the position of the trained one."""
+        for batch in batches:
+            self._reader_states.append(self.train_reader.state_dict())
+            yield batch
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
@@ -145,7 +180,6 @@ class Trainer:
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted sum of per-task BCE losses, and the per-task losses [K]."""
-        self.model.train()
         logits = self.model(batch)
         task_losses = nn.functional.binary_cross_entropy_with_logits(
             logits, batch.labels, reduction="none").mean(dim=0)
@@ -163,14 +197,14 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients for the dense side; the fused sparse optimizer updates embeddings here."""
         loss.backward()
+
+    def clip_gradients(self) -> None:
         if self.cfg.optim.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
+    def _pipeline_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, task_losses = self.forward(batch)
+        return loss, task_losses.detach()
 
     def log_train(self, task_losses: torch.Tensor, examples_per_sec: float) -> None:
         """Weighted and per-task loss, throughput and both learning rates."""
@@ -186,6 +220,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Metrics over the whole held-out split, gathered from every rank."""
+        if self.pipeline is not None:
+            self.pipeline.detach()  # the original forward; the next progress() re-attaches
         self.model.eval()
         reader = ParquetReader(self.eval_path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
                                shuffle=False, drop_last=False, rank=self.env.rank,
@@ -205,18 +241,22 @@ class Trainer:
                                with_uauc=bool(self.cfg.data.user_column))
         metrics["examples"] = int(keep.sum())
         self.logger.log(self.step, "eval", metrics)
+        # Back to training mode now: the pipeline decides whether to zero gradients from
+        # the mode the model is in when its next step begins.
+        self.model.train()
         return metrics
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """The loop's own state (model and optimizers are checkpointed with DCP)."""
-        return {"step": self.step, "reader": self.train_reader.state_dict(),
+        return {"step": self.step, "reader": self.reader_state,
                 "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.train_reader.load_state_dict(state["reader"])
+        self.reader_state = state["reader"]
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 

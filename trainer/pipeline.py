@@ -1,0 +1,29 @@
+"""TorchRec's TrainPipelineSparseDist with this trainer's stages plugged in.
+
+The pipeline runs batch i+1's input distribution (the sparse all-to-all) while batch i
+computes. It calls `loss_fn(batch) -> (loss, aux)` instead of the model, and runs
+`check(loss)` before each backward, so that a non-finite loss still stops every rank
+before the fused sparse update (which happens inside backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+
+class CheckedSparseDistPipeline(TrainPipelineSparseDist):
+    """TrainPipelineSparseDist whose backward first runs `check(loss)` then `after(…)`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 loss_fn: Callable, check: Callable[[torch.Tensor], None], after_backward: Callable[[], None]):
+        super().__init__(model, optimizer, device, execute_all_batches=False, custom_model_fwd=loss_fn)
+        self._check = check
+        self._after_backward = after_backward
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        self._check(losses)
+        super()._backward(losses)
+        self._after_backward()
