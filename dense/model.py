@@ -33,18 +33,21 @@ class RankingModel(nn.Module):
     """
 
     def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda"):
         super().__init__()
         self.ebc = ebc
         self.layout = layout
         self.tower = tower
         self.heads = heads
         self.autocast_dtype = autocast_dtype
+        self.autocast_device = autocast_device
 
     def forward(self, batch: Batch) -> torch.Tensor:
         pooled = self.ebc(batch.sparse).to_dict()  # by name: key order depends on the plan
         e_input = self.layout.assemble(pooled, batch.dense)
         if self.autocast_dtype is None:
             return self.heads(self.tower(e_input))
-        with torch.autocast(e_input.device.type, dtype=self.autocast_dtype):
+        # A fixed device type rather than e_input.device: TorchRec's pipeline traces this
+        # forward symbolically, where e_input is a proxy.
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
             return self.heads(self.tower(e_input)).float()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One prepared GPU check (DESIGN.md; issue: distributed training): the CUDA path end to end
+# (NCCL, fbgemm-gpu, fused Adagrad, bf16 autocast, TrainPipelineSparseDist), then the
+# tower's bf16 MFU at the RankMixer paper's 100M and 1B shapes. Run from the repo root
+# on a machine with a GPU; prints everything it measures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make setup DEVICE=cuda
+BIN=.venv/bin
+nvidia-smi -L
+echo "== training on CUDA: 1 process, bf16 tower"
+$BIN/rankmix train --config configs/debug.toml --train.device=cuda --train.mixed_precision=bf16 \
+    --train.steps=30 --train.run_dir=runs/gpu-check --metrics.progress=false | tail -n 1
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "$NGPU" -ge 2 ]; then
+    echo "== training on CUDA: $NGPU processes, NCCL"
+    $BIN/rankmix launch --nproc-per-node "$NGPU" --config configs/debug.toml --train.device=cuda \
+        --train.steps=30 --train.run_dir=runs/gpu-check-multi --metrics.progress=false | tail -n 1
+fi
+echo "== tower MFU, bf16 autocast, forward+backward"
+$BIN/python bench/tower.py --device cuda --bf16 --repeats 20 \
+    --shapes 16,768,2,4,4096 32,1536,2,4,4096
