@@ -3,6 +3,7 @@
     rankmix train [--config F.toml] [--section.key=value ...]
     rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
         [--config F.toml] [--section.key=value ...]
+    rankmix export --checkpoint RUN_OR_STEP_DIR --out WEIGHTS.pt
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 USAGE = __doc__
@@ -29,10 +31,19 @@ def main(argv: list[str] | None = None) -> int:
             return launch(rest)
         if command == "data":
             return data(rest)
+        if command == "export":
+            return export(rest)
         raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
     except ValueError as e:  # user errors: one clear line, no traceback
+        if os.environ.get("RANKMIX_TRACEBACK"):
+            raise
         print(f"rankmix: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "NonFiniteLossError":
+            raise
+        print(f"rankmix: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 def train(argv: list[str]) -> int:
@@ -94,6 +105,19 @@ def launch(argv: list[str]) -> int:
     torchrun(["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
               "--max-restarts", str(args.max_restarts), *rendezvous,
               "-m", "launch.cli", "train", *train_args])
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    """Whole-tensor model weights of a checkpoint, for scoring elsewhere."""
+    parser = argparse.ArgumentParser(prog="rankmix export")
+    parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a run folder (newest)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from trainer.checkpoint import export_weights
+
+    count = export_weights(args.checkpoint, args.out)
+    print(json.dumps({"tensors": count, "out": args.out}))
     return 0
 
 

@@ -198,6 +198,32 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded DCP checkpoints, resume and retention."""
+
+    enabled: bool = True
+    """Write checkpoints (and resume from them)."""
+    folder: str = ""
+    """Where step-N folders go ('' : <run_dir>/checkpoints)."""
+    interval: int = 0
+    """Save every N steps (0: only by time and at the end)."""
+    interval_minutes: float = 0.0
+    """Save when this many minutes have passed since the last save (0: off)."""
+    save_final: bool = True
+    """Save after the last step."""
+    keep: int = 3
+    """Complete checkpoints kept, newest first (0 keeps all)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in `folder` when there is one."""
+    load_path: str = ""
+    """Initialise a new run from another run's checkpoint (a step-N folder or a run folder)."""
+    load_mode: str = "full"
+    """load_path: full (weights, optimizer, schedule, data position) | weights."""
+    data_position: str = "exact"
+    """On a world-size change mid-epoch: exact (refuse) | next_epoch (start the next epoch)."""
+
+
+@dataclass
 class MetricsConfig:
     """Evaluation and logging."""
 
@@ -237,6 +263,8 @@ class Config:
     """Dense optimizer."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Run length and placement."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Evaluation and logging."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -375,11 +403,14 @@ def validate(cfg: Config) -> None:
                     "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr")
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
                        "model.head_hidden", "optim.warmup_steps", "optim.grad_clip_norm",
-                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every")
+                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every",
+                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))
     _check_choice(cfg, "train.pipeline", ("auto", "sparse_dist", "none"))
+    _check_choice(cfg, "checkpoint.load_mode", ("full", "weights"))
+    _check_choice(cfg, "checkpoint.data_position", ("exact", "next_epoch"))
     _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
     for table, kind in cfg.embeddings.table_sharding.items():
         if kind not in SPARSE_SHARDING_TYPES:

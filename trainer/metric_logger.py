@@ -79,6 +79,11 @@ class MetricLogger:
         if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
 
+    def write(self, message: str) -> None:
+        """A line for the user, printed without breaking the progress bar (rank 0 only)."""
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(message)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -30,6 +30,8 @@ from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.metrics import task_metrics
@@ -88,6 +90,8 @@ class Trainer:
                   flush=True)
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
+        self.restore()
 
     # ------------------------------------------------------------------ building
 
@@ -106,10 +110,10 @@ class Trainer:
         o = self.cfg.optim
         dense = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_params = list(dense.values())
-        rmsprop = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
+        self.dense_optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
             params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay))
         # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
-        return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", rmsprop)])
+        return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", self.dense_optimizer)])
 
     def _build_pipeline(self) -> CheckedSparseDistPipeline | None:
         """train.pipeline; auto pipelines where there is communication to hide."""
@@ -119,7 +123,7 @@ class Trainer:
         if choice == "none":
             return None
         return CheckedSparseDistPipeline(self.model, self.optimizer, self.env.device, loss_fn=self._pipeline_loss,
-                                         check=self.check_finite, after_backward=self.clip_gradients)
+                                         check=self.check_finite, after_backward=self.check_gradients)
 
     # ------------------------------------------------------------------ the loop
 
@@ -139,6 +143,8 @@ class Trainer:
                 self.log_train(*meter.flush())
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
+            if self.checkpoints.due(self.step, last=self.step == self.total_steps):
+                self.save_checkpoint()
         return self.finish(self.evaluate(), meter.examples_per_sec)
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
@@ -149,7 +155,7 @@ class Trainer:
         loss, task_losses = self.forward(batch)
         self.check_finite(loss)
         self.backward(loss)
-        self.clip_gradients()
+        self.check_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return task_losses.detach()
@@ -187,20 +193,30 @@ class Trainer:
 
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop every rank before any update (the sparse update runs inside backward)."""
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        self._stop_if(loss.detach(), f"non-finite loss at step {self.step + 1} (rank {self.env.rank}: "
+                      f"{{value}}); training stopped before any update of this step")
+
+    def check_gradients(self) -> None:
+        """Stop every rank before the dense step if a dense gradient is not finite; clip."""
+        grads = [p.grad for p in self.dense_params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        self._stop_if(norm, f"non-finite dense gradient norm at step {self.step + 1} (rank {self.env.rank}: "
+                      "{value}); stopped before the optimizer step. The fused sparse update already ran "
+                      "inside backward: resume from the last checkpoint")
+        if self.cfg.optim.grad_clip_norm:
+            torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.grad_clip_norm, norm)
+
+    def _stop_if(self, value: torch.Tensor, message: str) -> None:
+        """Raise NonFiniteLossError on every rank when `value` is not finite on any rank."""
+        bad = (~torch.isfinite(value)).float().reshape(1)
         if self.env.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
-            raise NonFiniteLossError(f"non-finite loss at step {self.step + 1} "
-                                     f"(loss on rank {self.env.rank}: {loss.item()}); no update was applied")
+            raise NonFiniteLossError(message.format(value=value.item()))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients for the dense side; the fused sparse optimizer updates embeddings here."""
         loss.backward()
-
-    def clip_gradients(self) -> None:
-        if self.cfg.optim.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
 
     def _pipeline_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         loss, task_losses = self.forward(batch)
@@ -249,16 +265,79 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """The loop's own state (model and optimizers are checkpointed with DCP)."""
-        return {"step": self.step, "reader": self.reader_state,
-                "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
+        """Everything a checkpoint holds, as DCP's dict of named parts (see trainer/checkpoint.py).
+        A collective: every rank's reader position and RNG are gathered into `ranks`."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "trainer": self._common_state(), "ranks": checkpoint.gather_rank_states(self._rank_state())}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
-        self.train_reader.load_state_dict(state["reader"])
-        self.reader_state = state["reader"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+    def _common_state(self) -> dict:
+        """Identical on every rank: saved once."""
+        return {"step": self.step, "world_size": self.env.world_size,
+                "epoch": self.reader_state["epoch"], "epoch_step": self.reader_state["step"]}
+
+    def _rank_state(self) -> dict:
+        """Differs between ranks: each holds other tables, so other sparse param groups."""
+        return {"reader": self.reader_state, "rng": rng_state(), "scheduler": self.scheduler.state_dict()}
+
+    def save_checkpoint(self) -> None:
+        path = self.checkpoints.save(self.step, self.state_dict())
+        self.logger.log(self.step, "checkpoint", {"saved": 1.0})
+        if self.env.is_main:
+            self.logger.write(f"saved {path}")
+
+    def restore(self) -> None:
+        """Resume from this run's newest complete checkpoint, else start from checkpoint.load_path."""
+        ck = self.cfg.checkpoint
+        latest = [self.checkpoints.latest() if ck.enabled and ck.resume else None]
+        dist.broadcast_object_list(latest, src=0)  # every rank resumes from the same one
+        if latest[0] is not None:
+            self.load_checkpoint(latest[0], full=True)
+        elif ck.load_path:
+            self.load_checkpoint(resolve_load_path(ck.load_path), full=ck.load_mode == "full")
+
+    def load_checkpoint(self, path: Path, full: bool) -> None:
+        """Load `path` into this run: weights only, or the whole training state (collective)."""
+        if not full:
+            checkpoint.load(path, {"model": self.model.state_dict()})
+            self.logger.write(f"initialised weights from {path}")
+            return
+        common = {"trainer": self._common_state()}
+        checkpoint.load(path, common)
+        saved = common["trainer"]
+        same_world = saved["world_size"] == self.env.world_size
+        self.dense_optimizer.init_state()  # DCP loads in place: the lazy RMSProp state must exist
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "ranks": b""}
+        checkpoint.load(path, state)
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = saved["step"]
+        if same_world:
+            mine = checkpoint.rank_state(state["ranks"], self.env.rank)
+            self.reader_state = mine["reader"]
+            set_rng_state(mine["rng"])
+            self.scheduler.load_state_dict(mine["scheduler"])
+        else:
+            self.reader_state = self._position_after_resize(saved, path)
+            self.scheduler.last_epoch = self.step - 1
+            self.scheduler.step()  # the schedule is a function of the step alone
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # optimizer state dicts hold no learning rate
+        self.train_reader.load_state_dict(self.reader_state)
+        self.logger.write(f"resumed from {path} at step {self.step}")
+
+    def _position_after_resize(self, saved: dict, path: Path) -> dict:
+        """The data position in a different world size: an epoch boundary means the same
+        thing in any world size; a position inside an epoch does not (each rank's rows
+        change), so it is an error unless checkpoint.data_position = next_epoch."""
+        epoch, step = saved["epoch"], saved["epoch_step"]
+        if step and self.cfg.checkpoint.data_position != "next_epoch":
+            raise ValueError(
+                f"{path} was saved at world size {saved['world_size']} in the middle of epoch {epoch} "
+                f"(batch {step}); at world size {self.env.world_size} that position would replay or skip "
+                "rows. Resume at the saved world size, or set checkpoint.data_position=next_epoch to "
+                f"continue from the start of epoch {epoch + 1}")
+        position = self.train_reader.state_dict()
+        position.update(epoch=epoch + 1 if step else epoch, step=0)
+        return position
 
 
 def per_rank_batch_size(cfg: Config, world_size: int) -> int:

@@ -1,0 +1,212 @@
+"""Checkpoints: bitwise resume at world sizes 1 and 2, a killed rank under torchrun, a kill
+during a save, resharding on load, retention and the non-finite stop."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from trainer.checkpoint import complete_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rankmix(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**env, "PYTHONWARNINGS": "ignore"})
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def train_args(run: Path, cache: Path, steps: int, *extra: str) -> list[str]:
+    return ["--config", "configs/debug.toml", f"--train.run_dir={run}", f"--data.cache_dir={cache}",
+            f"--train.steps={steps}", "--metrics.log_every=1", "--metrics.progress=false",
+            "--metrics.tensorboard=false", *extra]
+
+
+def train(world: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    if world == 1:
+        return rankmix("train", *args, timeout=timeout)
+    return rankmix("launch", "--nproc-per-node", str(world), *args, timeout=timeout)
+
+
+def tensors(step_dir: Path, tmp: Path) -> dict[str, object]:
+    """Every value of a DCP checkpoint, flattened, as whole tensors."""
+    out = tmp / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir), str(out))
+
+    def flat(d, prefix=""):
+        items = {}
+        for k, v in d.items():
+            items.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return items
+    return flat(torch.load(out, weights_only=False))
+
+
+def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
+    """Weights and both optimizers' states bitwise equal; same step and data position."""
+    ta, tb = tensors(a, tmp), tensors(b, tmp)
+    model_and_optim = [k for k in ta if k.startswith(("model.", "optim."))]
+    assert any(".embedding_bags." in k for k in model_and_optim) and any("sparse" in k for k in model_and_optim)
+    assert set(ta) == set(tb)
+    for key in model_and_optim:
+        assert torch.equal(ta[key], tb[key]), key
+    for key in ("trainer.step", "trainer.epoch", "trainer.epoch_step"):
+        assert ta[key] == tb[key], key
+    # every rank's reader position and RNG states
+    assert same(pickle.loads(ta["ranks"]), pickle.loads(tb["ranks"]))
+
+
+def same(a, b) -> bool:
+    """Deep equality across tensors, arrays and containers."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Training loss per step; a step trained twice (after a restart) keeps its last value."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(world, cache, tmp_path):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    ok(train(world, *train_args(whole, cache, 24, "--checkpoint.interval=12")))
+    ok(train(world, *train_args(halves, cache, 12)))
+    assert complete_steps(halves / "checkpoints") == [12]
+    resumed = ok(train(world, *train_args(halves, cache, 24)))
+    assert f"resumed from {halves / 'checkpoints' / 'step-12'} at step 12" in resumed.stdout
+    assert_same_state(whole / "checkpoints" / "step-24", halves / "checkpoints" / "step-24", tmp_path)
+    assert losses(halves) == losses(whole) and len(losses(whole)) == 24
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(cache, tmp_path):
+    steps, args = 100, ("--checkpoint.interval=10",)
+    ok(train(2, *train_args(tmp_path / "reference", cache, steps, *args)))
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2",
+                             "--max-restarts", "1", *train_args(run, cache, steps, *args)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step-30" / ".metadata").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "training ended before the kill"
+            time.sleep(0.02)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out  # the restarted workers picked up the newest checkpoint
+    assert_same_state(tmp_path / "reference" / "checkpoints" / f"step-{steps}",
+                      run / "checkpoints" / f"step-{steps}", tmp_path)
+    assert losses(run) == losses(tmp_path / "reference")
+
+
+def test_kill_during_save_resumes_from_previous_and_saves_again(cache, tmp_path):
+    run = tmp_path / "run"
+    ok(train(2, *train_args(run, cache, 20, "--checkpoint.interval=10")))
+    # What SIGKILL inside dcp.save leaves: data files written, no .metadata yet.
+    (run / "checkpoints" / "step-20" / ".metadata").unlink()
+    assert complete_steps(run / "checkpoints") == [10]
+    resumed = ok(train(2, *train_args(run, cache, 20, "--checkpoint.interval=10"), timeout=120))
+    assert f"resumed from {run / 'checkpoints' / 'step-10'} at step 10" in resumed.stdout
+    assert complete_steps(run / "checkpoints") == [10, 20]  # step-20 written again, no deadlock
+    reference = tmp_path / "reference"
+    ok(train(2, *train_args(reference, cache, 20, "--checkpoint.interval=10")))
+    assert_same_state(reference / "checkpoints" / "step-20", run / "checkpoints" / "step-20", tmp_path)
+
+
+def test_retention_keeps_exactly_k_and_skips_an_incomplete_newest(cache, tmp_path):
+    run = tmp_path / "run"
+    ok(train(1, *train_args(run, cache, 25, "--checkpoint.interval=5", "--checkpoint.keep=2")))
+    assert complete_steps(run / "checkpoints") == [20, 25]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-20", "step-25"]
+    shutil.copytree(run / "checkpoints" / "step-25", run / "checkpoints" / "step-30")
+    (run / "checkpoints" / "step-30" / ".metadata").unlink()
+    resumed = ok(train(1, *train_args(run, cache, 30, "--checkpoint.interval=5", "--checkpoint.keep=2")))
+    assert "at step 25" in resumed.stdout
+    assert complete_steps(run / "checkpoints") == [25, 30]
+
+
+def test_row_wise_on_two_ranks_loads_into_table_wise_on_one(cache, tmp_path):
+    two = tmp_path / "two"
+    ok(train(2, *train_args(two, cache, 10, "--embeddings.plan=row_wise")))
+    assert "row_wise" in (two / "plan.txt").read_text()
+    saved = ok(rankmix("export", "--checkpoint", str(two), "--out", str(tmp_path / "two.pt")))
+    assert json.loads(saved.stdout)["tensors"] > 20
+    # Weights only, into one rank with table-wise tables, then exported again before any step.
+    one = tmp_path / "one"
+    ok(train(1, *train_args(one, cache, 1, "--embeddings.plan=table_wise", f"--checkpoint.load_path={two}",
+                            "--checkpoint.load_mode=weights", "--optim.lr=1e-30", "--embeddings.lr=1e-30")))
+    assert "table_wise" in (one / "plan.txt").read_text()
+    expected, loaded = torch.load(tmp_path / "two.pt"), tensors(one / "checkpoints" / "step-1", tmp_path)
+    for key, value in expected.items():
+        assert torch.allclose(loaded[f"model.{key}"], value, atol=1e-20), key
+
+
+def test_world_size_change_mid_epoch_is_refused_unless_asked(cache, tmp_path):
+    run = tmp_path / "run"
+    ok(train(2, *train_args(run, cache, 10)))
+    refused = train(1, *train_args(run, cache, 20))
+    assert refused.returncode == 2
+    assert (f"{run / 'checkpoints' / 'step-10'} was saved at world size 2 in the middle of epoch 0 (batch 10); "
+            "at world size 1 that position would replay or skip rows") in refused.stderr
+    moved = ok(train(1, *train_args(run, cache, 12, "--checkpoint.data_position=next_epoch")))
+    assert "at step 10" in moved.stdout and complete_steps(run / "checkpoints")[-1] == 12
+
+
+def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(cache, tmp_path):
+    run = tmp_path / "run"
+    proc = train(2, *train_args(run, cache, 30, "--checkpoint.interval=1", "--optim.lr=1e30"))
+    assert proc.returncode != 0
+    message = [line for line in proc.stderr.splitlines() if "rankmix: stopped: non-finite" in line]
+    assert message, proc.stderr[-2000:]
+    step = int(message[0].split(" at step ")[1].split()[0])
+    assert complete_steps(run / "checkpoints")[-1] == step - 1
+    tensors(run / "checkpoints" / f"step-{step - 1}", tmp_path)  # the last good one loads

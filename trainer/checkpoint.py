@@ -1,0 +1,143 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), exact resume, retention.
+
+A checkpoint is `<dir>/step-N/`, written by DCP from a dict of named parts:
+
+    model        DMP state dict: sharded embedding tables (ShardedTensor) and dense weights
+    optim        sparse fused Adagrad and dense RMSProp states (one CombinedOptimizer)
+    trainer      step, LR scheduler, data position, world size (the same on every rank)
+    ranks        every rank's data-reader state and RNG states, gathered (DCP writes
+                 non-tensor values from the coordinator only, so per-rank ones travel as one)
+
+DCP writes `.metadata` last, after every rank's data: a folder without it is incomplete
+(killed mid-save) and is never loaded. DCP reshards on load, so a checkpoint loads into
+another world size or sharding plan.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.config import CheckpointConfig
+
+PREFIX = "step-"
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    steps = [int(p.name[len(PREFIX):]) for p in folder.iterdir()
+             if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / ".metadata").exists()]
+    return sorted(steps)
+
+
+def resolve_load_path(path: str) -> Path:
+    """A `step-N` folder, or a run / checkpoint folder whose latest complete one is taken."""
+    p = Path(path)
+    if (p / ".metadata").exists():
+        return p
+    for folder in (p, p / "checkpoints"):
+        steps = complete_steps(folder)
+        if steps:
+            return folder / f"{PREFIX}{steps[-1]}"
+    if p.name.startswith(PREFIX) and p.is_dir():
+        raise ValueError(f"checkpoint.load_path={path}: incomplete checkpoint (no .metadata: "
+                         "the save was interrupted)")
+    raise ValueError(f"checkpoint.load_path={path}: no complete checkpoint there")
+
+
+class CheckpointManager:
+    """When to save, where, and which checkpoints to keep."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int):
+        self.cfg = cfg
+        self.folder = Path(cfg.folder) if cfg.folder else run_dir / "checkpoints"
+        self.rank = rank
+        self._last_save_time = time.monotonic()
+
+    def latest(self) -> Path | None:
+        """This run's newest complete checkpoint, if any."""
+        steps = complete_steps(self.folder)
+        return self.folder / f"{PREFIX}{steps[-1]}" if steps else None
+
+    def due(self, step: int, last: bool) -> bool:
+        """Save after this step? Every `interval` steps, every `interval_minutes`, and at the end."""
+        if not self.cfg.enabled:
+            return False
+        if last and self.cfg.save_final:
+            return True
+        by_steps = self.cfg.interval > 0 and step % self.cfg.interval == 0
+        by_time = (self.cfg.interval_minutes > 0
+                   and time.monotonic() - self._last_save_time >= 60 * self.cfg.interval_minutes)
+        if by_time:  # every rank must agree, and clocks differ: rank 0 decides
+            flag = [by_time]
+            dist.broadcast_object_list(flag, src=0)
+            by_time = flag[0]
+        return by_steps or by_time
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write `state` as step-`step` (collective), then apply retention."""
+        path = self.folder / f"{PREFIX}{step}"
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if path.exists():  # a save of this step was interrupted, or is being redone
+                shutil.rmtree(path)
+        dist.barrier()
+        dcp.save(state, checkpoint_id=str(path))
+        self._last_save_time = time.monotonic()
+        if self.rank == 0:
+            self._retain()
+        dist.barrier()
+        return path
+
+    def _retain(self) -> None:
+        """Keep the newest `keep` complete checkpoints; drop incomplete ones older than them."""
+        steps = complete_steps(self.folder)
+        if self.cfg.keep <= 0 or not steps:
+            return
+        kept = set(steps[-self.cfg.keep:])
+        for p in self.folder.iterdir():
+            step = p.name[len(PREFIX):]
+            if p.name.startswith(PREFIX) and step.isdigit() and int(step) not in kept \
+                    and int(step) < steps[-1]:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def export_weights(path: str, out: str) -> int:
+    """The model weights of checkpoint `path` as one torch.save file of whole tensors
+    (no process group needed); returns the number of tensors."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source = resolve_load_path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(source), f"{tmp}/all.pt")
+        model = torch.load(f"{tmp}/all.pt", weights_only=False)["model"]
+    torch.save(model, out)
+    return len(model)
+
+
+def gather_rank_states(mine: dict) -> bytes:
+    """Every rank's `mine`, in rank order, as one opaque value (a collective)."""
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return pickle.dumps(states)
+
+
+def rank_state(blob: bytes, rank: int) -> dict:
+    """Rank `rank`'s entry of a gathered `ranks` value."""
+    return pickle.loads(blob)[rank]
+
+
+def load(path: Path, state: dict[str, Any]) -> None:
+    """Load `state` in place from the DCP checkpoint at `path` (collective)."""
+    dcp.load(state, checkpoint_id=str(path))
