@@ -13,7 +13,8 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from embeddings.sharding import local_shards
 
 
 BLOCK_ROWS = 16_384
@@ -27,12 +28,9 @@ def init_embeddings(model: nn.Module, seed: int) -> None:
         if table is None:
             continue
         shape = tuple(value.size())
-        if isinstance(value, ShardedTensor):
-            for shard in value.local_shards():
-                (row0, col0), (n, m) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(_rows(seed, table, shape, row0, n)[:, col0:col0 + m])
-        else:
-            value.copy_(_rows(seed, table, shape, 0, shape[0]))
+        for shard, (row0, col0) in local_shards(value):
+            n, m = shard.shape
+            shard.copy_(_rows(seed, table, shape, row0, n)[:, col0:col0 + m])
 
 
 def _table_of(key: str) -> str | None:

@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as sp
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from trainer.config import EmbeddingsConfig
 from trainer.registry import Registry
@@ -47,7 +49,24 @@ def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) 
     constraints = {t.name: ParameterConstraints(sharding_types=list(cfg.sharding_types), compute_kernels=[FUSED])
                    for t in ebc.embedding_bag_configs()}
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    return planner.collective_plan(model, None, dist.GroupMember.WORLD)
+    plan = planner.collective_plan(model, None, dist.GroupMember.WORLD)
+    _whole_tables_as_table_wise(plan, model, device)
+    return plan
+
+
+def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, device: torch.device) -> None:
+    """The planner may label a table kept whole on one rank column-wise or
+    table-column-wise (one shard; the label varies between runs with cost ties). Call it
+    table-wise, which it is: TorchRec's DTensor state dict (async checkpoints) fails on
+    column-wise tables absent from some ranks."""
+    path, ebc = embedding_module(model)
+    for name, sharding in plan.plan[path].items():
+        ranks = set(sharding.ranks or [])
+        if sharding.sharding_type != "table_wise" and len(ranks) == 1:
+            generator = sp.table_wise(rank=ranks.pop(), compute_kernel=FUSED)
+            plan.plan[path][name] = generator(ebc.embedding_bags[name].weight, _local_size(),
+                                              dist.get_world_size(), device.type,
+                                              EmbeddingBagCollectionSharder())
 
 
 def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]:
@@ -107,10 +126,28 @@ def build_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) ->
     return plan
 
 
-def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> DistributedModelParallel:
-    """Shard the embedding tables by the configured plan; the rest is replicated (DDP)."""
+def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
+                output_dtensor: bool = False) -> DistributedModelParallel:
+    """Shard the embedding tables by the configured plan; the rest is replicated (DDP).
+
+    `output_dtensor` makes the state dict hold DTensors instead of ShardedTensors, which
+    DCP's async_save needs (DESIGN.md 4)."""
     plan = build_plan(model, cfg, device)
-    return DistributedModelParallel(model, device=device, plan=plan)
+    env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
+    return DistributedModelParallel(model, env=env, device=device, plan=plan)
+
+
+def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+    """(shard, (row offset, column offset)) for this rank's pieces of a table's weight,
+    whether the state dict holds ShardedTensors, DTensors or plain tensors."""
+    if isinstance(value, ShardedTensor):
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if hasattr(local, "local_shards"):  # TorchRec's LocalShardsWrapper
+            return [(t, tuple(o)) for t, o in zip(local.local_shards(), local.local_offsets())]
+        raise AssertionError(f"unexpected DTensor layout {type(local).__name__}")
+    return [(value, (0, 0))]
 
 
 def _size(table: EmbeddingBagConfig) -> int:
@@ -127,9 +164,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
-        if isinstance(value, ShardedTensor):
-            full = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
-            value.gather(dst=0, out=full)
+        if isinstance(value, (ShardedTensor, DTensor)):
+            pieces: list = [None] * dist.get_world_size()
+            dist.all_gather_object(pieces, [(t.detach().cpu(), o) for t, o in local_shards(value)])
+            full = torch.empty(value.size(), dtype=value.dtype)
+            for t, (row, col) in (p for rank_pieces in pieces for p in rank_pieces):
+                full[row:row + t.shape[0], col:col + t.shape[1]] = t
             value = full
         if rank == 0:
             out[key] = value.detach().cpu().clone()

@@ -99,13 +99,14 @@ def losses(run: Path) -> dict[int, float]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(world, cache, tmp_path):
+@pytest.mark.parametrize("world,mode", [(1, "sync"), (2, "sync"), (2, "async")])
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(world, mode, cache, tmp_path):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    ok(train(world, *train_args(whole, cache, 24, "--checkpoint.interval=12")))
-    ok(train(world, *train_args(halves, cache, 12)))
+    save = f"--checkpoint.async_save={mode == 'async'}".lower()
+    ok(train(world, *train_args(whole, cache, 24, "--checkpoint.interval=12", save)))
+    ok(train(world, *train_args(halves, cache, 12, save)))
     assert complete_steps(halves / "checkpoints") == [12]
-    resumed = ok(train(world, *train_args(halves, cache, 24)))
+    resumed = ok(train(world, *train_args(halves, cache, 24, save)))
     assert f"resumed from {halves / 'checkpoints' / 'step-12'} at step 12" in resumed.stdout
     assert_same_state(whole / "checkpoints" / "step-24", halves / "checkpoints" / "step-24", tmp_path)
     assert losses(halves) == losses(whole) and len(losses(whole)) == 24

@@ -107,7 +107,11 @@ def test_initial_embeddings_do_not_depend_on_the_plan(data_dir, tmp_path):
     two = train(2, ["--embeddings.plan=row_wise", "--embeddings.table_sharding.item=column_wise",
                     "--data.batch_size=32"], data_dir,
                 tmp_path / "b.pt", steps=0)
+    # async_save shards into DTensors instead of ShardedTensors: the same values too
+    dtensor = train(2, ["--embeddings.plan=table_wise", "--checkpoint.async_save=true", "--data.batch_size=32"],
+                    data_dir, tmp_path / "c.pt", steps=0)
     assert "column_wise" in two["plan"] and "row_wise" in two["plan"]
     for key, value in one["weights"].items():
         if ".embedding_bags." in key:
             assert torch.equal(two["weights"][key], value), key
+            assert torch.equal(dtensor["weights"][key], value), key

@@ -18,6 +18,8 @@ from __future__ import annotations
 import pickle
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,9 @@ class CheckpointManager:
         self.folder = Path(cfg.folder) if cfg.folder else run_dir / "checkpoints"
         self.rank = rank
         self._last_save_time = time.monotonic()
+        self._pending: tuple[Path, Future, Callable[[str], None]] | None = None
+        # async_save on the default group hung (DESIGN.md 4): it gets a gloo group of its own.
+        self._group = dist.new_group(backend="gloo") if cfg.async_save else None
 
     def latest(self) -> Path | None:
         """This run's newest complete checkpoint, if any."""
@@ -82,20 +87,37 @@ class CheckpointManager:
             by_time = flag[0]
         return by_steps or by_time
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write `state` as step-`step` (collective), then apply retention."""
+    def save(self, step: int, state: dict[str, Any], on_done: Callable[[str], None] = print) -> None:
+        """Write `state` as step-`step` (collective), then apply retention. With async_save
+        the writing goes on in the background; the previous save is finished first."""
+        self.wait()
         path = self.folder / f"{PREFIX}{step}"
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if path.exists():  # a save of this step was interrupted, or is being redone
                 shutil.rmtree(path)
         dist.barrier()
-        dcp.save(state, checkpoint_id=str(path))
         self._last_save_time = time.monotonic()
+        if self.cfg.async_save:  # stages a CPU copy now, writes it while training goes on
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+            self._pending = (path, future, on_done)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            self._finish(path, on_done)
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (collective)."""
+        if self._pending is not None:
+            path, future, on_done = self._pending
+            self._pending = None
+            future.result()
+            self._finish(path, on_done)
+
+    def _finish(self, path: Path, on_done: Callable[[str], None]) -> None:
         if self.rank == 0:
             self._retain()
+            on_done(f"saved {path}")
         dist.barrier()
-        return path
 
     def _retain(self) -> None:
         """Keep the newest `keep` complete checkpoints; drop incomplete ones older than them."""

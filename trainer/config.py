@@ -213,6 +213,8 @@ class CheckpointConfig:
     """Save after the last step."""
     keep: int = 3
     """Complete checkpoints kept, newest first (0 keeps all)."""
+    async_save: bool = False
+    """Write in a background thread while training goes on (tables are then DTensors)."""
     resume: bool = True
     """Resume from the newest complete checkpoint in `folder` when there is one."""
     load_path: str = ""

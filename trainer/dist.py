@@ -48,8 +48,24 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
         # against each other and run many times slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=dev if use_cuda else None)
+        dist.init_process_group(backend=backend, device_id=dev if use_cuda else None, **_attempt_store())
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def _attempt_store() -> dict:
+    """Under torchrun, a store private to this restart attempt.
+
+    torchrun's agent keeps one store across restarts (TORCHELASTIC_USE_AGENT_STORE), so a
+    restarted rank could read the gloo address of the rank that was killed and fail to
+    connect; a prefix per attempt keeps the rounds apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, wait_for_workers=False)
+    return {"store": dist.PrefixStore(f"rankmix/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:

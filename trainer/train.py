@@ -102,7 +102,7 @@ class Trainer:
         heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
         model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
                              autocast_dtype=autocast_dtype(cfg.train.mixed_precision, self.env.device))
-        sharded = shard_model(model, cfg.embeddings, self.env.device)
+        sharded = shard_model(model, cfg.embeddings, self.env.device, output_dtensor=cfg.checkpoint.async_save)
         init_embeddings(sharded, cfg.train.seed)
         return sharded
 
@@ -145,6 +145,7 @@ class Trainer:
                 self.evaluate()
             if self.checkpoints.due(self.step, last=self.step == self.total_steps):
                 self.save_checkpoint()
+        self.checkpoints.wait()
         return self.finish(self.evaluate(), meter.examples_per_sec)
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
@@ -280,10 +281,7 @@ class Trainer:
         return {"reader": self.reader_state, "rng": rng_state(), "scheduler": self.scheduler.state_dict()}
 
     def save_checkpoint(self) -> None:
-        path = self.checkpoints.save(self.step, self.state_dict())
-        self.logger.log(self.step, "checkpoint", {"saved": 1.0})
-        if self.env.is_main:
-            self.logger.write(f"saved {path}")
+        self.checkpoints.save(self.step, self.state_dict(), on_done=self.logger.write)
 
     def restore(self) -> None:
         """Resume from this run's newest complete checkpoint, else start from checkpoint.load_path."""
