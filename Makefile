@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make train` and `make test`.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 # The pinned stack differs per device: CPU fbgemm on machines without a GPU.

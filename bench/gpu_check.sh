@@ -9,13 +9,16 @@ make setup DEVICE=cuda
 BIN=.venv/bin
 nvidia-smi -L
 echo "== training on CUDA: 1 process, bf16 tower"
+rm -rf runs/gpu-check runs/gpu-check-multi  # a rerun must train, not resume finished runs
 $BIN/rankmix train --config configs/debug.toml --train.device=cuda --train.mixed_precision=bf16 \
     --train.steps=30 --train.run_dir=runs/gpu-check --metrics.progress=false | tail -n 1
-NGPU=$(nvidia-smi -L | wc -l)
+NGPU=$($BIN/python -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then
     echo "== training on CUDA: $NGPU processes, NCCL"
+    # 200k synthetic rows: enough row groups for every rank of an 8-GPU node
     $BIN/rankmix launch --nproc-per-node "$NGPU" --config configs/debug.toml --train.device=cuda \
-        --train.steps=30 --train.run_dir=runs/gpu-check-multi --metrics.progress=false | tail -n 1
+        --data.synth_rows=200000 --train.steps=30 --train.run_dir=runs/gpu-check-multi \
+        --metrics.progress=false | tail -n 1
 fi
 echo "== tower MFU, bf16 autocast, forward+backward"
 $BIN/python bench/tower.py --device cuda --bf16 --repeats 20 \

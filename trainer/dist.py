@@ -37,14 +37,20 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but no CUDA device is available")
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local_rank} has no GPU: this host shows {torch.cuda.device_count()}; "
+                         "start at most that many processes per node")
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
+    if (backend == "nccl") != use_cuda:
+        raise ValueError(f"launch.backend={backend!r} does not fit train.device={dev.type!r}: "
+                         "NCCL needs CUDA tensors and gloo has no CUDA all-to-all")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not use_cuda and local_world > 1:
-        # Ranks sharing a CPU must share its cores: oversubscribed OpenMP pools spin
+    if local_world > 1:
+        # Ranks sharing a host must share its cores: oversubscribed OpenMP pools spin
         # against each other and run many times slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():

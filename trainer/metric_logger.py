@@ -15,20 +15,21 @@ class StepMeter:
     """Mean task losses and examples/s since the last flush, and examples/s over the run
     (step time only: evaluation and logging are not counted)."""
 
-    def __init__(self, num_tasks: int):
-        self.loss_sum = torch.zeros(num_tasks, dtype=torch.float64)
+    def __init__(self, num_tasks: int, device: torch.device = torch.device("cpu")):
+        # Summed on the device: a copy to the host each step would wait for the GPU.
+        self.loss_sum = torch.zeros(num_tasks, dtype=torch.float64, device=device)
         self.steps = self.examples = self.total_examples = 0
         self.seconds = self.total_seconds = 0.0
 
     def add(self, task_losses: torch.Tensor, examples: int, seconds: float) -> None:
-        self.loss_sum += task_losses.double().cpu()
+        self.loss_sum += task_losses.double()
         self.steps += 1
         self.examples += examples
         self.seconds += seconds
 
     def flush(self) -> tuple[torch.Tensor, float]:
         """(mean task losses [K], examples/s) since the last flush; starts a new window."""
-        out = self.loss_sum / max(self.steps, 1), self.examples / max(self.seconds, 1e-9)
+        out = self.loss_sum.cpu() / max(self.steps, 1), self.examples / max(self.seconds, 1e-9)
         self.total_examples += self.examples
         self.total_seconds += self.seconds
         self.loss_sum.zero_()

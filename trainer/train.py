@@ -53,7 +53,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
-        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
         files = build_dataset(cfg)
         cfg.features = files.features
         validate_features(cfg.features)
@@ -130,7 +130,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured steps, evaluating on schedule and at the end."""
         batches = self._tracked(iter(self.train_reader))
-        meter = StepMeter(len(self.task_names))
+        meter = StepMeter(len(self.task_names), self.env.device)
         while self.step < self.total_steps:
             tic = time.perf_counter()
             task_losses = self.train_step(batches)
@@ -368,7 +368,8 @@ def _gather(t: torch.Tensor) -> torch.Tensor:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed every generator the run draws from."""
+    """Seed every generator the run draws from; `deterministic` kernels (CPU runs: on CUDA
+    they cost a fill of every new tensor and NCCL and FBGEMM stay non-deterministic)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -378,12 +379,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():  # this rank's device only
+        torch.cuda.set_rng_state(state["cuda"])
