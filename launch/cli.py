@@ -6,6 +6,10 @@
     rankmix export --checkpoint RUN_OR_STEP_DIR --out WEIGHTS.pt
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
+    rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
+        [--row-group-size N]
+    rankmix data csv --src FILES... --out DIR --label COL [--categorical COLS] [--numeric COLS] \
+        [--drop COLS] [--delimiter C] [--workers N] [--strict] [--rows-per-file N] [--row-group-size N]
 """
 
 from __future__ import annotations
@@ -133,8 +137,37 @@ def data(argv: list[str]) -> int:
     m = sub.add_parser("movielens", help="MovieLens-100K (RecBole layout) to Parquet")
     m.add_argument("--src", required=True)
     m.add_argument("--out", required=True)
+    for name, doc in (("criteo", "Criteo 1TB day_N TSV (.gz too) to Parquet"),
+                      ("csv", "CSV logs with a header (e.g. Avazu) to Parquet")):
+        c = sub.add_parser(name, help=doc)
+        c.add_argument("--src", required=True, nargs="+", help="input files")
+        c.add_argument("--out", required=True)
+        c.add_argument("--workers", type=int, default=1, help="processes, one input file each")
+        c.add_argument("--strict", action="store_true", help="fail on the first malformed row")
+        c.add_argument("--rows-per-file", type=int, default=0, help="split outputs (0: one part per input)")
+        c.add_argument("--row-group-size", type=int, default=65_536)
+        if name == "csv":
+            c.add_argument("--label", required=True)
+            c.add_argument("--categorical", default="", help="comma-separated (default: all other columns)")
+            c.add_argument("--numeric", default="", help="comma-separated")
+            c.add_argument("--drop", default="", help="comma-separated")
+            c.add_argument("--delimiter", default=",")
     args = parser.parse_args(argv)
-    if args.kind == "synth":
+    if args.kind in ("criteo", "csv"):
+        common = dict(workers=args.workers, strict=args.strict, rows_per_file=args.rows_per_file,
+                      row_group_size=args.row_group_size)
+        if args.kind == "criteo":
+            from trainer.data.criteo import convert_criteo
+            summary = convert_criteo(args.src, args.out, **common)
+        else:
+            from trainer.data.csvlog import convert_csv
+
+            def cols(text: str) -> list[str]:
+                return [c.strip() for c in text.split(",") if c.strip()]
+            summary = convert_csv(args.src, args.out, label=args.label, categorical=cols(args.categorical),
+                                  numeric=cols(args.numeric), drop=cols(args.drop), delimiter=args.delimiter,
+                                  **common)
+    elif args.kind == "synth":
         from trainer.data.synth import write_synthetic
         summary = write_synthetic(args.out, rows=args.rows, files=args.files, seed=args.seed)
     else:

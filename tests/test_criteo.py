@@ -1,0 +1,265 @@
+"""Criteo 1TB and generic CSV converters, checked against an independent plain-Python parse
+of the raw sample lines; the Criteo 1TB config; two training steps on converted data."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainer.config import load_config
+from trainer.data.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
+from trainer.data.csvlog import convert_csv, stable_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "data" / "samples"
+CRITEO = SAMPLES / "criteo_day_sample.tsv"
+AVAZU = SAMPLES / "avazu_sample.txt"
+if not CRITEO.is_file():
+    pytest.skip(f"Criteo sample not found at {CRITEO}", allow_module_level=True)
+
+MLPERF_CAPS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+               2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
+
+
+def _expected(line: str) -> dict:
+    """One raw line parsed with plain Python (no pyarrow), as the converter should output it."""
+    f = line.rstrip("\n").split("\t")
+    assert len(f) == 40
+    row = {"label": int(f[0])}
+    row.update({c: (float(v) if v else None) for c, v in zip(INT_COLUMNS, f[1:14])})
+    row.update({c: (int(v, 16) if v else None) for c, v in zip(CAT_COLUMNS, f[14:])})
+    return row
+
+
+def _lines() -> list[str]:
+    return CRITEO.read_text().splitlines()
+
+
+def _read(folder: Path) -> pa.Table:
+    parts = sorted(folder.glob("*.parquet"))
+    return pa.concat_tables([pq.read_table(p) for p in parts])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("criteo")
+    summary = convert_criteo([str(CRITEO)], str(out), row_group_size=64)
+    return out, summary
+
+
+def test_sample_converts_with_types_and_values(converted):
+    out, summary = converted
+    assert summary["rows"] == 200 and summary["bad_rows"] == 0
+    table = _read(out)
+    assert table.schema == SCHEMA
+    assert table.num_rows == 200
+    rows = table.to_pylist()
+    lines = _lines()
+    for i in (0, 1, 2, 57, 123, 199):  # every field of these rows
+        assert rows[i] == _expected(lines[i]), f"row {i}"
+    # the whole file, column by column
+    assert rows == [_expected(line) for line in lines]
+    # row groups sized for the reader
+    meta = pq.ParquetFile(out / summary["files"][0]["parts"][0]).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [64, 64, 64, 8]
+
+
+def test_empty_fields_become_null(converted):
+    out, _ = converted
+    table = _read(out)
+    fields = [line.split("\t") for line in _lines()]
+    names = ["label", *INT_COLUMNS, *CAT_COLUMNS]
+    empties = {c: sum(1 for f in fields if f[j] == "") for j, c in enumerate(names)}
+    assert sum(empties.values()) > 0
+    negative = sum(1 for f in fields for v in f[1:14] if v.startswith("-"))
+    assert negative > 0  # the sample exercises negative integer features
+    for c in names:
+        assert table.column(c).null_count == empties[c], c
+
+
+def _bad_file(tmp_path: Path, name: str, wrong_count: int | None, non_hex: int | None) -> Path:
+    lines = _lines()[:8]
+    if wrong_count:
+        lines[wrong_count - 1] = "\t".join(lines[wrong_count - 1].split("\t")[:-1])
+    if non_hex:
+        f = lines[non_hex - 1].split("\t")
+        f[14 + 4] = "zz12"  # C5
+        lines[non_hex - 1] = "\t".join(f)
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_rows_counted_with_first_line(tmp_path):
+    src = _bad_file(tmp_path, "bad.tsv", wrong_count=3, non_hex=5)
+    summary = convert_criteo([str(src)], str(tmp_path / "out"))
+    rep = summary["files"][0]
+    assert (summary["rows"], summary["bad_rows"]) == (6, 2)
+    assert rep["first_bad_line"] == 3 and "40 fields" in rep["first_bad_reason"]
+    assert rep["bad_field_count"] == 1 and rep["bad_columns"] == {"C5": 1}
+    kept = _read(tmp_path / "out").to_pylist()
+    lines = _lines()[:8]
+    assert kept == [_expected(lines[i]) for i in (0, 1, 3, 5, 6, 7)]
+
+    only_hex = _bad_file(tmp_path, "hex.tsv", wrong_count=None, non_hex=5)
+    rep = convert_criteo([str(only_hex)], str(tmp_path / "out2"))["files"][0]
+    assert rep["first_bad_line"] == 5 and "C5" in rep["first_bad_reason"] and "zz12" in rep["first_bad_reason"]
+
+
+def test_other_malformed_values(tmp_path):
+    lines = _lines()[:4]
+    f = lines[1].split("\t")
+    f[0] = "2"  # label not 0/1
+    lines[1] = "\t".join(f)
+    f = lines[3].split("\t")
+    f[2] = "x7"  # non-numeric integer feature I2
+    lines[3] = "\t".join(f)
+    src = tmp_path / "vals.tsv"
+    src.write_text("\n".join(lines) + "\n")
+    rep = convert_criteo([str(src)], str(tmp_path / "out"))["files"][0]
+    assert (rep["rows"], rep["bad_rows"], rep["first_bad_line"]) == (2, 2, 2)
+    assert rep["bad_columns"] == {"label": 1, "I2": 1}
+
+
+def test_strict_raises_naming_file_and_line(tmp_path):
+    src = _bad_file(tmp_path, "bad.tsv", wrong_count=None, non_hex=5)
+    with pytest.raises(ValueError, match=r"bad\.tsv, line 5: .*C5"):
+        convert_criteo([str(src)], str(tmp_path / "out"), strict=True)
+    assert not list((tmp_path / "out").glob("_DONE_*"))
+
+
+def test_gzip_and_resume(tmp_path):
+    gz = tmp_path / "day_0.gz"
+    gz.write_bytes(gzip.compress(CRITEO.read_bytes()))
+    out = tmp_path / "out"
+    first = convert_criteo([str(gz)], str(out))
+    assert first["rows"] == 200 and first["skipped_files"] == 0
+    assert _read(out).to_pylist() == [_expected(line) for line in _lines()]
+    part = out / first["files"][0]["parts"][0]
+    assert part.name == "day_0-00000.parquet"
+    mtime = part.stat().st_mtime_ns
+    time.sleep(0.01)
+    again = convert_criteo([str(gz)], str(out))
+    assert again["skipped_files"] == 1 and again["files"][0]["skipped"]
+    assert again["rows"] == 200  # the earlier report is reused
+    assert part.stat().st_mtime_ns == mtime
+    # an interrupted run (tmp part, no marker) is redone from scratch
+    (out / "_DONE_day_0.gz").unlink()
+    (out / "day_0-00001.parquet.tmp").write_bytes(b"partial")
+    redo = convert_criteo([str(gz)], str(out))
+    assert redo["skipped_files"] == 0 and not list(out.glob("*.tmp"))
+
+
+def test_rows_per_file_splits_parts(tmp_path):
+    summary = convert_criteo([str(CRITEO)], str(tmp_path), rows_per_file=128, row_group_size=64)
+    parts = summary["files"][0]["parts"]
+    assert parts == ["criteo_day_sample-00000.parquet", "criteo_day_sample-00001.parquet"]
+    assert [pq.ParquetFile(tmp_path / p).metadata.num_rows for p in parts] == [128, 72]
+    assert _read(tmp_path).to_pylist() == [_expected(line) for line in _lines()]
+
+
+def test_parallel_equals_sequential(tmp_path):
+    lines = _lines()
+    srcs = []
+    for i, chunk in enumerate((lines[:100], lines[100:])):
+        p = tmp_path / f"day_{i}"
+        p.write_text("\n".join(chunk) + "\n")
+        srcs.append(str(p))
+    seq = convert_criteo(srcs, str(tmp_path / "seq"), workers=1)
+    par = convert_criteo(srcs, str(tmp_path / "par"), workers=2)
+    assert [f["rows"] for f in par["files"]] == [100, 100]
+    for name in ("day_0-00000.parquet", "day_1-00000.parquet"):
+        assert pq.read_table(tmp_path / "par" / name).equals(pq.read_table(tmp_path / "seq" / name))
+    assert _read(tmp_path / "par").to_pylist() == [_expected(line) for line in lines]
+
+
+@pytest.mark.skipif(not AVAZU.is_file(), reason="Avazu sample missing")
+def test_csv_avazu(tmp_path):
+    summary = convert_csv([str(AVAZU)], str(tmp_path), label="click", drop=["id"])
+    table = _read(tmp_path)
+    raw = AVAZU.read_text().splitlines()
+    header = raw[0].split(",")
+    assert summary["rows"] == len(raw) - 1 == table.num_rows
+    assert "id" not in table.column_names and table.schema.field("click").type == pa.int64()
+    assert table.column_names == [c for c in header if c != "id"]
+    for i in (0, 1, 50, len(raw) - 2):
+        values = dict(zip(header, raw[i + 1].split(",")))
+        row = table.slice(i, 1).to_pylist()[0]
+        assert row["click"] == int(values["click"])
+        for c in header:
+            if c not in ("id", "click"):
+                assert row[c] == stable_hash(values[c]), (i, c)
+
+
+def test_csv_numeric_and_malformed(tmp_path):
+    src = tmp_path / "log.csv"
+    src.write_text("y,site,price,junk\n1,a,2.5,x\n0,,,y\n1,b,abc,z\n0,c\n2,d,1,w\n")
+    summary = convert_csv([str(src)], str(tmp_path / "out"), label="y", categorical=["site"],
+                          numeric=["price"], drop=["junk"])
+    rep = summary["files"][0]
+    assert (rep["rows"], rep["bad_rows"], rep["first_bad_line"]) == (2, 3, 4)
+    assert rep["bad_field_count"] == 1 and rep["bad_columns"] == {"price": 1, "y": 1}
+    assert _read(tmp_path / "out").to_pylist() == [
+        {"y": 1, "site": stable_hash("a"), "price": 2.5}, {"y": 0, "site": None, "price": None}]
+    with pytest.raises(ValueError, match=r"log\.csv, line 4"):
+        convert_csv([str(src)], str(tmp_path / "strict"), label="y", categorical=["site"],
+                    numeric=["price"], drop=["junk"], strict=True)
+
+
+def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_cli_subcommands(tmp_path):
+    r = _cli("data", "criteo", "--src", str(CRITEO), "--out", str(tmp_path / "c"), "--workers", "1",
+             "--row-group-size", "100")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 200 and summary["files"][0]["bad_rows"] == 0
+    bad = _bad_file(tmp_path, "bad.tsv", wrong_count=3, non_hex=None)
+    r = _cli("data", "criteo", "--src", str(bad), "--out", str(tmp_path / "b"), "--strict")
+    assert r.returncode == 2 and "bad.tsv, line 3" in r.stderr
+    if AVAZU.is_file():
+        r = _cli("data", "csv", "--src", str(AVAZU), "--out", str(tmp_path / "a"), "--label", "click",
+                 "--drop", "id")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1])["rows"] == 100
+
+
+def test_criteo_1tb_config():
+    cfg = load_config(ROOT / "configs" / "criteo_1tb.toml")
+    sparse = [f for f in cfg.features if f.kind != "numeric"]
+    numeric = [f for f in cfg.features if f.kind == "numeric"]
+    assert [f.name for f in sparse] == CAT_COLUMNS and [f.name for f in numeric] == INT_COLUMNS
+    assert [f.num_embeddings for f in sparse] == MLPERF_CAPS
+    assert {f.embedding_dim for f in sparse} == {128} and {f.hashing for f in sparse} == {"modulo"}
+    for f in numeric:
+        assert f.transform == ["clip", "log1p"] and f.clip_min == 0 and f.fill_null == 0
+    assert cfg.data.dataset == "parquet" and cfg.model.tower == "rankmixer"
+    assert [(t.name, t.label) for t in cfg.model.tasks] == [("click", "label")]
+
+
+BIG_TABLES = [f"C{i}" for i, cap in enumerate(MLPERF_CAPS, 1) if cap > 100_000]
+
+
+def test_train_two_steps_on_converted_sample(converted, tmp_path):
+    out, _ = converted
+    shrink = [f"--features.{c}.num_embeddings=1000" for c in BIG_TABLES]
+    r = _cli("train", "--config", "configs/criteo_1tb.toml", f"--data.train_path={out}",
+             f"--data.eval_path={out}", "--data.batch_size=16", "--data.eval_batch_size=64",
+             "--data.shuffle_buffer=64", "--train.steps=2", "--model.hidden_dim=16", "--model.num_tokens=4",
+             "--optim.warmup_steps=0", f"--train.run_dir={tmp_path / 'run'}", "--checkpoint.enabled=false",
+             "--metrics.tensorboard=false", "--metrics.progress=false", "--train.device=cpu", *shrink)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and 0.0 <= summary["auc"] <= 1.0

@@ -1,0 +1,394 @@
+"""Delimited text logs (CSV / TSV, optionally compressed) -> Parquet, streaming and resumable.
+
+The machinery shared by the converters (`rankmix data csv`, `rankmix data criteo`):
+
+- **Streaming, bounded memory**: an input is read with pyarrow's streaming CSV reader
+  (every column as a string, `block_size` bytes at a time), each block is validated and
+  converted column-wise, and rows go to a Parquet writer in row groups of exactly
+  `row_group_size` rows. Memory is about one block plus one row group, whatever the
+  file size. Inputs ending in .gz / .bz2 / .zst / .lz4 are decompressed on the fly.
+- **Parallel**: one input file per worker process (`workers`).
+- **Resumable per input**: parts are written as `*.parquet.tmp`, renamed when the whole
+  input is done, then a `_DONE_<input name>` marker (holding that input's report) is
+  written; a rerun skips every input with a marker and reports it as `skipped`.
+- **Malformed rows are counted, never silently dropped**: a row with the wrong number of
+  fields or a value that does not parse is left out of the output and counted; the
+  per-file report gives the count, the first offending line number (1-based, physical
+  line of the input, header included) and why. With `strict` the first such row raises
+  `ValueError` naming the file and the line.
+
+A *layout* (`CsvLayout` here, `CriteoLayout` in criteo.py) says how the string columns of
+one block become typed output columns plus, per checked column, which rows are valid.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import multiprocessing
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+__all__ = ["CsvLayout", "FileReport", "convert_files", "convert_csv", "stable_hash"]
+
+DEFAULT_ROW_GROUP = 65_536
+DEFAULT_BLOCK = 8 << 20
+_COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+_DATA_EXT = (".tsv", ".csv", ".txt")
+_NUMBER = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+
+
+@dataclass
+class Checked:
+    """One block converted: output columns, and per checked column the valid rows."""
+
+    columns: dict[str, pa.Array]
+    checks: list[tuple[str, np.ndarray, pa.Array]]  # (column, valid mask, raw strings)
+
+
+@dataclass
+class FileReport:
+    """What happened to one input file (one entry of the summary JSON)."""
+
+    src: str
+    rows: int = 0
+    """Rows written."""
+    bad_rows: int = 0
+    """Rows left out because they are malformed."""
+    first_bad_line: int | None = None
+    """1-based line number of the first malformed row (None: none)."""
+    first_bad_reason: str = ""
+    bad_field_count: int = 0
+    """Malformed rows with the wrong number of fields."""
+    bad_columns: dict[str, int] = field(default_factory=dict)
+    """Malformed rows per column whose value does not parse (a row may count in several)."""
+    parts: list[str] = field(default_factory=list)
+    skipped: bool = False
+    """True when a previous run had completed this input (its report is reused)."""
+
+
+class CsvLayout:
+    """A generic log: a label column, categorical columns (strings hashed to int64 with
+    `stable_hash`, empty -> null), numeric columns (float64, empty -> null); columns in
+    `drop` are ignored. With `categorical` empty, every other column is categorical."""
+
+    header = True
+
+    def __init__(self, label: str, categorical: list[str] = (), numeric: list[str] = (),
+                 drop: list[str] = (), delimiter: str = ","):
+        self.label, self.delimiter = label, delimiter
+        self.categorical, self.numeric, self.drop = list(categorical), list(numeric), list(drop)
+        self.column_names: list[str] | None = None  # set from the header
+
+    def bind(self, header: list[str], src: str) -> None:
+        """Check the named columns against a file's header."""
+        named = [self.label, *self.categorical, *self.numeric, *self.drop]
+        missing = [c for c in named if c not in header]
+        if missing:
+            raise ValueError(f"{src}: columns {missing} not in the header {header}")
+        if not self.categorical:
+            taken = {self.label, *self.numeric, *self.drop}
+            self.categorical = [c for c in header if c not in taken]
+        else:
+            rest = [c for c in header if c not in set(named)]
+            if rest:
+                raise ValueError(f"{src}: columns {rest} are not named in --label, --categorical, "
+                                 "--numeric or --drop")
+        self.column_names = header
+
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema([(self.label, pa.int64())] + [(c, pa.int64()) for c in self.categorical]
+                         + [(c, pa.float64()) for c in self.numeric])
+
+    def convert(self, batch: pa.RecordBatch) -> Checked:
+        cols, checks = {}, []
+        raw = batch.column(self.label)
+        ok, cols[self.label] = label_column(raw)
+        checks.append((self.label, ok, raw))
+        for c in self.categorical:
+            cols[c] = hashed_column(batch.column(c))
+        for c in self.numeric:
+            raw = batch.column(c)
+            ok, cols[c] = number_column(raw)
+            checks.append((c, ok, raw))
+        return Checked(cols, checks)
+
+
+# ----------------------------------------------------------------------------- columns
+
+
+def label_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """'0' / '1' -> int64; anything else is invalid."""
+    ok = pc.is_in(raw, value_set=pa.array(["0", "1"])).to_numpy(zero_copy_only=False)
+    return ok, pc.cast(pc.equal(raw, "1"), pa.int64())
+
+
+def number_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """Decimal numbers -> float64, empty -> null; anything else is invalid."""
+    empty = pc.equal(pc.utf8_length(raw), 0)
+    ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
+    good = pc.and_(ok, pc.invert(empty))
+    values = pc.cast(pc.if_else(good, raw, pa.scalar(None, pa.string())), pa.float64())
+    return ok.to_numpy(zero_copy_only=False), values
+
+
+_HEX = np.full(256, 255, np.uint8)
+for _i, _ch in enumerate(b"0123456789abcdef"):
+    _HEX[_ch] = _i
+for _i, _ch in enumerate(b"ABCDEF"):
+    _HEX[_ch] = 10 + _i
+_NIBBLE_WEIGHTS = (16 ** np.arange(7, -1, -1)).astype(np.int64)
+
+
+def hex_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """Up to 8 hex digits -> their unsigned 32-bit value as int64, empty -> null."""
+    n = len(raw)
+    length = pc.binary_length(raw).to_numpy(zero_copy_only=False)
+    fits = length <= 8
+    safe = raw if fits.all() else pc.if_else(pa.array(fits), raw, pa.scalar("0"))
+    padded = pc.utf8_lpad(safe, 8, "0")
+    if isinstance(padded, pa.ChunkedArray):
+        padded = padded.combine_chunks()
+    offsets = np.frombuffer(padded.buffers()[1], np.int32)[padded.offset:padded.offset + n + 1]
+    data = np.frombuffer(padded.buffers()[2], np.uint8)[offsets[0]:offsets[0] + 8 * n].reshape(n, 8)
+    nibbles = _HEX[data]
+    ok = fits & (nibbles != 255).all(axis=1)
+    values = np.where(ok, nibbles.astype(np.int64) @ _NIBBLE_WEIGHTS, 0)
+    return ok, pa.array(values, mask=(length == 0) | ~ok)
+
+
+def stable_hash(value: str) -> int:
+    """A categorical string's id: 63 bits of blake2b, the same in every process and run."""
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def hashed_column(raw: pa.Array) -> pa.Array:
+    """Strings -> `stable_hash` int64 (hashing each distinct value once), empty -> null."""
+    enc = pc.dictionary_encode(raw)
+    ids = np.array([stable_hash(v) for v in enc.dictionary.to_pylist()], np.int64)
+    values = ids[enc.indices.to_numpy(zero_copy_only=False)] if len(ids) else np.zeros(len(raw), np.int64)
+    return pa.array(values, mask=pc.equal(pc.utf8_length(raw), 0).to_numpy(zero_copy_only=False))
+
+
+# ----------------------------------------------------------------------------- one file
+
+
+def _stem(name: str) -> str:
+    for ext in _COMPRESSED:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    for ext in _DATA_EXT:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    return name
+
+
+class _PartWriter:
+    """Rows -> `<stem>-NNNNN.parquet.tmp` parts of exactly `row_group_size`-row row groups."""
+
+    def __init__(self, out: Path, stem: str, schema: pa.Schema, row_group_size: int, rows_per_file: int):
+        self.out, self.stem, self.schema = out, stem, schema
+        self.rg, self.per_file = row_group_size, rows_per_file
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.writer: pq.ParquetWriter | None = None
+        self.in_part = 0
+        self.parts: list[Path] = []
+
+    def add(self, table: pa.Table) -> None:
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        if self.pending_rows >= self.rg:
+            self._drain(final=False)
+
+    def _drain(self, final: bool) -> None:
+        table = pa.concat_tables(self.pending) if self.pending else self.schema.empty_table()
+        start = 0
+        while table.num_rows - start >= self.rg or (final and start < table.num_rows):
+            if self.writer is None:
+                path = self.out / f"{self.stem}-{len(self.parts):05d}.parquet.tmp"
+                self.parts.append(path)
+                self.writer = pq.ParquetWriter(path, self.schema)
+                self.in_part = 0
+            take = min(self.rg, table.num_rows - start)
+            if self.per_file:
+                take = min(take, self.per_file - self.in_part)
+            self.writer.write_table(table.slice(start, take), row_group_size=take)
+            start += take
+            self.in_part += take
+            if self.per_file and self.in_part >= self.per_file:
+                self.writer.close()
+                self.writer = None
+        rest = table.slice(start)
+        self.pending, self.pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def finish(self) -> list[str]:
+        self._drain(final=True)
+        if self.writer is not None:
+            self.writer.close()
+        final = []
+        for tmp in self.parts:
+            dest = tmp.with_name(tmp.name[: -len(".tmp")])
+            os.replace(tmp, dest)
+            final.append(dest.name)
+        for stale in self.out.glob(f"{self.stem}-*.parquet"):  # parts of an earlier, longer split
+            if stale.name not in final:
+                stale.unlink()
+        return final
+
+
+def _header(src: str, delimiter: str) -> list[str]:
+    """The first line's fields."""
+    head = b""
+    with pa.input_stream(src) as f:
+        while b"\n" not in head and (chunk := f.read(1 << 16)):
+            head += chunk
+    return head.split(b"\n", 1)[0].decode("utf-8").rstrip("\r").split(delimiter)
+
+
+def _line_of(row: int, header_lines: int, skipped: list[int]) -> int:
+    """Physical 1-based line of the `row`-th (0-based) parsed row, given the lines skipped
+    as malformed (sorted)."""
+    line = row + 1 + header_lines
+    for s in skipped:
+        if s <= line:
+            line += 1
+        else:
+            break
+    return line
+
+
+def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
+                 rows_per_file: int = 0, row_group_size: int = DEFAULT_ROW_GROUP,
+                 block_size: int = DEFAULT_BLOCK) -> FileReport:
+    """Convert one input file (see the module docstring); returns its report."""
+    out = Path(out_dir)
+    name = os.path.basename(src)
+    marker = out / f"_DONE_{name}"
+    if marker.exists():
+        report = FileReport(**json.loads(marker.read_text()))
+        report.skipped = True
+        return report
+    for tmp in out.glob(f"{_stem(name)}-*.parquet.tmp"):
+        tmp.unlink()
+    if not os.path.isfile(src):
+        raise ValueError(f"input not found: {src}")
+
+    report = FileReport(src=src)
+    bad_lines: list[tuple[int, str]] = []  # from the field-count handler
+    first: list[tuple[int, str]] = []
+
+    def on_invalid(row) -> str:
+        number = row.number if row.number is not None else -1
+        bad_lines.append((number, f"expected {row.expected_columns} fields, got {row.actual_columns}"))
+        return "skip"
+
+    header_lines = 0
+    read_opts = dict(use_threads=False, block_size=block_size)
+    if layout.header:
+        layout.bind(_header(src, layout.delimiter), src)
+        header_lines = 1
+    else:
+        read_opts["column_names"] = layout.column_names
+    stream = pa.input_stream(src)
+    reader = pcsv.open_csv(
+        stream,
+        read_options=pcsv.ReadOptions(**read_opts),
+        parse_options=pcsv.ParseOptions(delimiter=layout.delimiter, quote_char=False,
+                                        ignore_empty_lines=False, invalid_row_handler=on_invalid),
+        convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in layout.column_names},
+                                            strings_can_be_null=False, quoted_strings_can_be_null=False))
+    writer = _PartWriter(out, _stem(name), layout.schema, row_group_size, rows_per_file)
+    parsed = 0
+    skipped_sorted: list[int] = []
+    try:
+        for batch in reader:
+            if bad_lines:
+                skipped_sorted = sorted(skipped_sorted + [n for n, _ in bad_lines])
+                report.bad_rows += len(bad_lines)
+                report.bad_field_count += len(bad_lines)
+                first.append(min(bad_lines))
+                bad_lines.clear()
+            checked = layout.convert(batch)
+            bad = np.zeros(batch.num_rows, bool)
+            for col, ok, _ in checked.checks:
+                if not ok.all():
+                    report.bad_columns[col] = report.bad_columns.get(col, 0) + int((~ok).sum())
+                    bad |= ~ok
+            table = pa.table(checked.columns, schema=layout.schema)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                col, _, raw = next(c for c in checked.checks if not c[1][i])
+                first.append((_line_of(parsed + i, header_lines, skipped_sorted),
+                              f"column {col}: bad value {raw[i].as_py()!r}"))
+                report.bad_rows += int(bad.sum())
+                table = table.filter(pa.array(~bad))
+            if strict and first:
+                line, why = min(first)
+                raise ValueError(f"{src}, line {line}: malformed row ({why})")
+            parsed += batch.num_rows
+            report.rows += table.num_rows
+            writer.add(table)
+        if bad_lines:  # rows skipped in the last block, after the last batch
+            report.bad_rows += len(bad_lines)
+            report.bad_field_count += len(bad_lines)
+            first.append(min(bad_lines))
+        if strict and first:
+            line, why = min(first)
+            raise ValueError(f"{src}, line {line}: malformed row ({why})")
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"{src}: cannot parse: {e}") from None
+    finally:
+        stream.close()
+    if first:
+        report.first_bad_line, report.first_bad_reason = min(first)
+    report.parts = writer.finish()
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(report)))
+    os.replace(tmp, marker)
+    return report
+
+
+# ----------------------------------------------------------------------------- many files
+
+
+def convert_files(srcs: list[str], out_dir: str, layout, *, workers: int = 1, strict: bool = False,
+                  rows_per_file: int = 0, row_group_size: int = DEFAULT_ROW_GROUP,
+                  block_size: int = DEFAULT_BLOCK) -> dict:
+    """Convert every input (one per worker process); returns the summary dict."""
+    if not srcs:
+        raise ValueError("no input files")
+    if row_group_size <= 0 or rows_per_file < 0 or workers < 1:
+        raise ValueError("--row-group-size and --workers must be positive, --rows-per-file >= 0")
+    stems = [_stem(os.path.basename(s)) for s in srcs]
+    dup = sorted({s for s in stems if stems.count(s) > 1})
+    if dup:
+        raise ValueError(f"inputs share output names {dup}: convert them into different --out folders")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    job = functools.partial(convert_file, out_dir=out_dir, layout=layout, strict=strict,
+                            rows_per_file=rows_per_file, row_group_size=row_group_size, block_size=block_size)
+    workers = min(workers, len(srcs))
+    if workers == 1:
+        reports = [job(s) for s in srcs]
+    else:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            reports = pool.map(job, srcs, chunksize=1)
+    return {"out": str(out_dir), "rows": sum(r.rows for r in reports),
+            "bad_rows": sum(r.bad_rows for r in reports),
+            "skipped_files": sum(r.skipped for r in reports),
+            "files": [asdict(r) for r in reports]}
+
+
+def convert_csv(srcs: list[str], out_dir: str, *, label: str, categorical: list[str] = (),
+                numeric: list[str] = (), drop: list[str] = (), delimiter: str = ",", **kw) -> dict:
+    """Generic CSV logs with a header (Avazu's layout, for one) -> Parquet; see CsvLayout."""
+    return convert_files(srcs, out_dir, CsvLayout(label, categorical, numeric, drop, delimiter), **kw)
