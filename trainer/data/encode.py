@@ -81,8 +81,15 @@ class RowEncoder:
         values, lengths = [], []
         for f in self.sparse:
             col = table.column(f.name).combine_chunks()
-            lengths.append(pc.list_value_length(col).to_numpy())
-            values.append(pc.list_flatten(col).to_numpy())
+            if pa.types.is_list(col.type):
+                lengths.append(pc.list_value_length(col).to_numpy())
+                values.append(pc.list_flatten(col).to_numpy())
+            elif col.null_count:  # one id per row; a null is an empty bag
+                lengths.append((~np.asarray(col.is_null())).astype(np.int64))
+                values.append(col.drop_null().to_numpy())
+            else:
+                lengths.append(np.ones(n, np.int64))
+                values.append(col.to_numpy())
         sparse = KeyedJaggedTensor(
             keys=[f.name for f in self.sparse],
             values=torch.from_numpy(np.concatenate(values) if values else np.zeros(0, np.int64)),
