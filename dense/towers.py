@@ -10,6 +10,7 @@ from torch import nn
 from dense.layout import InputLayout
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
+from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
 from trainer.config import ModelConfig
 from trainer.registry import Registry
 
@@ -38,6 +39,27 @@ class Passthrough(nn.Module):
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         return e_input
+
+
+@TOWERS.register("unimixer")
+def unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters))
+
+
+@TOWERS.register("unimixer_lite")
+def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank))
+
+
+def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
+    """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
+    tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
+                                cfg.hidden_dim)
+    length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
+    blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
+    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps)
 
 
 @TOWERS.register("logreg")

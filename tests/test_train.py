@@ -85,7 +85,7 @@ def test_movielens_reaches_sensible_auc(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--model.tower=nope",), "rankmix: error: model.tower='nope' is not one of ['logreg', 'rankmixer']"),
+    (("--model.tower=nope",), "rankmix: error: model.tower='nope' is not one of ['logreg', 'rankmixer', 'unimixer', 'unimixer_lite']"),
     (("--model.colour=red",), "rankmix: error: unknown config key: model.colour"),
     (("--train.steps=ten",), "rankmix: error: config key train.steps must be int, got 'ten'"),
     (("--config", "missing.toml"), "rankmix: error: config file not found: missing.toml"),

@@ -136,7 +136,7 @@ class ModelConfig:
     """Tokenizer, dense tower and task heads."""
 
     tower: str = "rankmixer"
-    """Registered dense tower: rankmixer | logreg."""
+    """Registered dense tower: rankmixer | unimixer | unimixer_lite | logreg."""
     tokenizer: str = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
@@ -149,6 +149,20 @@ class ModelConfig:
     """L, RankMixer blocks."""
     ffn_ratio: int = 4
     """k, per-token FFN hidden width is k x D."""
+    block_size: int = 0
+    """UniMixer block size over the flattened T x D tokens (0: D, one block per token)."""
+    tau_start: float = 1.0
+    """UniMixer temperature at step 0 (eq. 21)."""
+    tau_end: float = 0.05
+    """UniMixer temperature after tau_anneal_steps (eq. 21)."""
+    tau_anneal_steps: int = 0
+    """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
+    sinkhorn_iters: int = 50
+    """Sinkhorn-Knopp iterations (row and column normalisation each) for the UniMixer weights."""
+    num_basis: int = 4
+    """b, shared basis matrices of the local weights (unimixer_lite)."""
+    global_rank: int = 8
+    """r, rank of the global weight A_G B_G (unimixer_lite)."""
     head_hidden: int = 0
     """Hidden width of each task head's MLP (0: one linear layer)."""
     tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
@@ -402,9 +416,11 @@ def _fields(cls: type) -> tuple[str, ...]:
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
-                    "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr")
+                    "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr",
+                    "model.tau_start", "model.tau_end", "model.sinkhorn_iters", "model.num_basis",
+                    "model.global_rank")
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
-                       "model.head_hidden", "optim.warmup_steps", "optim.grad_clip_norm",
+                       "model.head_hidden", "model.block_size", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
                        "metrics.eval_every", "metrics.eval_batches", "metrics.log_every",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
@@ -423,6 +439,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"embeddings.sharding_types: {bad or 'empty'}; choose from {SPARSE_SHARDING_TYPES}")
     if cfg.train.steps == 0 and cfg.train.epochs == 0:
         raise ValueError("train.steps and train.epochs are both 0: nothing to train")
+    if cfg.model.tau_anneal_steps and cfg.model.tau_end > cfg.model.tau_start:
+        raise ValueError(f"model.tau_end={cfg.model.tau_end} exceeds model.tau_start={cfg.model.tau_start}: "
+                         "eq. 21 anneals the temperature downwards")
     if not cfg.model.tasks:
         raise ValueError("model.tasks is empty: at least one task is needed")
     for task in cfg.model.tasks:

@@ -136,6 +136,7 @@ class Trainer:
             task_losses = self.train_step(batches)
             self.scheduler.step()
             self.step += 1
+            self.notify_step()
             self.reader_state = self._reader_states.popleft()
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
@@ -292,6 +293,15 @@ class Trainer:
             self.load_checkpoint(latest[0], full=True)
         elif ck.load_path:
             self.load_checkpoint(resolve_load_path(ck.load_path), full=ck.load_mode == "full")
+        self.notify_step()
+
+    def notify_step(self) -> None:
+        """Tell modules with a `set_step(step)` hook (the UniMixer temperature) the step
+        now trained; state that is a function of the step needs nothing in checkpoints."""
+        if not hasattr(self, "_step_hooks"):
+            self._step_hooks = [m.set_step for m in self.model.modules() if callable(getattr(m, "set_step", None))]
+        for hook in self._step_hooks:
+            hook(self.step)
 
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""

@@ -1,0 +1,237 @@
+"""UniMixer (seed 004): learnable block mixing (UniMixing, UniMixing-Lite), per-block SwiGLU
+and SiameseNorm, with the linear temperature schedule of eq. 21.
+
+Tokens [B, T, D] are flattened to L = T*D and cut into n = L/blk blocks of blk values
+(`model.block_size`). The mixing of eq. 11 is the generalised Kronecker product
+W_G (x) {W_B^i}, an L x L matrix that is never built: eq. 14 applies the n per-block
+blk x blk matrices, then the n x n global matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dense.rankmixer import _uniform
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp, then alternate row and column normalisation: [..., n, n] -> doubly stochastic.
+
+    In log space and float32 even under autocast: at tau = 0.05 the logits are 20x the
+    weights, and exp of that overflows bf16 while bf16 row sums drift by ~1e-2.
+    """
+    with torch.autocast(logits.device.type, enabled=False):
+        log_p = logits.float()
+        for _ in range(iters):
+            log_p = log_p - log_p.logsumexp(dim=-1, keepdim=True)
+            log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
+        return log_p.exp()
+
+
+def constrain(weight: torch.Tensor, tau: torch.Tensor | float, iters: int) -> torch.Tensor:
+    """Eq. 15: symmetrise, divide by tau, Sinkhorn-Knopp: [..., n, n] -> [..., n, n] float32.
+
+    The result is averaged with its transpose once more: a finite number of iterations
+    leaves it symmetric only to the iteration's tolerance, and the mean of a doubly
+    stochastic matrix and its transpose is still doubly stochastic (the paper's text also
+    puts the symmetrisation last).
+    """
+    with torch.autocast(weight.device.type, enabled=False):
+        w = weight.float()
+        p = sinkhorn((w + w.mT) / (2 * tau), iters)
+        return (p + p.mT) / 2
+
+
+def temperature(step: int, tau_start: float, tau_end: float, anneal_steps: int) -> float:
+    """Eq. 21: tau_j = max(tau_start - (tau_start - tau_end) j / J, tau_end); J = 0 holds tau_start."""
+    if anneal_steps <= 0:
+        return tau_start
+    return max(tau_start - (tau_start - tau_end) * step / anneal_steps, tau_end)
+
+
+class BlockMixing(nn.Module):
+    """Eq. 14 on top of `weights(tau)`, which the two variants define; residual + RMSNorm (eq. 16)."""
+
+    def __init__(self, length: int, block: int, dim: int, iters: int):
+        super().__init__()
+        if length % block:
+            raise ValueError(f"model.block_size={block} must divide the flattened token length "
+                             f"T*D = {length}")
+        self.block, self.num_blocks, self.iters = block, length // block, iters
+        self.norm = nn.RMSNorm(dim)
+
+    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_G [n, n], W_B [n, blk, blk]), constrained."""
+        raise NotImplementedError
+
+    def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+        """Eq. 14 with the matrices given (no constraint): [B, T, D] -> [B, T, D].
+
+        W_B^i x_i is eq. 26's Kronecker block (the product of eq. 11); eq. 13 writes
+        x_i W_B^i, the same thing for the symmetric matrices of eq. 15.
+        """
+        b, t, d = x.shape
+        blocks = x.reshape(b, self.num_blocks, self.block)
+        h = torch.einsum("bnk,njk->bnj", blocks, w_local.to(x.dtype))
+        return torch.einsum("mn,bnj->bmj", w_global.to(x.dtype), h).reshape(b, t, d)
+
+    def forward(self, x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> RMSNorm(X + UniMixing(X)) [B, T, D]."""
+        return self.norm(x + self.mix(x, *self.weights(tau)))
+
+
+class UniMixing(BlockMixing):
+    """Free W_G [n, n] and one W_B^i [blk, blk] per block (eq. 11-16)."""
+
+    def __init__(self, length: int, block: int, dim: int, iters: int):
+        super().__init__(length, block, dim, iters)
+        # Unit-variance logits: clearly non-uniform at tau = 1, near-permutations at tau = 0.05.
+        self.w_global = nn.Parameter(torch.randn(self.num_blocks, self.num_blocks))
+        self.w_local = nn.Parameter(torch.randn(self.num_blocks, block, block))
+
+    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return constrain(self.w_global, tau, self.iters), constrain(self.w_local, tau, self.iters)
+
+
+class UniMixingLite(BlockMixing):
+    """Eq. 18: W_B^i from b shared bases, W_B^i = Sinkhorn(sum_l omega^i_l Z_l); W_G = Sinkhorn(A_G B_G)
+    of rank r. The same symmetrise-and-temperature constraint as UniMixing (the paper's
+    figure 5 anneals Lite too)."""
+
+    def __init__(self, length: int, block: int, dim: int, iters: int, num_basis: int, rank: int):
+        super().__init__(length, block, dim, iters)
+        n = self.num_blocks
+        self.basis = nn.Parameter(torch.randn(num_basis, block, block))
+        self.omega = nn.Parameter(torch.randn(n, num_basis) / math.sqrt(num_basis))  # unit-variance mix
+        scale = rank ** -0.25  # entries of A_G B_G then have unit variance
+        self.a_global = nn.Parameter(torch.randn(n, rank) * scale)
+        self.b_global = nn.Parameter(torch.randn(rank, n) * scale)
+
+    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        local = torch.einsum("nl,ljk->njk", self.omega, self.basis)
+        return (constrain(self.a_global @ self.b_global, tau, self.iters),
+                constrain(local, tau, self.iters))
+
+
+class PerTokenSwiGLU(nn.Module):
+    """Eq. 19: token i has its own W_up, W_gate [blk, n blk], W_down [n blk, blk]; all tokens
+    in batched products. Up and gate share one [T, blk, 2 n blk] weight: one bmm, not two."""
+
+    def __init__(self, num_tokens: int, dim: int, ratio: int):
+        super().__init__()
+        hidden = ratio * dim
+        self.w_in = nn.Parameter(_uniform((num_tokens, dim, 2 * hidden), dim))
+        self.b_in = nn.Parameter(_uniform((num_tokens, 1, 2 * hidden), dim))
+        self.w_down = nn.Parameter(_uniform((num_tokens, hidden, dim), hidden))
+        self.b_down = nn.Parameter(_uniform((num_tokens, 1, dim), hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, blk] -> [B, T, blk]."""
+        up, gate = torch.baddbmm(self.b_in, x.transpose(0, 1), self.w_in).chunk(2, dim=-1)
+        return torch.baddbmm(self.b_down, up * nn.functional.silu(gate), self.w_down).transpose(0, 1)
+
+
+class UniMixerBlock(nn.Module):
+    """O = pSwiGLU(RMSNorm(Z + UniMixing(Z))): [B, T, D] -> [B, T, D]. The SwiGLU's tokens
+    are the mixing blocks (eq. 19's weights are blk x n blk); blk = D makes them the tokens."""
+
+    def __init__(self, mixing: BlockMixing, ratio: int):
+        super().__init__()
+        self.mixing = mixing
+        self.ffn = PerTokenSwiGLU(mixing.num_blocks, mixing.block, ratio)
+
+    def forward(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        s = self.mixing(z, tau)
+        return self.ffn(s.reshape(s.shape[0], -1, self.mixing.block)).reshape(s.shape)
+
+
+class SiameseLayer(nn.Module):
+    """Section 4.4: O = Block(X + RMSNorm(Y)); X <- RMSNorm(X + O); Y <- Y + O."""
+
+    def __init__(self, block: UniMixerBlock, dim: int):
+        super().__init__()
+        self.block = block
+        self.norm_y = nn.RMSNorm(dim)
+        self.norm_x = nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, D], [B, T, D]) -> ([B, T, D], [B, T, D])."""
+        o = self.block(x + self.norm_y(y), tau)
+        return self.norm_x(x + o), y + o
+
+
+class UniMixerTower(nn.Module):
+    """Tokenizer -> M Siamese UniMixer layers -> X_M + RMSNorm(Y_M) (eq. 20) -> mean over
+    tokens: e_input [B, E] -> [B, D].
+
+    The temperature is a non-persistent buffer set by `set_step`: a pure function of the
+    optimizer step, so checkpoints need no extra state, and a buffer (not a float) so that
+    traced forwards read the current value.
+    """
+
+    def __init__(self, tokenizer: nn.Module, blocks: list[UniMixerBlock], dim: int,
+                 tau_start: float, tau_end: float, anneal_steps: int):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.layers = nn.ModuleList(SiameseLayer(b, dim) for b in blocks)
+        self.norm_out = nn.RMSNorm(dim)
+        self.out_dim = dim
+        self.schedule = (tau_start, tau_end, anneal_steps)
+        self.register_buffer("tau", torch.tensor(tau_start), persistent=False)
+
+    def set_step(self, step: int) -> None:
+        """Called by the trainer after every optimizer step and after a restore."""
+        self.tau.fill_(temperature(step, *self.schedule))
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        x = self.tokenizer(e_input)
+        y = x
+        for layer in self.layers:
+            x, y = layer(x, y, self.tau)
+        return (x + self.norm_out(y)).mean(dim=1)
+
+
+# ---------------------------------------------------------------- analytic costs
+
+
+def tokenizer_cost(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,
+                   dim: int) -> tuple[int, int, int]:
+    """(T, parameters, forward matmul FLOPs per sample) of `build_tokenizer`'s result."""
+    if kind == "group":
+        width = sum(group_widths)
+        return len(group_widths), width * dim + len(group_widths) * dim, 2 * width * dim
+    d = token_dim or math.ceil(sum(group_widths) / num_tokens)
+    return num_tokens, num_tokens * (d * dim + dim), 2 * num_tokens * d * dim
+
+
+def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int,
+                  lite: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(parameters, forward matmul FLOPs per sample) of the M layers and the output norm,
+    without the tokenizer. `lite` = (num_basis, rank) for UniMixing-Lite.
+
+    Per sample, a layer costs 2 L blk (local) + 2 L n (global) + 6 k L blk (SwiGLU);
+    building the constrained matrices does not depend on the batch and is left out.
+    """
+    length = num_tokens * dim
+    n = length // block
+    if lite is None:
+        mixing = n * n + n * block * block
+    else:
+        basis, rank = lite
+        mixing = basis * block * block + n * basis + 2 * n * rank
+    swiglu = n * (3 * ratio * block * block + 2 * ratio * block + block)
+    params = layers * (mixing + swiglu + 3 * dim) + dim
+    flops = layers * (2 * length * block + 2 * length * n + 6 * ratio * length * block)
+    return params, flops
+
+
+def tower_cost(cfg, group_widths: list[int], lite: bool) -> tuple[int, int]:
+    """(parameters, forward matmul FLOPs per sample) of the whole tower built from ModelConfig `cfg`."""
+    t, tok_params, tok_flops = tokenizer_cost(cfg.tokenizer, group_widths, cfg.num_tokens, cfg.token_dim,
+                                              cfg.hidden_dim)
+    params, flops = unimixer_cost(t, cfg.hidden_dim, cfg.block_size or cfg.hidden_dim, cfg.ffn_ratio,
+                                  cfg.num_layers, (cfg.num_basis, cfg.global_rank) if lite else None)
+    return tok_params + params, tok_flops + flops

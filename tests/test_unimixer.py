@@ -1,0 +1,169 @@
+"""UniMixer (seed 004): appendix A's TokenMixer equivalence, eq. 14 against eq. 11, the
+Sinkhorn constraint, the temperature schedule, analytic costs and CLI training."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dense.layout import InputLayout
+from dense.rankmixer import token_mixing
+from dense.towers import build_tower
+from dense.unimixer import UniMixing, UniMixingLite, constrain, temperature, tower_cost
+from trainer.config import ModelConfig
+from trainer.data.datasets import synth_features
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def block_permutation(num_tokens: int, heads: int) -> torch.Tensor:
+    """G [T H, T H]: block (t, h) of the input goes to block (h, t) of the output."""
+    n = num_tokens * heads
+    g = torch.zeros(n, n)
+    for t in range(num_tokens):
+        for h in range(heads):
+            g[h * num_tokens + t, t * heads + h] = 1
+    return g
+
+
+def token_mixing_matrix(num_tokens: int, dim: int, heads: int) -> torch.Tensor:
+    """The L x L matrix with flatten(TokenMixer(X)) = W_perm flatten(X): column j is the image of e_j."""
+    length = num_tokens * dim
+    basis = torch.eye(length).view(length, num_tokens, dim)
+    return token_mixing(basis, heads).reshape(length, length).T
+
+
+def test_appendix_a_example_and_kronecker_factorisation():
+    x = torch.arange(1.0, 13.0).view(1, 2, 6)  # x1..x12
+    assert token_mixing(x, 2)[0].tolist() == [[1, 2, 3, 7, 8, 9], [4, 5, 6, 10, 11, 12]]
+    paper_g = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1]])
+    assert torch.equal(block_permutation(2, 2), paper_g)
+    w_perm = torch.kron(paper_g, torch.eye(3))
+    assert torch.equal(w_perm, token_mixing_matrix(2, 6, 2))
+    assert (w_perm @ x.flatten()).tolist() == [1, 2, 3, 7, 8, 9, 4, 5, 6, 10, 11, 12]  # eq. 22-23
+
+
+@pytest.mark.parametrize("num_tokens,dim", [(2, 6), (4, 8), (3, 12)])
+def test_unimixing_at_the_permutation_is_token_mixing(num_tokens, dim):
+    q = dim // num_tokens
+    length = num_tokens * dim
+    mixing = UniMixing(length, q, dim, iters=1)
+    x = torch.randn(5, num_tokens, dim)
+    local = torch.eye(q).expand(length // q, q, q)
+    out = mixing.mix(x, block_permutation(num_tokens, num_tokens), local)
+    assert torch.equal(out, token_mixing(x, num_tokens))
+    assert torch.equal(torch.kron(block_permutation(num_tokens, num_tokens), torch.eye(q)),
+                       token_mixing_matrix(num_tokens, dim, num_tokens))
+
+
+def test_fast_path_equals_the_explicit_kronecker_product():
+    torch.manual_seed(0)
+    num_tokens, dim, block = 3, 10, 5  # no H = T restriction: 6 blocks of 5
+    length, n = num_tokens * dim, num_tokens * dim // block
+    mixing = UniMixing(length, block, dim, iters=1)
+    w_global, w_local = torch.randn(n, n, dtype=torch.float64), torch.randn(n, block, block, dtype=torch.float64)
+    # eq. 11 / 26: block (i, j) of the L x L matrix is W_G[i, j] W_B^j
+    big = torch.cat([torch.cat([w_global[i, j] * w_local[j] for j in range(n)], dim=1) for i in range(n)])
+    x = torch.randn(4, num_tokens, dim, dtype=torch.float64)
+    expected = (x.reshape(4, length) @ big.T).view(4, num_tokens, dim)
+    torch.testing.assert_close(mixing.mix(x, w_global, w_local), expected)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.3])
+def test_sinkhorn_is_symmetric_doubly_stochastic_float32_under_autocast(tau):
+    torch.manual_seed(0)
+    weight = torch.randn(6, 16, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        p = constrain(weight, tau, iters=50)
+    assert p.dtype == torch.float32
+    ones = torch.ones(6, 16)
+    torch.testing.assert_close(p.sum(-1), ones, atol=1e-4, rtol=0)
+    torch.testing.assert_close(p.sum(-2), ones, atol=1e-4, rtol=0)
+    assert torch.equal(p, p.mT)
+
+
+def test_mixing_weights_stay_float32_inside_a_bf16_tower():
+    for mixing in (UniMixing(32, 4, 8, iters=5), UniMixingLite(32, 4, 8, iters=5, num_basis=3, rank=2)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            w_global, w_local = mixing.weights(torch.tensor(0.05))
+            out = mixing(torch.randn(2, 4, 8), torch.tensor(0.05))
+        assert w_global.dtype == w_local.dtype == torch.float32
+        assert w_global.shape == (8, 8) and w_local.shape == (8, 4, 4)
+        assert out.shape == (2, 4, 8) and torch.isfinite(out).all()
+
+
+def test_temperature_schedule_is_linear_between_its_end_points():
+    assert temperature(0, 1.0, 0.05, 100) == 1.0
+    assert temperature(100, 1.0, 0.05, 100) == pytest.approx(0.05)
+    assert temperature(10_000, 1.0, 0.05, 100) == pytest.approx(0.05)
+    assert temperature(50, 1.0, 0.05, 100) == pytest.approx(0.525)
+    assert temperature(25, 1.0, 0.05, 100) - temperature(26, 1.0, 0.05, 100) == pytest.approx(0.0095)
+    assert temperature(500, 0.05, 0.05, 0) == 0.05  # J = 0 holds tau_start
+
+
+@pytest.mark.parametrize("tower", ["unimixer", "unimixer_lite"])
+@pytest.mark.parametrize("tokenizer,block", [("slice", 0), ("slice", 8), ("group", 4)])
+def test_parameter_and_flop_counts_match_the_formulas(tower, tokenizer, block):
+    cfg = ModelConfig(tower=tower, tokenizer=tokenizer, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2,
+                      block_size=block, num_basis=3, global_rank=2)
+    layout = InputLayout(synth_features())
+    model = build_tower(cfg, layout)
+    params, flops = tower_cost(cfg, layout.group_widths, lite=tower == "unimixer_lite")
+    assert sum(p.numel() for p in model.parameters()) == params
+
+    def counted(batch: int) -> int:
+        with FlopCounterMode(display=False) as counter:
+            model(torch.randn(batch, layout.width))
+        return counter.get_total_flops()
+
+    assert counted(7) - counted(3) == 4 * flops  # per sample: building the weights is batch-independent
+
+
+def test_set_step_moves_the_temperature():
+    cfg = ModelConfig(tower="unimixer", num_tokens=4, hidden_dim=8, tau_anneal_steps=10)
+    model = build_tower(cfg, InputLayout(synth_features()))
+    assert model.tau.item() == 1.0
+    model.set_step(5)
+    assert model.tau.item() == pytest.approx(0.525)
+    assert "tau" not in model.state_dict()
+
+
+# ---------------------------------------------------------------- through the CLI
+
+
+def rankmix(*args: str) -> tuple[dict, str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
+                           "--metrics.progress=false", "--metrics.tensorboard=false", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("tower", ["unimixer", "unimixer_lite"])
+def test_towers_train_through_the_cli(tmp_path, cache_dir, tower):
+    summary, _ = rankmix(f"--model.tower={tower}", "--model.block_size=16", "--model.tau_anneal_steps=8",
+                      "--train.steps=8", f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache_dir}")
+    assert summary["steps"] == 8 and 0 < summary["auc"] < 1
+
+
+def test_low_temperature_run_warm_starts_from_a_high_temperature_one(tmp_path, cache_dir):
+    """The two-stage recipe of section 4.5: train at tau 1.0, then load the weights at tau 0.05."""
+    common = ("--model.tower=unimixer", "--train.steps=6", f"--data.cache_dir={cache_dir}")
+    hot = tmp_path / "hot"
+    rankmix(*common, "--model.tau_start=1.0", f"--train.run_dir={hot}", "--checkpoint.interval=6")
+    cold, out = rankmix(*common, "--model.tau_start=0.05", f"--train.run_dir={tmp_path / 'cold'}",
+                   f"--checkpoint.load_path={hot}", "--checkpoint.load_mode=weights")
+    assert cold["steps"] == 6 and 0 < cold["auc"] < 1
+    assert f"initialised weights from {hot}" in out
