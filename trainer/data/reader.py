@@ -18,6 +18,8 @@ from __future__ import annotations
 import fnmatch
 import posixpath
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,14 +173,27 @@ class ParquetReader:
             yield self._padded(rows)
 
     def _window_stream(self, windows: list[list[RowGroup]], skip: int) -> Iterator[pa.Table]:
-        """Encoded, shuffled rows of `windows`, starting `skip` rows in."""
+        """Encoded, shuffled rows of `windows`, starting `skip` rows in. The next window is
+        read and encoded in a background thread while this one is consumed: Parquet decode
+        and most of the encoding run outside the GIL."""
+        todo = []
         for i, window in enumerate(windows):
             size = sum(g.num_rows for g in window)
             if skip >= size:
                 skip -= size
                 continue
-            yield self._load_window(window, i).slice(skip)
+            todo.append((i, window, skip))
             skip = 0
+        if not todo:
+            return
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            load = partial(self._load_window, epoch=self.epoch)
+            future = pool.submit(load, todo[0][1], todo[0][0])
+            for k, (_, _, start) in enumerate(todo):
+                table = future.result()
+                if k + 1 < len(todo):
+                    future = pool.submit(load, todo[k + 1][1], todo[k + 1][0])
+                yield table.slice(start)
 
     def _padded(self, rows: pa.Table) -> Batch:
         """Evaluation's short batches are filled to batch_size with weight-0 copies of rows."""
@@ -193,10 +208,10 @@ class ParquetReader:
         take = np.resize(np.arange(source.num_rows), self.batch_size)
         return self.encoder.to_batch(source.take(take), weights)
 
-    def _load_window(self, groups: list[RowGroup], index: int) -> pa.Table:
+    def _load_window(self, groups: list[RowGroup], index: int, epoch: int) -> pa.Table:
         table = pa.concat_tables([self._read(g) for g in groups])
         if self.shuffle and self.shuffle_buffer:
-            rng = np.random.default_rng([self.seed, self.epoch, self.rank, index])
+            rng = np.random.default_rng([self.seed, epoch, self.rank, index])
             table = table.take(rng.permutation(table.num_rows))
         self.peak_buffered_rows = max(self.peak_buffered_rows, table.num_rows)
         return table
