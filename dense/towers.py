@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dense.baselines import ABLATIONS, MLP, DCNv2, ablation_tower
 from dense.layout import InputLayout
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
@@ -65,3 +66,25 @@ def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> 
 @TOWERS.register("logreg")
 def logreg(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return Passthrough(layout.width)
+
+
+@TOWERS.register("mlp")
+def mlp(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    return MLP(layout.width, cfg.mlp_hidden)
+
+
+@TOWERS.register("dcnv2")
+def dcnv2(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    return DCNv2(layout.width, cfg.cross_layers, cfg.cross_rank, cfg.mlp_hidden)
+
+
+def _register_ablation(kind: str) -> None:
+    """RankMixer with one piece swapped out (dense/baselines.py), under the name `kind`."""
+
+    @TOWERS.register(kind)
+    def build(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+        return ablation_tower(kind, cfg, layout.group_widths)
+
+
+for _kind in ABLATIONS:
+    _register_ablation(_kind)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config, validate_features
+from dense.towers import TOWERS
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def test_movielens_reaches_sensible_auc(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--model.tower=nope",), "rankmix: error: model.tower='nope' is not one of ['logreg', 'rankmixer', 'unimixer', 'unimixer_lite']"),
+    (("--model.tower=nope",), f"rankmix: error: model.tower='nope' is not one of {TOWERS.names()}"),
     (("--model.colour=red",), "rankmix: error: unknown config key: model.colour"),
     (("--train.steps=ten",), "rankmix: error: config key train.steps must be int, got 'ten'"),
     (("--config", "missing.toml"), "rankmix: error: config file not found: missing.toml"),

@@ -136,7 +136,7 @@ class ModelConfig:
     """Tokenizer, dense tower and task heads."""
 
     tower: str = "rankmixer"
-    """Registered dense tower: rankmixer | unimixer | unimixer_lite | logreg."""
+    """Registered dense tower: rankmixer | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
     tokenizer: str = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
@@ -163,6 +163,14 @@ class ModelConfig:
     """b, shared basis matrices of the local weights (unimixer_lite)."""
     global_rank: int = 8
     """r, rank of the global weight A_G B_G (unimixer_lite)."""
+    mlp_hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden widths of the ReLU MLP (mlp, and dcnv2's deep part); the last is the tower's output."""
+    cross_layers: int = 3
+    """dcnv2: cross layers x_{l+1} = x_0 * (W x_l + b) + x_l."""
+    cross_rank: int = 0
+    """dcnv2: rank r of W = U V^T (0: full E x E matrices)."""
+    num_heads: int = 0
+    """self_attention: attention heads H (0: one per token, H = T); D must divide by H."""
     head_hidden: int = 0
     """Hidden width of each task head's MLP (0: one linear layer)."""
     tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
@@ -347,8 +355,9 @@ def _parse_scalar(text: str, hint: Any) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        if typing.get_origin(hint) is list:
-            return [t.strip() for t in text.split(",") if t.strip()]
+        if typing.get_origin(hint) is list:  # `a,b` for `["a", "b"]`, `64,32` for `[64, 32]`
+            (item,) = typing.get_args(hint)
+            return [_parse_scalar(t.strip(), item) for t in text.split(",") if t.strip()]
         return text
 
 
