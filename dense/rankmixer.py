@@ -1,4 +1,11 @@
-"""RankMixer (arXiv 2507.15551): parameter-free token mixing and per-token FFNs."""
+"""RankMixer (arXiv 2507.15551): parameter-free token mixing and per-token FFNs.
+
+Internally every block runs token-major, on activations laid out [T, B, D]: the per-token
+FFN is then one batched matrix product over T with no transposes, and only the token
+mixing permutes data (fused with its residual add into one elementwise kernel). The
+public [B, T, D] interfaces transpose at the edges; the tower stays token-major from the
+tokenizer to the mean over tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -20,6 +28,18 @@ def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(b, t, num_heads, d // num_heads).transpose(1, 2).reshape(b, num_heads, t * d // num_heads)
 
 
+def token_mixing_residual_tm(x: torch.Tensor) -> torch.Tensor:
+    """TokenMixing(X) + X with H = T heads, token-major: [T, B, D] -> [T, B, D].
+
+    out[h, b, t*q + r] = x[t, b, h*q + r] + x[h, b, t*q + r]; the permuted view and the
+    residual are summed by a single elementwise kernel, no intermediate copy; the result
+    has x's layout (contiguous when x is).
+    """
+    t, b, d = x.shape
+    x4 = x.reshape(t, b, t, d // t)
+    return torch.add(x4, x4.permute(2, 1, 0, 3)).reshape(t, b, d)  # x4 first: output takes its layout
+
+
 class PerTokenFFN(nn.Module):
     """Token t has its own two-layer GELU MLP D -> kD -> D (eq. 6-7); all T run as
     batched matrix products over weights stored [T, D, kD] and [T, kD, D]."""
@@ -32,11 +52,50 @@ class PerTokenFFN(nn.Module):
         self.w2 = nn.Parameter(_uniform((num_tokens, hidden, dim), hidden))
         self.b2 = nn.Parameter(_uniform((num_tokens, 1, dim), hidden))
 
+    def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-major [T, B, D] -> [T, B, D]."""
+        return torch.baddbmm(self.b2, F.gelu(torch.baddbmm(self.b1, x, self.w1)), self.w2)
+
+    def residual_tm(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-major x + PFFN(x), [T, B, D] -> [T, B, D], with a hand-written backward
+        (fewer temporaries and elementwise passes than autograd's graph of the same ops)."""
+        return _FFNResidual.apply(x, self.w1, self.b1, self.w2, self.b2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, D] -> [B, T, D]."""
-        xt = x.transpose(0, 1)  # [T, B, D]: one matmul per token, batched over T
-        h = nn.functional.gelu(torch.baddbmm(self.b1, xt, self.w1))
-        return torch.baddbmm(self.b2, h, self.w2).transpose(0, 1)
+        return self.forward_tm(x.transpose(0, 1)).transpose(0, 1)
+
+
+class _FFNResidual(torch.autograd.Function):
+    """x + GELU(x W1 + b1) W2 + b2 per token, token-major x [T, B, D].
+
+    Forward: the residual and b2 seed the second product's accumulator.
+    Backward: GELU's gradient is written over the hidden gradient in place, and the
+    residual's gradient seeds the accumulator of the input-gradient product.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        pre = torch.baddbmm(b1, x, w1)
+        h = F.gelu(pre)
+        out = torch.baddbmm(torch.add(x, b2), h, w2)  # out of place: FlopCounterMode counts it
+        ctx.save_for_backward(x, w1, w2, pre, h)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, w1, w2, pre, h = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
+        grad = grad.contiguous()
+        gw2 = torch.bmm(h.transpose(1, 2), grad) if need_w2 else None
+        gb2 = grad.sum(1, keepdim=True) if need_b2 else None
+        gpre = torch.bmm(grad, w2.transpose(1, 2))
+        torch.ops.aten.gelu_backward.grad_input(gpre, pre, grad_input=gpre)
+        gw1 = torch.bmm(x.transpose(1, 2), gpre) if need_w1 else None
+        gb1 = gpre.sum(1, keepdim=True) if need_b1 else None
+        gx = torch.baddbmm(grad, gpre, w1.transpose(1, 2)) if need_x else None
+        return gx, gw1, gb1, gw2, gb2
 
 
 def _uniform(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
@@ -57,10 +116,14 @@ class RankMixerBlock(nn.Module):
         self.ffn = PerTokenFFN(num_tokens, dim, ratio)
         self.norm2 = nn.LayerNorm(dim)
 
+    def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-major [T, B, D] -> [T, B, D]."""
+        s = self.norm1(token_mixing_residual_tm(x))
+        return self.norm2(self.ffn.residual_tm(s))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, D] -> [B, T, D]."""
-        s = self.norm1(token_mixing(x, self.num_tokens) + x)
-        return self.norm2(self.ffn(s) + s)
+        return self.forward_tm(x.transpose(0, 1)).transpose(0, 1)
 
 
 class RankMixerTower(nn.Module):
@@ -74,4 +137,7 @@ class RankMixerTower(nn.Module):
         self.out_dim = dim
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.tokenizer(e_input)).mean(dim=1)
+        x = self.tokenizer.forward_tm(e_input)  # [T, B, D] from here to the pooling
+        for block in self.blocks:
+            x = block.forward_tm(x)
+        return x.mean(dim=0)

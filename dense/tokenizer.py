@@ -27,11 +27,16 @@ class SliceTokenizer(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_tokens, self.token_dim, hidden_dim).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(num_tokens, hidden_dim).uniform_(-bound, bound))
 
+    def forward_tm(self, e_input: torch.Tensor) -> torch.Tensor:
+        """[B, E] -> token-major [T, B, D]: one batched product, bias included."""
+        pad = self.num_tokens * self.token_dim - self.input_dim
+        slices = nn.functional.pad(e_input, (0, pad)) if pad else e_input
+        slices = slices.view(-1, self.num_tokens, self.token_dim).transpose(0, 1)
+        return torch.baddbmm(self.bias.unsqueeze(1), slices, self.weight)
+
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, T, D]."""
-        pad = self.num_tokens * self.token_dim - self.input_dim
-        slices = nn.functional.pad(e_input, (0, pad)).view(-1, self.num_tokens, self.token_dim)
-        return torch.einsum("btd,tdh->bth", slices, self.weight) + self.bias
+        return self.forward_tm(e_input).transpose(0, 1)
 
 
 class GroupTokenizer(nn.Module):
@@ -46,10 +51,14 @@ class GroupTokenizer(nn.Module):
     def num_tokens(self) -> int:
         return len(self.group_widths)
 
+    def forward_tm(self, e_input: torch.Tensor) -> torch.Tensor:
+        """[B, E] -> token-major [T = number of groups, B, D]."""
+        groups = torch.split(e_input, self.group_widths, dim=1)
+        return torch.stack([p(g) for p, g in zip(self.proj, groups)], dim=0)
+
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, T = number of groups, D]."""
-        groups = torch.split(e_input, self.group_widths, dim=1)
-        return torch.stack([p(g) for p, g in zip(self.proj, groups)], dim=1)
+        return self.forward_tm(e_input).transpose(0, 1)
 
 
 def build_tokenizer(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,

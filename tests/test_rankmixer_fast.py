@@ -1,0 +1,101 @@
+"""The token-major RankMixer block/tower against a straightforward reference: definition
+token mixing, a per-token loop FFN and nn.LayerNorm, forward and gradients."""
+
+import pytest
+import torch
+from torch import nn
+
+from dense.rankmixer import RankMixerBlock, RankMixerTower
+from dense.tokenizer import SliceTokenizer
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def ref_token_mixing(x):
+    """out[b, h, t*q + r] = x[b, t, h*q + r] with H = T heads, element by element."""
+    b, t, d = x.shape
+    q = d // t
+    cols = [x[:, tok, head * q:(head + 1) * q] for head in range(t) for tok in range(t)]
+    return torch.cat(cols, dim=1).view(b, t, d)
+
+
+def ref_block(block, x):
+    d = x.shape[-1]
+    norm1, norm2 = nn.LayerNorm(d), nn.LayerNorm(d)  # fresh LayerNorms sharing the block's gamma, beta
+    norm1.weight, norm1.bias = block.norm1.weight, block.norm1.bias
+    norm2.weight, norm2.bias = block.norm2.weight, block.norm2.bias
+    f = block.ffn
+    s = norm1(ref_token_mixing(x) + x)
+    v = torch.stack([nn.functional.gelu(s[:, i] @ f.w1[i] + f.b1[i, 0]) @ f.w2[i] + f.b2[i, 0]
+                     for i in range(s.shape[1])], dim=1)
+    return norm2(v + s)
+
+
+def ref_tower(tower, e):
+    tok = tower.tokenizer
+    pad = tok.num_tokens * tok.token_dim - tok.input_dim
+    padded = torch.cat([e, e.new_zeros(e.shape[0], pad)], dim=1)
+    x = torch.stack([padded[:, i * tok.token_dim:(i + 1) * tok.token_dim] @ tok.weight[i] + tok.bias[i]
+                     for i in range(tok.num_tokens)], dim=1)
+    for block in tower.blocks:
+        x = ref_block(block, x)
+    return x.mean(dim=1)
+
+
+def _randomize(module):
+    with torch.no_grad():  # non-trivial LayerNorm affine parameters too
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+
+
+def _grads(params):
+    out = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("b,t,d,k", [(7, 4, 8, 2), (5, 3, 12, 3), (16, 8, 32, 4)])
+def test_block_matches_reference(dtype, b, t, d, k):
+    torch.manual_seed(b + t + d + k)
+    block = RankMixerBlock(t, d, k).to(dtype)
+    _randomize(block)
+    x = torch.randn(b, t, d, dtype=dtype, requires_grad=True)
+    w = torch.randn(b, t, d, dtype=dtype)
+    params = [x, *block.parameters()]
+    out = block(x)
+    (out * w).sum().backward()
+    fast = _grads(params)
+    expected = ref_block(block, x)
+    (expected * w).sum().backward()
+    assert torch.allclose(out, expected, atol=TOL[dtype], rtol=0)
+    for name, a, r in zip(["x", *dict(block.named_parameters())], fast, _grads(params)):
+        assert torch.allclose(a, r, atol=TOL[dtype], rtol=0), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("e,t,td,d,layers,k,b", [(30, 4, 0, 8, 2, 2, 6), (64, 8, 8, 16, 3, 4, 9),
+                                                 (20, 2, 12, 6, 1, 3, 4)])
+def test_tower_matches_reference(dtype, e, t, td, d, layers, k, b):
+    torch.manual_seed(e + t + d)
+    tower = RankMixerTower(SliceTokenizer(e, t, td, d), layers, d, k).to(dtype)
+    _randomize(tower)
+    inp = torch.randn(b, e, dtype=dtype, requires_grad=True)
+    w = torch.randn(b, d, dtype=dtype)
+    params = [inp, *tower.parameters()]
+    out = tower(inp)
+    (out * w).sum().backward()
+    fast = _grads(params)
+    expected = ref_tower(tower, inp)
+    (expected * w).sum().backward()
+    assert torch.allclose(out, expected, atol=TOL[dtype], rtol=0)
+    for name, a, r in zip(["e_input", *dict(tower.named_parameters())], fast, _grads(params)):
+        assert torch.allclose(a, r, atol=TOL[dtype], rtol=0), name
+
+
+def test_tower_blocks_token_major_path_equals_public_path():
+    torch.manual_seed(0)
+    tower = RankMixerTower(SliceTokenizer(24, 4, 0, 8), 2, 8, 2).double()
+    e = torch.randn(5, 24, dtype=torch.float64)
+    assert torch.allclose(tower(e), tower.blocks(tower.tokenizer(e)).mean(dim=1), atol=1e-12)
