@@ -47,10 +47,10 @@ class PerTokenFFN(nn.Module):
     def __init__(self, num_tokens: int, dim: int, ratio: int):
         super().__init__()
         hidden = ratio * dim
-        self.w1 = nn.Parameter(_uniform((num_tokens, dim, hidden), dim))
-        self.b1 = nn.Parameter(_uniform((num_tokens, 1, hidden), dim))
-        self.w2 = nn.Parameter(_uniform((num_tokens, hidden, dim), hidden))
-        self.b2 = nn.Parameter(_uniform((num_tokens, 1, dim), hidden))
+        self.w1 = nn.Parameter(uniform_init((num_tokens, dim, hidden), dim))
+        self.b1 = nn.Parameter(uniform_init((num_tokens, 1, hidden), dim))
+        self.w2 = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
+        self.b2 = nn.Parameter(uniform_init((num_tokens, 1, dim), hidden))
 
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> [T, B, D]."""
@@ -98,7 +98,7 @@ class _FFNResidual(torch.autograd.Function):
         return gx, gw1, gb1, gw2, gb2
 
 
-def _uniform(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+def uniform_init(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
     bound = 1 / math.sqrt(fan_in)  # nn.Linear's default range
     return torch.empty(shape).uniform_(-bound, bound)
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from dense.rankmixer import _uniform
+from dense.rankmixer import uniform_init
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -123,10 +123,10 @@ class PerTokenSwiGLU(nn.Module):
     def __init__(self, num_tokens: int, dim: int, ratio: int):
         super().__init__()
         hidden = ratio * dim
-        self.w_in = nn.Parameter(_uniform((num_tokens, dim, 2 * hidden), dim))
-        self.b_in = nn.Parameter(_uniform((num_tokens, 1, 2 * hidden), dim))
-        self.w_down = nn.Parameter(_uniform((num_tokens, hidden, dim), hidden))
-        self.b_down = nn.Parameter(_uniform((num_tokens, 1, dim), hidden))
+        self.w_in = nn.Parameter(uniform_init((num_tokens, dim, 2 * hidden), dim))
+        self.b_in = nn.Parameter(uniform_init((num_tokens, 1, 2 * hidden), dim))
+        self.w_down = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
+        self.b_down = nn.Parameter(uniform_init((num_tokens, 1, dim), hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, blk] -> [B, T, blk]."""

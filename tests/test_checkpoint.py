@@ -211,3 +211,12 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(c
     step = int(message[0].split(" at step ")[1].split()[0])
     assert complete_steps(run / "checkpoints")[-1] == step - 1
     tensors(run / "checkpoints" / f"step-{step - 1}", tmp_path)  # the last good one loads
+
+
+def test_time_interval_saves_agree_across_ranks(cache, tmp_path):
+    # A 6 ms interval makes the ranks' clocks disagree about "due" at some step; rank 0's
+    # verdict must reach both, or the one that saves waits for the other forever.
+    run = tmp_path / "run"
+    ok(train(2, *train_args(run, cache, 8, "--checkpoint.interval_minutes=0.0001", "--checkpoint.keep=0"),
+             timeout=180))
+    assert len(complete_steps(run / "checkpoints")) >= 4

@@ -79,10 +79,12 @@ class CheckpointManager:
         if last and self.cfg.save_final:
             return True
         by_steps = self.cfg.interval > 0 and step % self.cfg.interval == 0
-        by_time = (self.cfg.interval_minutes > 0
-                   and time.monotonic() - self._last_save_time >= 60 * self.cfg.interval_minutes)
-        if by_time:  # every rank must agree, and clocks differ: rank 0 decides
-            flag = [by_time]
+        by_time = False
+        if self.cfg.interval_minutes > 0:
+            # Ranks' clocks differ and a save is collective: every rank takes rank 0's
+            # verdict, and every rank must ask for it (a rank that skipped the broadcast
+            # because its own clock said "not yet" would hang the others).
+            flag = [time.monotonic() - self._last_save_time >= 60 * self.cfg.interval_minutes]
             dist.broadcast_object_list(flag, src=0)
             by_time = flag[0]
         return by_steps or by_time
