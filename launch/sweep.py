@@ -165,14 +165,17 @@ def build_points(args: argparse.Namespace) -> tuple[list[Point], Point | None]:
 # ------------------------------------------------------------------------- validation
 
 
-def check_points(config: str | None, points: list[Point]) -> None:
+def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int] | None]:
     """Resolve every point's config and build its dense tower before anything trains: an
-    unknown key, a wrong type or an impossible shape is a ValueError naming the point."""
+    unknown key, a wrong type or an impossible shape is a ValueError naming the point.
+    Returns each point's (dense parameters, FLOPs per sample) where the schema is known."""
+    costs = []
     for p in points:
         try:
-            cost_of_config(load(config, p.overrides), probe=True)
+            costs.append(cost_of_config(load(config, p.overrides), probe=True))
         except ValueError as e:
             raise ValueError(f"sweep point {p.tower} [{p.label}]: {e}") from None
+    return costs
 
 
 def load(config: str | None, overrides: list[str]):
@@ -237,18 +240,41 @@ def result_of(point: Point) -> dict:
 def run_all(config: str | None, points: list[Point], python: str) -> tuple[int, list[str]]:
     """Train the points that have no summary yet; (runs launched, failures)."""
     launched, failures = 0, []
-    todo = [p for p in points if not (p.run_dir / "summary.json").exists()]
+    todo = [p for p in points if not reusable(config, p)]
     print(f"sweep: {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train", flush=True)
     for i, p in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {p.tower} {p.label}" + ("" if p.seed is None else f" seed {p.seed}")
               + f" -> {p.run_dir}", flush=True)
         launched += 1
         try:
+            (p.run_dir / POINT_FILE).unlink(missing_ok=True)
             run_point(config, p, python)
+            (p.run_dir / POINT_FILE).write_text(json.dumps(fingerprint(config, p), indent=1))
         except RuntimeError as e:
             print(f"sweep: {e}", file=sys.stderr, flush=True)
             failures.append(str(p.run_dir))
     return launched, failures
+
+
+POINT_FILE = "sweep_point.json"
+
+
+def fingerprint(config: str | None, point: Point) -> dict:
+    """What a finished run was trained from, to tell a reusable result from a stale one."""
+    return {"config": config, "overrides": point.overrides}
+
+
+def reusable(config: str | None, point: Point) -> bool:
+    """The run has a summary, trained from this same config and overrides; a summary from
+    other settings (the sweep re-run with another --set into the same --out) is an error
+    rather than a silently mixed table."""
+    if not (point.run_dir / "summary.json").exists():
+        return False
+    record = point.run_dir / POINT_FILE
+    if record.exists() and json.loads(record.read_text()) != fingerprint(config, point):
+        raise ValueError(f"{point.run_dir} holds a run trained with other settings ({record}); "
+                         "sweep into another --out, or delete that folder to retrain it")
+    return True
 
 
 # ------------------------------------------------------------------------ fit and rows
@@ -392,10 +418,12 @@ def sweep(argv: list[str]) -> int:
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
     points, baseline = build_points(args)
-    check_points(args.config, points + ([baseline] if baseline else []))
+    runs = points + ([baseline] if baseline else [])
+    costs = check_points(args.config, runs)
     if args.dry_run:
-        for p in points + ([baseline] if baseline else []):
-            print(f"{p.tower:<15}{p.label:<40}{p.run_dir}")
+        for p, cost in zip(runs, costs):
+            size = "" if cost is None else f"{cost[0]:>12,}{cost[1]:>14,}"
+            print(f"{p.tower:<15}{p.label:<34}{size}  {p.run_dir}")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -418,3 +446,7 @@ def sweep(argv: list[str]) -> int:
     print(format_table(rows, fits, baseline_auc, baseline_name))
     print(f"wrote {out / 'sweep.csv'}, {out / 'fit.json'}, {out / 'sweep.png'}")
     return 1 if failures else 0
+
+
+if __name__ == "__main__":  # until `rankmix sweep` is wired into launch/cli.py
+    sys.exit(sweep(sys.argv[1:]))

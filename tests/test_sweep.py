@@ -117,6 +117,10 @@ def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_
     assert calls == [] and "launched 0 run(s)" in capsys.readouterr().out
     assert [p.stat().st_mtime_ns for p in summaries] == mtimes
     assert list(csv.DictReader((out / "sweep.csv").open())) == rows
+    # Other settings into the same folder: an error naming the stale run, nothing trains.
+    with pytest.raises(ValueError, match="holds a run trained with other settings"):
+        sweep([a.replace("train.steps=3", "train.steps=4") for a in argv])
+    assert calls == []
 
 
 def test_fit_leaves_out_points_that_do_not_beat_the_baseline(capsys):
