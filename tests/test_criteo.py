@@ -263,3 +263,54 @@ def test_train_two_steps_on_converted_sample(converted, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and 0.0 <= summary["auc"] <= 1.0
+
+
+def test_hex_column_matches_python_parse():
+    """The vectorised hex parse against int(s, 16), on random and awkward strings."""
+    import random
+
+    from trainer.data.csvlog import hex_column
+
+    rnd = random.Random(3)
+    digits = "0123456789abcdefABCDEF"
+    strings = ["", "0", "ff", "FFFFFFFF", "ffffffff", "00000000", "123456789", "-1", "+1", " 1", "0x1f",
+               "g", "1g", "ffffffg", "é", "12 4", "1.5"]
+    strings += ["".join(rnd.choice(digits) for _ in range(rnd.randint(1, 8))) for _ in range(500)]
+    strings += ["".join(rnd.choice(digits + "xyz-") for _ in range(rnd.randint(0, 9))) for _ in range(500)]
+
+    def parse(s: str) -> int | None:
+        ok = 0 < len(s) <= 8 and all(c in digits for c in s)
+        return int(s, 16) if ok else None
+
+    ok, values = hex_column(pa.array(strings))
+    assert ok.tolist() == [s == "" or parse(s) is not None for s in strings]
+    assert values.to_pylist() == [parse(s) for s in strings]
+    assert values.type == pa.int64()
+
+
+@pytest.mark.parametrize("common", [True, False])
+def test_number_column_matches_python_parse(common):
+    """The integer fast path and the regex agree with Python's own reading of a number;
+    `common`: only plain integers and empties (the fast path alone decides)."""
+    import math
+    import random
+    import re
+
+    from trainer.data.csvlog import number_column
+
+    rnd = random.Random(5)
+    strings = ["", "0", "-0", "17", "-1", "007", "99999999999999999999"]
+    if not common:
+        strings += ["-", "--1", "+1", "1.5", "-.5", "5.", "1e5", "1E-3", " 1", "1 ", "inf", "nan", "0x10",
+                    "\u0663", "1_000", "e5", "."]
+        strings += ["".join(rnd.choice("0123456789-+.eE ") for _ in range(rnd.randint(0, 5))) for _ in range(400)]
+    strings += [str(rnd.randint(-10**6, 10**6)) for _ in range(400)] + [""] * 50
+    rnd.shuffle(strings)
+    number = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+    ok, values = number_column(pa.array(strings))
+    assert ok.tolist() == [s == "" or bool(number.fullmatch(s)) for s in strings]
+    expected = [float(s) if s and number.fullmatch(s) else None for s in strings]
+    got = values.to_pylist()
+    assert all((a is None and b is None) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+               for a, b in zip(got, expected)), [(s, a, b) for s, a, b in zip(strings, got, expected) if a != b]

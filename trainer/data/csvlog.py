@@ -135,10 +135,18 @@ def label_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
 def number_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """Decimal numbers -> float64, empty -> null; anything else is invalid."""
     empty = pc.equal(pc.utf8_length(raw), 0)
-    ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
+    ok = pc.or_(empty, _plain_integers(raw))
+    if not pc.all(ok).as_py():  # the regex is ~20x slower than the integer check
+        ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
     good = pc.and_(ok, pc.invert(empty))
     values = pc.cast(pc.if_else(good, raw, pa.scalar(None, pa.string())), pa.float64())
     return ok.to_numpy(zero_copy_only=False), values
+
+
+def _plain_integers(raw: pa.Array) -> pa.Array:
+    """Rows holding `[0-9]+` or `-[0-9]+`: numbers by `_NUMBER`, and the common case."""
+    negative = pc.and_(pc.starts_with(raw, "-"), pc.ascii_is_decimal(pc.utf8_slice_codeunits(raw, 1)))
+    return pc.or_(pc.ascii_is_decimal(raw), negative)
 
 
 _HEX = np.full(256, 255, np.uint8)
@@ -146,14 +154,16 @@ for _i, _ch in enumerate(b"0123456789abcdef"):
     _HEX[_ch] = _i
 for _i, _ch in enumerate(b"ABCDEF"):
     _HEX[_ch] = 10 + _i
-_NIBBLE_WEIGHTS = (16 ** np.arange(7, -1, -1)).astype(np.int64)
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
 
 
 def hex_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """Up to 8 hex digits -> their unsigned 32-bit value as int64, empty -> null."""
     n = len(raw)
     length = pc.binary_length(raw).to_numpy(zero_copy_only=False)
-    fits = length <= 8
+    # A non-ASCII value is no hex, and would be padded to 8 characters but more bytes,
+    # shifting every later row off the 8-byte grid read below.
+    fits = (length <= 8) & pc.string_is_ascii(raw).to_numpy(zero_copy_only=False)
     safe = raw if fits.all() else pc.if_else(pa.array(fits), raw, pa.scalar("0"))
     padded = pc.utf8_lpad(safe, 8, "0")
     if isinstance(padded, pa.ChunkedArray):
@@ -161,8 +171,11 @@ def hex_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
     offsets = np.frombuffer(padded.buffers()[1], np.int32)[padded.offset:padded.offset + n + 1]
     data = np.frombuffer(padded.buffers()[2], np.uint8)[offsets[0]:offsets[0] + 8 * n].reshape(n, 8)
     nibbles = _HEX[data]
-    ok = fits & (nibbles != 255).all(axis=1)
-    values = np.where(ok, nibbles.astype(np.int64) @ _NIBBLE_WEIGHTS, 0)
+    # Per row at once, as 8 bytes: a valid nibble is < 16, the 255 of a non-hex digit is not.
+    ok = fits & ((nibbles.view(np.uint64).reshape(n) & _HIGH_NIBBLES) == 0)
+    # Two nibbles per byte, the 4 bytes read as one big-endian uint32: no integer matmul.
+    packed = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]
+    values = np.where(ok, packed.view(">u4").reshape(n), 0).astype(np.int64)
     return ok, pa.array(values, mask=(length == 0) | ~ok)
 
 
