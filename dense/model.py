@@ -25,6 +25,12 @@ class TaskHeads(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([h(x) for h in self.heads], dim=1)
 
+    def cost(self) -> tuple[int, int]:
+        """(parameters, forward matmul FLOPs per sample)."""
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        return (sum(p.numel() for m in linears for p in m.parameters()),
+                sum(2 * m.in_features * m.out_features for m in linears))
+
 
 class RankingModel(nn.Module):
     """Batch -> logits [B, K]. `ebc` is sharded by DMP; the rest is replicated (DDP).

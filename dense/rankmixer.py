@@ -141,3 +141,13 @@ class RankMixerTower(nn.Module):
         for block in self.blocks:
             x = block.forward_tm(x)
         return x.mean(dim=0)
+
+    def cost(self) -> tuple[int, int]:
+        """(parameters, forward matmul FLOPs per sample): tokenizer plus eq. 12 per block,
+        2 k T D^2 weights (+ biases, norms) and 4 k T D^2 FLOPs."""
+        params, flops = self.tokenizer.cost()
+        for block in self.blocks:
+            t, d, hidden = block.ffn.w1.shape
+            params += t * (2 * d * hidden + hidden + d) + 4 * d
+            flops += 4 * t * d * hidden
+        return params, flops

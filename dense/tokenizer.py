@@ -38,6 +38,11 @@ class SliceTokenizer(nn.Module):
         """[B, E] -> [B, T, D]."""
         return self.forward_tm(e_input).transpose(0, 1)
 
+    def cost(self) -> tuple[int, int]:
+        """(parameters, forward matmul FLOPs per sample): T (d D + D), 2 T d D."""
+        t, d, dim = self.weight.shape
+        return t * (d * dim + dim), 2 * t * d * dim
+
 
 class GroupTokenizer(nn.Module):
     """One token per semantic group, each projected by its own Linear(E_g, D)."""
@@ -59,6 +64,12 @@ class GroupTokenizer(nn.Module):
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, T = number of groups, D]."""
         return self.forward_tm(e_input).transpose(0, 1)
+
+    def cost(self) -> tuple[int, int]:
+        """(parameters, forward matmul FLOPs per sample): sum over groups of E_g D + D, 2 E_g D."""
+        dim = self.proj[0].out_features
+        width = sum(self.group_widths)
+        return width * dim + len(self.group_widths) * dim, 2 * width * dim
 
 
 def build_tokenizer(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,

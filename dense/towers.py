@@ -9,9 +9,10 @@ from torch import nn
 
 from dense.baselines import ABLATIONS, MLP, DCNv2, ablation_tower
 from dense.layout import InputLayout
+from dense.moe import PerTokenMoE, RankMixerMoEBlock, RankMixerMoETower, expert_hidden
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
-from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
+from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite, tower_cost
 from trainer.config import ModelConfig
 from trainer.registry import Registry
 
@@ -30,6 +31,20 @@ def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio)
 
 
+@TOWERS.register("rankmixer_moe")
+def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
+                                cfg.hidden_dim)
+    t, d = tokenizer.num_tokens, cfg.hidden_dim
+    hidden = expert_hidden(d, cfg.ffn_ratio, cfg.num_experts, cfg.expert_hidden)
+
+    def moe() -> PerTokenMoE:
+        return PerTokenMoE(t, d, cfg.num_experts, hidden, budget=cfg.moe_budget, l1_init=cfg.moe_l1_init,
+                           l1_rate=cfg.moe_l1_rate, consistency=cfg.moe_consistency,
+                           sparse_inference=cfg.moe_inference == "sparse")
+    return RankMixerMoETower(tokenizer, [RankMixerMoEBlock(t, d, moe()) for _ in range(cfg.num_layers)], d)
+
+
 class Passthrough(nn.Module):
     """No tower: the heads see e_input itself, so a linear head is logistic regression
     over the embeddings (first-order terms only), the baseline that cannot learn crosses."""
@@ -41,26 +56,31 @@ class Passthrough(nn.Module):
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         return e_input
 
+    def cost(self) -> tuple[int, int]:
+        return 0, 0
+
 
 @TOWERS.register("unimixer")
 def unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters))
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters), lite=False)
 
 
 @TOWERS.register("unimixer_lite")
 def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank))
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank), lite=True)
 
 
-def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
+def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable, lite: bool) -> nn.Module:
     """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
     tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
                                 cfg.hidden_dim)
     length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
     blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
-    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps)
+    costs = tower_cost(cfg, layout.group_widths, lite)
+    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps,
+                         costs)
 
 
 @TOWERS.register("logreg")

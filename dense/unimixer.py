@@ -173,8 +173,9 @@ class UniMixerTower(nn.Module):
     """
 
     def __init__(self, tokenizer: nn.Module, blocks: list[UniMixerBlock], dim: int,
-                 tau_start: float, tau_end: float, anneal_steps: int):
+                 tau_start: float, tau_end: float, anneal_steps: int, costs: tuple[int, int] = (0, 0)):
         super().__init__()
+        self._costs = costs  # analytic (parameters, FLOPs per sample), see tower_cost
         self.tokenizer = tokenizer
         self.layers = nn.ModuleList(SiameseLayer(b, dim) for b in blocks)
         self.norm_out = nn.RMSNorm(dim)
@@ -192,6 +193,9 @@ class UniMixerTower(nn.Module):
         for layer in self.layers:
             x, y = layer(x, y, self.tau)
         return (x + self.norm_out(y)).mean(dim=1)
+
+    def cost(self) -> tuple[int, int]:
+        return self._costs
 
 
 # ---------------------------------------------------------------- analytic costs

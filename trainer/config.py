@@ -136,7 +136,7 @@ class ModelConfig:
     """Tokenizer, dense tower and task heads."""
 
     tower: str = "rankmixer"
-    """Registered dense tower: rankmixer | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
+    """Registered dense tower: rankmixer | rankmixer_moe | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
     tokenizer: str = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
@@ -163,6 +163,20 @@ class ModelConfig:
     """b, shared basis matrices of the local weights (unimixer_lite)."""
     global_rank: int = 8
     """r, rank of the global weight A_G B_G (unimixer_lite)."""
+    num_experts: int = 4
+    """E, experts per token (rankmixer_moe)."""
+    expert_hidden: int = 0
+    """Hidden width of each expert (0: k D / E, the dense per-token FFN split over the experts)."""
+    moe_budget: float = 0.5
+    """Target mean fraction of active experts; the L1 coefficient adapts to track it."""
+    moe_l1_init: float = 0.001
+    """Initial L1 coefficient lambda on the inference router's gates."""
+    moe_l1_rate: float = 0.1
+    """Adaptation speed: lambda *= exp(rate * (active fraction - budget) / budget) after every step."""
+    moe_consistency: float = 1.0
+    """Weight of the loss that teaches the inference router to reproduce the dense training output."""
+    moe_inference: str = "sparse"
+    """MoE at evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
     mlp_hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Hidden widths of the ReLU MLP (mlp, and dcnv2's deep part); the last is the tower's output."""
     cross_layers: int = 3
@@ -261,6 +275,8 @@ class MetricsConfig:
     """Write TensorBoard scalars into the run folder."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for MFU (0: measure a plain matrix multiply at start)."""
 
 
 @dataclass
@@ -427,10 +443,11 @@ def validate(cfg: Config) -> None:
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
                     "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr",
                     "model.tau_start", "model.tau_end", "model.sinkhorn_iters", "model.num_basis",
-                    "model.global_rank")
+                    "model.global_rank", "model.num_experts", "model.moe_l1_init")  # lambda adapts multiplicatively
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
-                       "model.head_hidden", "model.block_size", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
-                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every",
+                       "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
+                       "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
+                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
@@ -439,6 +456,9 @@ def validate(cfg: Config) -> None:
     _check_choice(cfg, "checkpoint.load_mode", ("full", "weights"))
     _check_choice(cfg, "checkpoint.data_position", ("exact", "next_epoch"))
     _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
+    _check_choice(cfg, "model.moe_inference", ("sparse", "dense"))
+    if not 0 < cfg.model.moe_budget <= 1:
+        raise ValueError(f"model.moe_budget={cfg.model.moe_budget} must be a fraction of the experts in (0, 1]")
     for table, kind in cfg.embeddings.table_sharding.items():
         if kind not in SPARSE_SHARDING_TYPES:
             raise ValueError(f"embeddings.table_sharding.{table}={kind!r}; choose from {SPARSE_SHARDING_TYPES}")

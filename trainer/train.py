@@ -18,6 +18,7 @@ from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from dense.cost import measure_cost, mfu, peak_flops
 from dense.layout import InputLayout
 from dense.model import RankingModel, TaskHeads
 from dense.towers import build_tower
@@ -52,6 +53,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._hook_cache: dict[str, list] = {}
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
         files = build_dataset(cfg)
@@ -67,6 +69,8 @@ class Trainer:
             shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
             rank=self.env.rank, world_size=self.env.world_size)
         self.model = self._build_model()
+        self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
+            self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
         self.optimizer = self._build_optimizer()
         warmup = max(cfg.optim.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -88,6 +92,8 @@ class Trainer:
             (self.run_dir / "plan.txt").write_text(plan + "\n")
             print(f"world size {self.env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{plan}",
                   flush=True)
+            print(f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU",
+                  flush=True)
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
@@ -100,6 +106,8 @@ class Trainer:
         layout = InputLayout(cfg.features)
         tower = build_tower(cfg.model, layout)
         heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
+        self.tower = tower  # the same module inside the sharded model, for its hooks and cost
+        self.cost = measure_cost(tower, heads, layout.width, torch.device("cpu"))  # before it moves
         model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
                              autocast_dtype=autocast_dtype(cfg.train.mixed_precision, self.env.device))
         sharded = shard_model(model, cfg.embeddings, self.env.device, output_dtensor=cfg.checkpoint.async_save)
@@ -176,7 +184,10 @@ class Trainer:
         """The run's summary: final metrics and throughput, also saved as summary.json."""
         summary = {"auc": metrics["auc"], "uauc": metrics.get("uauc", float("nan")),
                    "logloss": metrics["logloss"], "steps": self.step, "examples_per_sec": examples_per_sec,
-                   "run_dir": str(self.run_dir), **{k: v for k, v in metrics.items() if "/" in k}}
+                   "dense_params": self.cost.params, "flops_per_sample": self.cost.flops,
+                   "mfu": self.mfu(examples_per_sec), "peak_tflops": self.peak_flops / 1e12,
+                   "run_dir": str(self.run_dir),  # per-task and top-level tower metrics, not per layer
+                   **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -187,11 +198,15 @@ class Trainer:
         return next(batches).to(self.env.device, non_blocking=True)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weighted sum of per-task BCE losses, and the per-task losses [K]."""
+        """Weighted sum of per-task BCE losses plus the tower's auxiliary losses (the MoE's
+        L1 and router consistency), and the per-task losses [K]."""
         logits = self.model(batch)
         task_losses = nn.functional.binary_cross_entropy_with_logits(
             logits, batch.labels, reduction="none").mean(dim=0)
-        return (task_losses * self.task_weights).sum(), task_losses
+        loss = (task_losses * self.task_weights).sum()
+        for aux_loss in self._hooks("aux_loss"):
+            loss = loss + aux_loss()
+        return loss, task_losses
 
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop every rank before any update (the sparse update runs inside backward)."""
@@ -229,7 +244,10 @@ class Trainer:
         values = {"loss": float(task_losses @ self.task_weights.cpu().double()),
                   "examples_per_sec": examples_per_sec,
                   **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)},
-                  **{f"lr/{name}": opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers}}
+                  **{f"lr/{name}": opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers},
+                  "mfu": self.mfu(examples_per_sec)}
+        for log_values in self._hooks("log_values"):
+            values.update(log_values("train"))
         self.logger.log(self.step, "train", values)
         self.logger.postfix(loss=values["loss"], ex_per_s=examples_per_sec)
 
@@ -258,6 +276,8 @@ class Trainer:
         metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
                                with_uauc=bool(self.cfg.data.user_column))
         metrics["examples"] = int(keep.sum())
+        for log_values in self._hooks("log_values"):
+            metrics.update(log_values("eval"))
         self.logger.log(self.step, "eval", metrics)
         # Back to training mode now: the pipeline decides whether to zero gradients from
         # the mode the model is in when its next step begins.
@@ -296,12 +316,21 @@ class Trainer:
         self.notify_step()
 
     def notify_step(self) -> None:
-        """Tell modules with a `set_step(step)` hook (the UniMixer temperature) the step
-        now trained; state that is a function of the step needs nothing in checkpoints."""
-        if not hasattr(self, "_step_hooks"):
-            self._step_hooks = [m.set_step for m in self.model.modules() if callable(getattr(m, "set_step", None))]
-        for hook in self._step_hooks:
-            hook(self.step)
+        """Tell modules with a `set_step(step)` hook the step now trained: the UniMixer
+        temperature (a function of the step: nothing to checkpoint), the MoE's L1 coefficient."""
+        for set_step in self._hooks("set_step"):
+            set_step(self.step)
+
+    def _hooks(self, name: str) -> list:
+        """The methods called `name` of every module of the model that has one (cached)."""
+        if name not in self._hook_cache:
+            self._hook_cache[name] = [getattr(m, name) for m in self.model.modules()
+                                      if callable(getattr(m, name, None))]
+        return self._hook_cache[name]
+
+    def mfu(self, examples_per_sec: float) -> float:
+        """Model FLOPs utilisation of the dense model on this rank's device."""
+        return mfu(examples_per_sec / self.env.world_size, self.cost.flops, self.peak_flops)
 
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""

@@ -1,0 +1,90 @@
+"""Cost accounting: dense parameters, forward FLOPs per sample and model FLOPs utilisation.
+
+FLOPs are forward matmul FLOPs per sample, 2 m n k per product as
+`torch.utils.flop_counter` counts them. Every tower and the task heads give an analytic
+`cost() -> (parameters, FLOPs per sample)`; `measure_cost` checks both numbers against
+the modules themselves. A training step costs 3x the forward (the backward computes
+gradients for inputs and weights), which is what MFU counts; embedding lookups are not
+matmuls and are left out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass(frozen=True)
+class DenseCost:
+    """Analytic and counted size of the dense model (tower and heads)."""
+
+    params: int
+    """Parameters by the towers' formulas."""
+    counted_params: int
+    """Parameters of the modules, element by element."""
+    flops: int
+    """Forward FLOPs per sample by the formulas."""
+    counted_flops: int
+    """Forward FLOPs per sample by torch's FLOP counter."""
+
+    def describe(self) -> str:
+        check = "" if (self.params, self.flops) == (self.counted_params, self.counted_flops) else (
+            f" (counted: {self.counted_params:,} parameters, {self.counted_flops:,} FLOPs: the formula is off)")
+        return f"dense tower and heads: {self.params:,} parameters, {self.flops:,} forward FLOPs per sample{check}"
+
+
+def count_flops(module: nn.Module, *inputs: torch.Tensor) -> int:
+    """FLOPs of one `module(*inputs)` by torch's counter (no autograd graph is built).
+
+    Attention runs on the math backend here: the fused CPU kernel is not in the
+    counter's table and would count as zero.
+    """
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        module(*inputs)
+    return counter.get_total_flops()
+
+
+def flops_per_sample(module: nn.Module, width: int, device: torch.device) -> int:
+    """Counted forward FLOPs per sample of `module` on random inputs [B, width]: the
+    difference between batches of 2 and 1, so batch-independent work (UniMixer's
+    constrained weights) is not charged to the sample."""
+    def at(batch: int) -> int:
+        return count_flops(module, torch.randn(batch, width, device=device))
+    return at(2) - at(1)
+
+
+def measure_cost(tower: nn.Module, heads: nn.Module, width: int, device: torch.device) -> DenseCost:
+    """Check the analytic cost of tower + heads (both in their current mode) against the modules."""
+    params = tower.cost()[0] + heads.cost()[0]
+    flops = tower.cost()[1] + heads.cost()[1]
+    counted_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
+    counted = flops_per_sample(nn.Sequential(tower, heads), width, device)
+    return DenseCost(params, counted_params, flops, counted)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """Measured FLOP/s of a plain square matrix multiply on `device` in `dtype`: 2048^3 on
+    the CPU, 8192^3 on a GPU; the best of a few after a warm-up."""
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(3):
+        sync()
+        tic = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - tic)
+    return 2 * n**3 / best
+
+
+def mfu(examples_per_sec: float, flops: int, peak: float) -> float:
+    """Model FLOPs utilisation of training: forward + backward = 3x forward FLOPs."""
+    return 3 * flops * examples_per_sec / peak

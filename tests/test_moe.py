@@ -1,0 +1,133 @@
+"""Per-token Sparse-MoE (RankMixer eq. 10-11, DESIGN.md 3): the expert sum against a
+per-expert loop, sparse inference against dense inference, its FLOPs, and a training run
+whose activation ratio tracks the budget while the inference router stays alive."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from dense.moe import PerTokenMoE, expert_hidden
+
+REPO = Path(__file__).resolve().parents[1]
+T, D, E, H, B = 3, 8, 4, 5, 11
+
+
+def make_moe(**kwargs) -> PerTokenMoE:
+    torch.manual_seed(0)
+    return PerTokenMoE(T, D, E, H, budget=0.5, l1_init=1e-3, l1_rate=0.1, consistency=1.0, **kwargs)
+
+
+def expert_loop(moe: PerTokenMoE, s: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """sum_j G_tj e_tj(s_t), one token and one expert at a time: [T, B, D] -> [T, B, D]."""
+    out = torch.zeros_like(s)
+    for t in range(T):
+        for j in range(E):
+            hidden = F.gelu(s[t] @ moe.w1[t, j] + moe.b1[t, j])
+            out[t] += gates[t, :, j:j + 1] * (hidden @ moe.w2[t, j] + moe.b2[t, j])
+    return out
+
+
+def force_gates_on(moe: PerTokenMoE) -> None:
+    """Both routers output 1 for every expert."""
+    with torch.no_grad():
+        for w, b in ((moe.router_train, moe.router_train_bias), (moe.router_infer, moe.router_infer_bias)):
+            w.zero_()
+            b.fill_(1.0)
+
+
+def test_all_gates_on_is_the_dense_sum_of_experts_in_training_and_inference():
+    moe = make_moe()
+    force_gates_on(moe)
+    s = torch.randn(T, B, D)
+    expected = expert_loop(moe, s, torch.ones(T, B, E))
+    torch.testing.assert_close(moe.forward_tm(s), expected)
+    moe.eval()
+    torch.testing.assert_close(moe.forward_tm(s), expected)
+
+
+def test_sparse_inference_equals_dense_inference_where_gates_are_zero():
+    moe = make_moe().eval()
+    s = torch.randn(T, B, D)
+    gates = moe.gates(s, "infer")
+    assert 0.2 < (gates > 0).float().mean() < 0.8  # a real mix of computed and skipped experts
+    dense = moe.combine(gates, moe.experts(s))  # every expert computed, zero gates included
+    torch.testing.assert_close(moe.forward_tm(s), dense)
+    torch.testing.assert_close(moe.forward_tm(s), expert_loop(moe, s, gates))
+
+
+def test_dense_inference_uses_the_training_router():
+    moe = make_moe(sparse_inference=False).eval()
+    s = torch.randn(T, B, D)
+    torch.testing.assert_close(moe.forward_tm(s), expert_loop(moe, s, moe.gates(s, "train")))
+
+
+def test_sparse_inference_flops_fall_with_the_active_fraction():
+    moe = make_moe().eval()
+    s = torch.randn(T, B, D)
+    active_pairs = int((moe.gates(s, "infer") > 0).sum())
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        moe.forward_tm(s)
+    router = 2 * T * B * D * E
+    assert counter.get_total_flops() == router + active_pairs * 4 * D * H
+    with torch.no_grad(), FlopCounterMode(display=False) as dense:
+        moe.train().forward_tm(s)
+    assert counter.get_total_flops() < 0.8 * dense.get_total_flops()
+
+
+def test_training_forward_sets_the_l1_and_consistency_terms_on_the_inference_router_only():
+    moe = make_moe()
+    s = torch.randn(T, B, D, requires_grad=True)
+    moe.forward_tm(s)
+    moe.aux_loss.backward()
+    assert moe.router_infer.grad.abs().sum() > 0
+    assert moe.router_train.grad is None and moe.w1.grad is None and s.grad is None
+
+
+def test_lambda_moves_towards_the_budget():
+    moe = make_moe()
+    moe.budget = 0.1
+    start = moe.l1_coef.item()
+    moe.forward_tm(torch.randn(T, B, D))
+    active = moe._pending.mean().item()
+    moe.set_step(1)
+    assert active > 0.1 and moe.l1_coef.item() == pytest.approx(start * math.exp((active - 0.1) / 0.1 * 0.1))
+    moe.set_step(2)  # no training forward since: nothing to adapt
+    assert moe.l1_coef.item() == pytest.approx(start * math.exp((active - 0.1) / 0.1 * 0.1))
+
+
+def test_expert_width_splits_the_dense_ffn_or_is_an_error():
+    assert expert_hidden(64, 4, 4, 0) == 64
+    assert expert_hidden(64, 4, 3, 10) == 10
+    with pytest.raises(ValueError, match="model.ffn_ratio x model.hidden_dim = 256 does not split over "
+                                         "model.num_experts=3; set model.expert_hidden"):
+        expert_hidden(64, 4, 3, 0)
+
+
+def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
+                           "--model.tower=rankmixer_moe", "--model.moe_budget=0.25", "--train.steps=150",
+                           "--metrics.log_every=10", f"--train.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/d",
+                           "--metrics.progress=false", "--checkpoint.enabled=false"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[0]["moe/active_ratio"] > 0.33  # ReLU routers start with about half the gates open
+    assert abs(train[-1]["moe/active_ratio"] - 0.25) < 0.05
+    assert all(abs(train[-1][f"moe/layer{i}/active_ratio"] - 0.25) < 0.08 for i in range(2))
+    assert train[-1]["moe/l1_coef"] > 10 * train[0]["moe/l1_coef"]
+    final = records[-1]
+    assert final["kind"] == "eval"
+    assert 0.15 < final["moe/active_ratio"] < 0.35  # sparse inference: the inference router is alive
+    assert final["moe/dead_experts"] < 4  # of 2 layers x 4 tokens x 4 experts
+    assert final["auc"] > 0.55
