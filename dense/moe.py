@@ -197,7 +197,10 @@ class RankMixerMoETower(nn.Module):
         batches: active fraction overall, per layer and token, per layer and expert index
         (mean over tokens), dead experts (never active), lambda (mean and per layer), and (eval) the FLOPs per
         sample sparse inference spent."""
-        stats = [m.take_stats(TRAIN if kind == "train" else EVAL) for m in self.moes]  # [T, E] each
+        row = TRAIN if kind == "train" else EVAL
+        if not all(m.stat_batches[row] for m in self.moes):  # e.g. dense inference: no routing
+            return {}
+        stats = [m.take_stats(row) for m in self.moes]  # [T, E] each
         active = float(torch.stack(stats).mean())
         values = {"moe/active_ratio": active, "moe/dead_experts": int(sum((s == 0).sum() for s in stats)),
                   "moe/l1_coef": float(torch.stack([m.l1_coef for m in self.moes]).mean())}

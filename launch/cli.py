@@ -4,6 +4,8 @@
     rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
         [--config F.toml] [--section.key=value ...]
     rankmix export --checkpoint RUN_OR_STEP_DIR --out WEIGHTS.pt
+    rankmix score --checkpoint RUN_OR_STEP_DIR --data FILES --out DIR [--config F.toml] [--batch-size N] \
+        [--keep COLS|*] [--section.key=value ...]
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             return data(rest)
         if command == "export":
             return export(rest)
+        if command == "score":
+            return score(rest)
         raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
     except ValueError as e:  # user errors: one clear line, no traceback
         if os.environ.get("RANKMIX_TRACEBACK"):
@@ -50,14 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-def train(argv: list[str]) -> int:
-    """Parse --config and overrides, train, print the summary as the last line (rank 0)."""
-    from trainer.config import describe, load_config
-
-    if "-h" in argv or "--help" in argv:
-        print("rankmix train [--config F.toml] [--section.key=value ...]\n\nOptions:")
-        print("\n".join(describe()))
-        return 0
+def config_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--config file, ['--section.key=value', ...]) from train-style arguments."""
     config_path, overrides = None, []
     it = iter(argv)
     for arg in it:
@@ -74,7 +72,18 @@ def train(argv: list[str]) -> int:
             overrides.append(f"{arg}={value}")
         else:
             overrides.append(arg)
-    cfg = load_config(config_path, overrides)
+    return config_path, overrides
+
+
+def train(argv: list[str]) -> int:
+    """Parse --config and overrides, train, print the summary as the last line (rank 0)."""
+    from trainer.config import describe, load_config
+
+    if "-h" in argv or "--help" in argv:
+        print("rankmix train [--config F.toml] [--section.key=value ...]\n\nOptions:")
+        print("\n".join(describe()))
+        return 0
+    cfg = load_config(*config_args(argv))
 
     from trainer.dist import shutdown
     from trainer.train import Trainer
@@ -122,6 +131,34 @@ def export(argv: list[str]) -> int:
 
     count = export_weights(args.checkpoint, args.out)
     print(json.dumps({"tensors": count, "out": args.out}))
+    return 0
+
+
+def score(argv: list[str]) -> int:
+    """Predictions of a trained checkpoint for Parquet files, one output file per input."""
+    parser = argparse.ArgumentParser(prog="rankmix score", epilog="other --section.key=value options override "
+                                     "the run's config (e.g. --model.moe_inference=dense)")
+    parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a run folder (newest)")
+    parser.add_argument("--data", required=True, help="Parquet files, folders, globs or URIs (comma-separated)")
+    parser.add_argument("--out", required=True, help="folder for the scored files")
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--keep", default="", help="comma-separated input columns to copy (*: all); "
+                        "labels and the user column are kept when present")
+    args, rest = parser.parse_known_args(argv)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    from trainer.config import load_config
+    from trainer.dist import shutdown
+    from trainer.score import Scorer, find_config
+
+    config_path, overrides = config_args(rest)
+    cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides)
+    try:
+        summary = Scorer(cfg, args.checkpoint).score(
+            args.data, args.out, args.batch_size, [c.strip() for c in args.keep.split(",") if c.strip()])
+    finally:
+        shutdown()
+    print(json.dumps(summary), flush=True)
     return 0
 
 

@@ -102,16 +102,11 @@ class Trainer:
     # ------------------------------------------------------------------ building
 
     def _build_model(self) -> nn.Module:
-        cfg = self.cfg
-        layout = InputLayout(cfg.features)
-        tower = build_tower(cfg.model, layout)
-        heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
-        self.tower = tower  # the same module inside the sharded model, for its hooks and cost
-        self.cost = measure_cost(tower, heads, layout.width, torch.device("cpu"))  # before it moves
-        model = RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
-                             autocast_dtype=autocast_dtype(cfg.train.mixed_precision, self.env.device))
-        sharded = shard_model(model, cfg.embeddings, self.env.device, output_dtensor=cfg.checkpoint.async_save)
-        init_embeddings(sharded, cfg.train.seed)
+        model = build_model(self.cfg, self.env.device)
+        self.cost = measure_cost(model.tower, model.heads, model.layout.width, torch.device("cpu"))  # before it moves
+        sharded = shard_model(model, self.cfg.embeddings, self.env.device,
+                              output_dtensor=self.cfg.checkpoint.async_save)
+        init_embeddings(sharded, self.cfg.train.seed)
         return sharded
 
     def _build_optimizer(self) -> CombinedOptimizer:
@@ -375,6 +370,15 @@ class Trainer:
         position = self.train_reader.state_dict()
         position.update(epoch=epoch + 1 if step else epoch, step=0)
         return position
+
+
+def build_model(cfg: Config, device: torch.device) -> RankingModel:
+    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
+    layout = InputLayout(cfg.features)
+    tower = build_tower(cfg.model, layout)
+    heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
+    return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
+                        autocast_dtype=autocast_dtype(cfg.train.mixed_precision, device))
 
 
 def per_rank_batch_size(cfg: Config, world_size: int) -> int:

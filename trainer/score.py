@@ -1,0 +1,116 @@
+"""`rankmix score`: batch scoring of Parquet files with a trained checkpoint.
+
+Every input file gets an output file of the same name, row for row: the kept columns
+(the task labels and the user column when present, plus `keep`) and one `pred_<task>`
+probability per task. The model runs in evaluation mode, so a Sparse-MoE tower uses its
+inference router alone (or the dense training router with model.moe_inference=dense).
+When the files carry the task labels, AUC, UAUC and logloss are computed too.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from embeddings.sharding import shard_model
+from trainer import checkpoint
+from trainer.config import Config
+from trainer.data.encode import RowEncoder
+from trainer.data.reader import resolve_files
+from trainer.dist import DistEnv, init_distributed
+from trainer.metrics import task_metrics
+from trainer.train import build_model
+
+
+def find_config(path: str) -> Path:
+    """The config.toml of the run that `path` (a run folder or one of its step folders) belongs to."""
+    here = Path(path).resolve()
+    for folder in (here, *here.parents[:2]):
+        if (folder / "config.toml").is_file():
+            return folder / "config.toml"
+    raise ValueError(f"no config.toml in {path} or the two folders above it; pass --config")
+
+
+class Scorer:
+    """A trained model in evaluation mode that scores Parquet files (world size 1)."""
+
+    def __init__(self, cfg: Config, checkpoint_path: str):
+        self.cfg = cfg
+        self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
+        if self.env.world_size > 1:
+            raise ValueError("rankmix score runs as one process; launch it without torchrun")
+        self.tasks = [t.name for t in cfg.model.tasks]
+        model = build_model(cfg, self.env.device)
+        self.tower = model.tower
+        self.model = shard_model(model, cfg.embeddings, self.env.device)
+        source = checkpoint.resolve_load_path(checkpoint_path)
+        checkpoint.load(source, {"model": self.model.state_dict()})
+        self.model.eval()
+
+    def score(self, data: str, out: str, batch_size: int, keep: list[str]) -> dict:
+        """Write predictions of every file of `data` into folder `out`; return a summary."""
+        fs, files = resolve_files(data)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        names = pq.ParquetFile(files[0], filesystem=fs).schema_arrow.names
+        labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
+        user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
+        encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user)
+        logits, labels, users = [], [], []
+        rows = 0
+        for path in files:
+            target = Path(out) / posixpath.basename(path)
+            if target.resolve() == Path(path).resolve():
+                raise ValueError(f"--out {out} would overwrite the input {path}")
+            for chunk_logits, batch in self._score_file(fs, path, target, encoder, batch_size, keep):
+                logits.append(chunk_logits)
+                labels.append(batch.labels)
+                users.append(batch.users)
+                rows += len(chunk_logits)
+        summary = {"files": len(files), "rows": rows, "out": out}
+        if labelled and rows:
+            summary.update(task_metrics(torch.cat(logits), torch.cat(labels), torch.cat(users), self.tasks,
+                                        with_uauc=bool(user)))
+        if callable(getattr(self.tower, "log_values", None)):  # the MoE's routing at inference
+            summary.update({k: v for k, v in self.tower.log_values("eval").items() if k.count("/") == 1})
+        return summary
+
+    @torch.no_grad()
+    def _score_file(self, fs, path: str, target: Path, encoder: RowEncoder, batch_size: int, keep: list[str]):
+        """Score one file batch by batch, writing `target`; yields (logits [B, K], batch)."""
+        parquet = pq.ParquetFile(path, filesystem=fs)
+        schema = parquet.schema_arrow
+        encoder.check_schema(schema, path)
+        kept = _kept_columns(schema.names, keep, encoder, path)
+        writer = None
+        try:
+            for i, record_batch in enumerate(parquet.iter_batches(batch_size, columns=list(
+                    dict.fromkeys(encoder.columns + kept)))):
+                table = pa.Table.from_batches([record_batch])
+                batch = encoder.to_batch(encoder.encode(table, f"{path}, batch {i}"))
+                logits = self.model(batch.to(self.env.device)).float().cpu()
+                probs = torch.sigmoid(logits).numpy()
+                scored = table.select(kept)
+                for k, name in enumerate(self.tasks):
+                    scored = scored.append_column(f"pred_{name}", pa.array(probs[:, k]))
+                if writer is None:
+                    writer = pq.ParquetWriter(str(target), scored.schema)
+                writer.write_table(scored)
+                yield logits, batch
+        finally:
+            if writer is not None:
+                writer.close()
+
+
+def _kept_columns(names: list[str], keep: list[str], encoder: RowEncoder, path: str) -> list[str]:
+    """Label and user columns that exist, then `keep` ('*': every column) in order."""
+    if keep == ["*"]:
+        return list(names)
+    missing = [c for c in keep if c not in names]
+    if missing:
+        raise ValueError(f"{path}: --keep names missing columns {missing}")
+    default = [t.label for t in encoder.tasks] + ([encoder.user_column] if encoder.user_column else [])
+    return list(dict.fromkeys(c for c in default + keep if c in names))
