@@ -1,4 +1,4 @@
-"""`rankmix`: train, and convert or generate data.
+r"""`rankmix`: train, and convert or generate data.
 
     rankmix train [--config F.toml] [--section.key=value ...]
     rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
@@ -6,6 +6,8 @@
     rankmix export --checkpoint RUN_OR_STEP_DIR --out WEIGHTS.pt
     rankmix score --checkpoint RUN_OR_STEP_DIR --data FILES --out DIR [--config F.toml] [--batch-size N] \
         [--keep COLS|*] [--section.key=value ...]
+    rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
+        [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             return export(rest)
         if command == "score":
             return score(rest)
+        if command == "sweep":
+            from launch.sweep import sweep
+            return sweep(rest)
         raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
     except ValueError as e:  # user errors: one clear line, no traceback
         if os.environ.get("RANKMIX_TRACEBACK"):
