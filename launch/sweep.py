@@ -201,10 +201,34 @@ def cost_of_config(cfg, probe: bool = False) -> tuple[int, int] | None:
     if not features:
         TOWERS.get(cfg.model.tower)
         return None
-    tower = build_tower(cfg.model, InputLayout(features))
+    layout = InputLayout(features)
+    tower = build_tower(cfg.model, layout)
     heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
-    (tp, tf), (hp, hf) = tower.cost(), heads.cost()
-    return tp + hp, tf + hf
+    if hasattr(tower, "cost") and hasattr(heads, "cost"):
+        (tp, tf), (hp, hf) = tower.cost(), heads.cost()
+        return tp + hp, tf + hf
+    return counted_cost(nn_sequential(tower, heads), layout.width)
+
+
+def nn_sequential(*modules):
+    from torch import nn
+
+    return nn.Sequential(*modules)
+
+
+def counted_cost(model, width: int) -> tuple[int, int]:
+    """(parameters, forward FLOPs per sample) counted on the module itself, for towers
+    without an analytic cost(): torch's FLOP counter at batches 4 and 2, halved difference,
+    so work independent of the batch (building constrained mixing matrices) is left out."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(batch: int) -> int:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.zeros(batch, width))
+        return counter.get_total_flops()
+
+    return sum(p.numel() for p in model.parameters()), (flops(4) - flops(2)) // 2
 
 
 # ---------------------------------------------------------------------------- running

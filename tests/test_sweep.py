@@ -123,6 +123,13 @@ def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_
     assert calls == []
 
 
+def test_counted_cost_of_towers_without_an_analytic_one():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(10, 6), nn.ReLU(), nn.Linear(6, 1))
+    assert sweep_module.counted_cost(model, 10) == (10 * 6 + 6 + 6 + 1, 2 * (10 * 6 + 6))
+
+
 def test_fit_leaves_out_points_that_do_not_beat_the_baseline(capsys):
     rows = [{"tower": "t", "point": str(i), "params": p, "flops": 2 * p, "dauc": d}
             for i, (p, d) in enumerate([(100, -0.01), (1000, 0.01), (10000, 0.02), (100000, 0.04)])]

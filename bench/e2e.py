@@ -1,0 +1,291 @@
+"""One training step's time, broken into its parts.
+
+The model is the Trainer's own (TorchRec DMP, fused Adagrad, RMSProp, world size 1 on
+gloo). Each part runs standalone on the real modules and batches:
+
+    data        the reader's next batch, moved to the device (Trainer.fetch)
+    embedding   sharded EBC lookup forward + backward of a dummy loss on the pooled
+                output, which runs the fused Adagrad update inside backward
+    tokenizer   e_input assembly + tokenizer, forward + backward
+    tower       the tower after the tokenizer (blocks, pooling), forward + backward
+    heads+loss  task heads and the weighted BCE, forward + backward
+    grad check  the dense gradient norm the trainer checks for finiteness (and clips with)
+    optimizer   CombinedOptimizer.step (RMSProp; the fused side only sets its LR) + zero_grad
+
+and the whole step as fit() runs it (Trainer.train_step, then the schedule). Parts and
+the whole step alternate within every round and the medians over rounds are reported,
+so drift on a shared machine hits both alike; process CPU time is reported beside wall
+time, as it does not count waiting for a core. Target: end-to-end / sum of parts <= 1.25.
+
+    .venv/bin/python bench/e2e.py                                  # synthetic, B 1024, T16 D256 L2 k4
+    .venv/bin/python bench/e2e.py --set data.batch_size=512 --rounds 30
+    .venv/bin/python bench/e2e.py --config configs/movielens.toml --set train.pipeline=sparse_dist
+    .venv/bin/python bench/e2e.py --profile 10                     # plus the top ops of 10 whole steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from trainer.config import Config, load_config
+from trainer.data.batch import Batch
+
+# Without --config: configs/debug.toml's synthetic log and tasks at a realistic batch and a
+# mid-sized RankMixer (the default bench/tower.py shape).
+DEFAULT_CONFIG = "configs/debug.toml"
+DEFAULT_SET = ("data.synth_rows=200000", "data.batch_size=1024", "model.tower=rankmixer",
+               "model.num_tokens=16", "model.hidden_dim=256", "model.num_layers=2", "model.ffn_ratio=4")
+# Whatever the config: no checkpoints (a resume would change what is timed), no progress bar.
+FORCED_SET = ("checkpoint.enabled=false", "metrics.progress=false", "metrics.tensorboard=false")
+
+PARTS = ("data", "embedding", "tokenizer", "tower", "heads+loss", "grad check", "optimizer")
+
+
+class _FixedTokens(nn.Module):
+    """Stands in for a tower's tokenizer so that the tower's remaining forward runs on
+    precomputed tokens: the rest of the tower is timed through its own forward()."""
+
+    def __init__(self, tokens: torch.Tensor, num_tokens: int):
+        super().__init__()
+        self.tokens, self.num_tokens = tokens, num_tokens
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        return self.tokens.transpose(0, 1)  # [T, B, D] stored -> [B, T, D]
+
+    def forward_tm(self, e_input: torch.Tensor) -> torch.Tensor:
+        return self.tokens
+
+
+@contextlib.contextmanager
+def tokenizer_replaced(tower: nn.Module, tokens: torch.Tensor):
+    """tower.tokenizer temporarily returns `tokens` (token-major [T, B, D])."""
+    real = tower.tokenizer
+    tower.tokenizer = _FixedTokens(tokens, real.num_tokens)
+    try:
+        yield
+    finally:
+        tower.tokenizer = real
+
+
+class Clock:
+    """Wall seconds and process CPU seconds (every thread of this process) of a region.
+    On a shared machine wall time includes waiting for a core; CPU time does not, so the
+    two ratios together tell work the step adds from time it loses to neighbours."""
+
+    def __enter__(self) -> "Clock":
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    @property
+    def times(self) -> tuple[float, float]:
+        return self.wall, self.cpu
+
+
+class StepParts:
+    """The Trainer's step cut into standalone pieces; each `time_*` returns (wall, CPU) seconds."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.model = trainer.model.module  # RankingModel under DMP (and DDP for the dense part)
+        self.batches: Iterator[Batch] = trainer._tracked(iter(trainer.train_reader))
+        self.batch = self._next()
+        self.has_tokenizer = hasattr(self.model.tower, "tokenizer")
+        self.grads: list[torch.Tensor] = []
+
+    def _next(self) -> Batch:
+        batch = self.trainer.fetch(self.batches)
+        self.trainer._reader_states.popleft()  # fit() pops one per step; keep the queue short
+        return batch
+
+    # ---------------------------------------------------------------- the parts
+
+    def time_data(self) -> tuple[float, float]:
+        with Clock() as clock:
+            self.batch = self._next()
+        return clock.times
+
+    def time_embedding(self) -> tuple[float, float]:
+        """Lookup [B, sum of dims], backward of sum() (gradient of ones) incl. fused Adagrad."""
+        with Clock() as clock:
+            self.model.ebc(self.batch.sparse).values().sum().backward()
+        return clock.times
+
+    def _inputs(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Pooled embeddings (leaves) and the dense features, as the tower's input sees them."""
+        with torch.no_grad():
+            pooled = self.model.ebc(self.batch.sparse).to_dict()
+        return {k: v.detach().requires_grad_() for k, v in pooled.items()}, self.batch.dense
+
+    def time_tokenizer(self) -> tuple[float, float]:
+        """layout.assemble + tokenizer: e_input [B, E] -> tokens [T, B, D], backward of a
+        fixed random cotangent."""
+        if not self.has_tokenizer:
+            return 0.0, 0.0
+        pooled, dense = self._inputs()
+        tokenizer = self.model.tower.tokenizer
+        grad = torch.randn(tokenizer.num_tokens, len(self.batch), self.model.tower.out_dim)
+        with Clock() as clock:
+            tokenizer.forward_tm(self.model.layout.assemble(pooled, dense)).backward(grad)
+        return clock.times
+
+    def time_tower(self) -> tuple[float, float]:
+        """The tower after the tokenizer (the whole tower when it has none), [B, out_dim]."""
+        tower = self.model.tower
+        pooled, dense = self._inputs()
+        if self.has_tokenizer:
+            with torch.no_grad():
+                tokens = tower.tokenizer.forward_tm(self.model.layout.assemble(pooled, dense))
+            context, e_input = tokenizer_replaced(tower, tokens.requires_grad_()), None
+        else:
+            context, e_input = contextlib.nullcontext(), self.model.layout.assemble(pooled, dense).detach()
+        grad = torch.randn(len(self.batch), tower.out_dim)
+        with context, Clock() as clock:
+            tower(e_input).backward(grad)
+        return clock.times
+
+    def time_heads_loss(self) -> tuple[float, float]:
+        hidden = torch.randn(len(self.batch), self.model.tower.out_dim, requires_grad=True)
+        with Clock() as clock:
+            task_losses = nn.functional.binary_cross_entropy_with_logits(
+                self.model.heads(hidden), self.batch.labels, reduction="none").mean(dim=0)
+            (task_losses * self.trainer.task_weights).sum().backward()
+        return clock.times
+
+    def _set_grads(self) -> None:
+        """Every dense parameter holds a gradient, as after a backward."""
+        params = self.trainer.dense_params
+        if not self.grads:
+            self.grads = [torch.randn_like(p) * 1e-3 for p in params]
+        for p, g in zip(params, self.grads):
+            p.grad = g.clone()
+
+    def time_grad_check(self) -> tuple[float, float]:
+        self._set_grads()
+        with Clock() as clock:
+            self.trainer.check_gradients()
+        return clock.times
+
+    def time_optimizer(self) -> tuple[float, float]:
+        self._set_grads()
+        with Clock() as clock:
+            self.trainer.optimizer.step()
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+        return clock.times
+
+    def time_step(self) -> tuple[float, float]:
+        """fit()'s loop body up to the metering: the whole step and the schedule."""
+        trainer = self.trainer
+        with Clock() as clock:
+            trainer.train_step(self.batches)
+            trainer.scheduler.step()
+            trainer.step += 1
+            trainer.notify_step()
+            trainer.reader_state = trainer._reader_states.popleft()
+        return clock.times
+
+    def clear(self) -> None:
+        """No stale gradient may leak from one part into the next."""
+        for p in self.trainer.model.parameters():
+            p.grad = None
+
+    def round(self) -> dict[str, tuple[float, float]]:
+        """Every part once, then one whole step; (wall, CPU) seconds by name."""
+        timers: dict[str, Callable[[], tuple[float, float]]] = {
+            "data": self.time_data, "embedding": self.time_embedding, "tokenizer": self.time_tokenizer,
+            "tower": self.time_tower, "heads+loss": self.time_heads_loss, "grad check": self.time_grad_check,
+            "optimizer": self.time_optimizer}
+        out = {}
+        for name in PARTS:
+            out[name] = timers[name]()
+            self.clear()
+        out["end-to-end"] = self.time_step()
+        return out
+
+
+def bench(cfg: Config, rounds: int, warmup: int) -> tuple[dict[str, tuple[float, float]], StepParts]:
+    """Median (wall, CPU) seconds of each part and of the whole step over `rounds` rounds."""
+    from trainer.train import Trainer
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the sharding plan: not what is measured
+        parts = StepParts(Trainer(cfg))
+    for _ in range(warmup):
+        parts.round()
+    samples = [parts.round() for _ in range(rounds)]
+    return {name: tuple(statistics.median(s[name][i] for s in samples) for i in range(2))
+            for name in samples[0]}, parts
+
+
+def profile(parts: StepParts, steps: int, rows: int) -> str:
+    """Top CPU ops of `steps` whole steps."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            parts.time_step()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+
+
+def table(times: dict[str, tuple[float, float]], batch: int) -> str:
+    """Wall and CPU milliseconds per part, their sums, the whole step and both ratios."""
+    parts = {k: v for k, v in times.items() if k != "end-to-end"}
+    total = tuple(sum(v[i] for v in parts.values()) for i in range(2))
+    e2e = times["end-to-end"]
+
+    def row(name: str, t: tuple[float, float]) -> str:
+        return (f"{name:<14}{1e3 * t[0]:>10.2f}{100 * t[0] / total[0]:>7.1f}%"
+                f"{1e3 * t[1]:>10.2f}{100 * t[1] / total[1]:>7.1f}%")
+
+    lines = [f"{'part':<14}{'wall ms':>10}{'%':>8}{'CPU ms':>10}{'%':>8}"]
+    lines += [row(name, t) for name, t in parts.items()]
+    lines += [row("sum of parts", total), row("end-to-end", e2e),
+              f"ratio end-to-end / sum of parts: wall {e2e[0] / total[0]:.3f}, CPU {e2e[1] / total[1]:.3f} "
+              f"(target <= 1.25); {batch / e2e[0]:,.0f} examples/s"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help=f"TOML config (default: {DEFAULT_CONFIG} with {' '.join(DEFAULT_SET)})")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override, repeatable")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (medians are reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also profile this many whole steps and print the top ops")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's ShardedTensor deprecation
+    base = () if args.config else DEFAULT_SET
+    run_dir = tempfile.mkdtemp(prefix="rankmix-e2e-")
+    overrides = [f"--{s}" for s in (*base, *args.set, *FORCED_SET, f"train.run_dir={run_dir}")]
+    cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+    m = cfg.model
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config or DEFAULT_CONFIG} "
+          f"{' '.join(overrides[:len(base) + len(args.set)])}; tower {m.tower} T{m.num_tokens} D{m.hidden_dim} "
+          f"L{m.num_layers} k{m.ffn_ratio}, batch {cfg.data.batch_size}, {args.rounds} rounds", flush=True)
+    from trainer.dist import shutdown
+
+    try:
+        times, parts = bench(cfg, args.rounds, args.warmup)
+        print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}")
+        print(table(times, parts.trainer.batch_size))
+        if args.profile:
+            print(profile(parts, args.profile, rows=30))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
