@@ -135,18 +135,10 @@ def label_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
 def number_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """Decimal numbers -> float64, empty -> null; anything else is invalid."""
     empty = pc.equal(pc.utf8_length(raw), 0)
-    ok = pc.or_(empty, _plain_integers(raw))
-    if not pc.all(ok).as_py():  # the regex is ~20x slower than the integer check
-        ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
+    ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
     good = pc.and_(ok, pc.invert(empty))
     values = pc.cast(pc.if_else(good, raw, pa.scalar(None, pa.string())), pa.float64())
     return ok.to_numpy(zero_copy_only=False), values
-
-
-def _plain_integers(raw: pa.Array) -> pa.Array:
-    """Rows holding `[0-9]+` or `-[0-9]+`: numbers by `_NUMBER`, and the common case."""
-    negative = pc.and_(pc.starts_with(raw, "-"), pc.ascii_is_decimal(pc.utf8_slice_codeunits(raw, 1)))
-    return pc.or_(pc.ascii_is_decimal(raw), negative)
 
 
 _HEX = np.full(256, 255, np.uint8)
@@ -170,7 +162,7 @@ def hex_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
         padded = padded.combine_chunks()
     offsets = np.frombuffer(padded.buffers()[1], np.int32)[padded.offset:padded.offset + n + 1]
     data = np.frombuffer(padded.buffers()[2], np.uint8)[offsets[0]:offsets[0] + 8 * n].reshape(n, 8)
-    nibbles = _HEX[data]
+    nibbles = np.take(_HEX, data)  # ~3x faster than _HEX[data] for a uint8 index
     # Per row at once, as 8 bytes: a valid nibble is < 16, the 255 of a non-hex digit is not.
     ok = fits & ((nibbles.view(np.uint64).reshape(n) & _HIGH_NIBBLES) == 0)
     # Two nibbles per byte, the 4 bytes read as one big-endian uint32: no integer matmul.
