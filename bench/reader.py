@@ -5,11 +5,15 @@
     same run, on synthetic data (`write_synthetic`). Target ratio >= 0.5.
 (b) The Criteo converter's MB/s in one process against plain reading of the same TSV
     (bytes read and lines counted; and pyarrow's CSV parse of every field as a string),
-    on a TSV made by repeating the sample day file's rows.
+    on a TSV made by repeating the sample day file's rows (bench/convert.py, which also
+    runs alone).
 (c) --memory: the converter's peak RSS (a fresh process per size) for two input sizes,
-    which should be about equal (streaming, bounded memory).
+    which should be about equal (streaming, bounded memory). The reader's own peak RSS
+    over 1 GB and 5 GB of Parquet is bench/reader_memory.py.
 
-    python bench/reader.py [--rows 1000000] [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
+Each figure is the best of --repeat interleaved runs (the machine may be shared).
+
+    python bench/reader.py [--rows 1000000] [--repeat 3] [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-SAMPLE = ROOT.parent / "shared" / "data" / "samples" / "criteo_day_sample.tsv"
+from convert import SAMPLE, bench_converter, make_tsv  # noqa: E402  (bench/convert.py)
 
 
-def bench_reader(tmp: Path, rows: int, batch_size: int) -> dict:
+def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3) -> dict:
     import pyarrow.parquet as pq
 
     from trainer.config import TaskSpec
@@ -44,81 +49,39 @@ def bench_reader(tmp: Path, rows: int, batch_size: int) -> dict:
     encoder = RowEncoder(synth_features(), [TaskSpec(name="click")], user_column="user_id")
     files = sorted(str(p) for p in train.glob("*.parquet"))
 
-    def raw() -> tuple[int, float]:
-        t = time.perf_counter()
-        n = 0
-        for f in files:
-            for b in pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=encoder.columns):
-                n += b.num_rows
-        return n, time.perf_counter() - t
+    def timed(rows_of) -> tuple[int, float, float]:
+        """Rows, wall seconds and CPU seconds (every thread of this process) of a pass."""
+        t, c = time.perf_counter(), time.process_time()
+        n = rows_of()
+        return n, time.perf_counter() - t, time.process_time() - c
 
-    def reader(shuffle_buffer: int) -> tuple[int, float]:
+    def raw() -> tuple[int, float, float]:
+        return timed(lambda: sum(b.num_rows for f in files for b in
+                                 pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=encoder.columns)))
+
+    def reader(shuffle_buffer: int) -> tuple[int, float, float]:
         r = ParquetReader(str(train), encoder, batch_size=batch_size, shuffle=bool(shuffle_buffer),
                           shuffle_buffer=shuffle_buffer, num_epochs=1, seed=0)
-        t = time.perf_counter()
-        n = sum(b.labels.shape[0] for b in r)
-        return n, time.perf_counter() - t
+        return timed(lambda: sum(len(b) for b in r))
 
     raw()  # warm the page cache
-    out = {"rows": rows, "generate_s": round(gen_s, 1), "batch_size": batch_size}
-    n_raw, s_raw = raw()
-    out["raw_iter_batches_rows_per_s"] = round(n_raw / s_raw)
+    out = {"rows": rows, "generate_s": round(gen_s, 1), "batch_size": batch_size, "repeat": repeat}
+    # Best of `repeat` interleaved runs: a busy neighbour then slows every contender alike.
+    # CPU seconds are reported too: on a shared machine they vary far less than wall time.
+    rows_in: dict[str, int] = {}  # the reader drops the last partial batch
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for _ in range(repeat):
+        for name, run in (("raw", raw), ("shuffle0", lambda: reader(0)), ("shuffle65536", lambda: reader(65_536))):
+            rows_in[name], w, c = run()
+            wall[name], cpu[name] = min(wall.get(name, w), w), min(cpu.get(name, c), c)
+    out["raw_iter_batches_rows_per_s"] = round(rows_in["raw"] / wall["raw"])
     for buf in (0, 65_536):
-        n, s = reader(buf)
-        out[f"reader_shuffle{buf}_rows_per_s"] = round(n / s)
-        out[f"ratio_shuffle{buf}"] = round((n / s) / (n_raw / s_raw), 3)
+        name = f"shuffle{buf}"
+        out[f"reader_{name}_rows_per_s"] = round(rows_in[name] / wall[name])
+        out[f"ratio_{name}"] = round(out[f"reader_{name}_rows_per_s"] / out["raw_iter_batches_rows_per_s"], 3)
+        out[f"cpu_ratio_{name}"] = round((rows_in[name] / cpu[name]) / (rows_in["raw"] / cpu["raw"]), 3)
     return out
-
-
-def make_tsv(path: Path, mb: int) -> int:
-    block = SAMPLE.read_bytes()
-    if not block.endswith(b"\n"):
-        block += b"\n"
-    reps = max(1, (mb << 20) // len(block))
-    with open(path, "wb") as f:
-        chunk = block * 64
-        for _ in range(reps // 64):
-            f.write(chunk)
-        f.write(block * (reps % 64))
-    return path.stat().st_size
-
-
-def bench_converter(tmp: Path, mb: int) -> dict:
-    import pyarrow as pa
-    import pyarrow.csv as pcsv
-
-    from trainer.data.criteo import CriteoLayout, convert_criteo
-
-    src = tmp / "day_bench.tsv"
-    size = make_tsv(src, mb)
-    with open(src, "rb") as f:  # warm the page cache
-        while f.read(8 << 20):
-            pass
-    t = time.perf_counter()
-    lines = 0
-    with open(src, "rb") as f:
-        while chunk := f.read(8 << 20):
-            lines += chunk.count(b"\n")
-    s_read = time.perf_counter() - t
-
-    t = time.perf_counter()
-    names = CriteoLayout.column_names
-    reader = pcsv.open_csv(src, read_options=pcsv.ReadOptions(use_threads=False, column_names=names, block_size=8 << 20),
-                           parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
-                           convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in names}))
-    parsed = sum(b.num_rows for b in reader)
-    s_parse = time.perf_counter() - t
-
-    t = time.perf_counter()
-    summary = convert_criteo([str(src)], str(tmp / "criteo_out"), workers=1)
-    s_conv = time.perf_counter() - t
-    assert summary["rows"] == lines == parsed, (summary["rows"], lines, parsed)
-    mbs = size / 2**20
-    return {"tsv_mb": round(mbs), "rows": lines,
-            "plain_read_mb_per_s": round(mbs / s_read), "arrow_csv_strings_mb_per_s": round(mbs / s_parse),
-            "converter_mb_per_s": round(mbs / s_conv, 1),
-            "converter_vs_plain_read": round(s_read / s_conv, 3),
-            "converter_vs_arrow_csv": round(s_parse / s_conv, 3)}
 
 
 def peak_memory(tmp: Path, sizes: list[int]) -> dict:
@@ -140,16 +103,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best counts")
     p.add_argument("--tsv-mb", type=int, default=200)
     p.add_argument("--memory", default="", help="comma-separated input sizes in MB, e.g. 1000,5000")
     p.add_argument("--tmp", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
-        res = {"reader": bench_reader(tmp, args.rows, args.batch_size)}
+        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat)}
         print(json.dumps(res["reader"]), flush=True)
         if SAMPLE.is_file():
-            res["converter"] = bench_converter(tmp, args.tsv_mb)
+            res["converter"] = bench_converter(tmp, args.tsv_mb, args.repeat)
             print(json.dumps(res["converter"]), flush=True)
             if args.memory:
                 res["memory"] = peak_memory(tmp, [int(s) for s in args.memory.split(",")])

@@ -13,35 +13,51 @@ import pyarrow.compute as pc
 from trainer.config import FeatureSpec
 
 
-def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str) -> pa.Array:
-    """One id column -> valid table rows: an int64 column for `id` features (one id per
-    row, kept flat because that is cheap; a null stays null and is an empty bag) and
-    list<int64> for `id_list` / `sequence`, which keep their last `max_len` ids (the most
-    recent, by the sequence convention; a null list is an empty bag). `where` prefixes errors.
+def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec,
+               where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """One id column -> (ids, lengths): every row's bag of valid table rows, flattened
+    (int64), and the bag sizes (int64, one per row; None when every bag holds exactly one
+    id, so that callers can skip them). An `id` feature has one id per row and a null is
+    an empty bag; `id_list` / `sequence` keep their last `max_len` ids (the most recent,
+    by the sequence convention) and a null list is an empty bag. `where` prefixes errors.
+    Whole columns at a time: the per-row work is all in numpy / Arrow kernels.
     """
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    arr = _one_array(column)
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
-        nulls = np.asarray(arr.is_null()) if arr.null_count else None
-        values = pc.fill_null(arr, 0).to_numpy(zero_copy_only=False) if arr.null_count else \
-            arr.to_numpy(zero_copy_only=False)
-        return pa.array(_hash(values, np.ones(len(values), np.int64), spec, where), type=pa.int64(), mask=nulls)
+        if not arr.null_count:
+            return _hash(arr.to_numpy(zero_copy_only=False), None, spec, where), None
+        present = ~np.asarray(arr.is_null())
+        # Hash with nulls as 0 (a valid id in every mode), so that error rows stay row numbers.
+        values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False), None, spec, where)
+        return values[present], present.astype(np.int64)
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
     flat = pc.list_flatten(arr)
     if flat.null_count:
         row = _row_of(np.flatnonzero(np.asarray(flat.is_null()))[0], lengths)
         raise ValueError(f"{where}, column {spec.column!r}: null id inside the list at row {row}")
     values = _hash(flat.to_numpy(zero_copy_only=False), lengths, spec, where)
-    if spec.max_len:
+    if spec.max_len and lengths.size and lengths.max() > spec.max_len:
         values, lengths = _keep_last(values, lengths, spec.max_len)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int64()))
+    return values, lengths
 
 
-def _hash(values: np.ndarray, lengths: np.ndarray, spec: FeatureSpec, where: str) -> np.ndarray:
+def _one_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """The column as one array; zero-copy for a single chunk, which is what a row group
+    reads as (combine_chunks would copy it)."""
+    if not isinstance(column, pa.ChunkedArray):
+        return column
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, where: str) -> np.ndarray:
     """Valid int64 rows; computed in the column's own integer type, so that uint64
-    hashes above 2^63 are reduced rather than wrapped to negative numbers."""
-    if values.dtype.kind == "i" and values.size and values.min() < 0:
+    hashes above 2^63 are reduced rather than wrapped to negative numbers. `lengths`
+    (None: one id per row) turns a flat position into a row number for errors."""
+    # One pass for the common case, every id already valid: seen as unsigned, a negative
+    # id is huge, so `max < num_embeddings` rules out both errors and makes modulo a no-op.
+    if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < spec.num_embeddings:
+        return values.astype(np.int64, copy=False)
+    if values.dtype.kind == "i" and values.min() < 0:
         i = np.flatnonzero(values < 0)[0]
         raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
                          f"at row {_row_of(i, lengths)}")
@@ -63,6 +79,8 @@ def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[n
     return values[index], kept
 
 
-def _row_of(flat_index: int, lengths: np.ndarray) -> int:
+def _row_of(flat_index: int, lengths: np.ndarray | None) -> int:
     """Row holding the `flat_index`-th value of a ragged column."""
+    if lengths is None:
+        return int(flat_index)
     return int(np.searchsorted(np.cumsum(lengths), flat_index, side="right"))

@@ -1,4 +1,4 @@
-"""Raw Parquet columns -> validated model inputs, one row group at a time.
+"""Raw Parquet columns -> validated model inputs (`Rows`), one row group at a time.
 
 Validation happens per row group, before rows are shuffled together, so that every error
 can name the file, the column and the row group it came from.
@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import torch
-from torchrec import KeyedJaggedTensor
 
 from embeddings.ids import encode_ids
 from trainer.config import FeatureSpec, TaskSpec
-from trainer.data.batch import Batch
-
-USER = "__user__"
-WEIGHT = "__weight__"
+from trainer.data.batch import Batch, Rows
 
 
 class RowEncoder:
@@ -59,57 +53,33 @@ class RowEncoder:
         if self.user_column:
             yield self.user_column, "integer user ids (data.user_column)", pa.types.is_integer
 
-    def encode(self, table: pa.Table, where: str) -> pa.Table:
-        """Validated columns: list<int64> per id feature, float32 per numeric and label."""
-        cols: dict[str, pa.Array] = {}
+    def encode(self, table: pa.Table, where: str) -> Rows:
+        """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
+        and labels, int64 users; computed a whole column at a time."""
+        ids, lengths = [], []
         for f in self.sparse:
-            cols[f.name] = encode_ids(table.column(f.column), f, where)
-        for f in self.numeric:
-            cols[f.name] = pa.array(_numeric(table.column(f.column), f, where))
-        for t in self.tasks:
-            cols[t.name] = pa.array(_labels(table.column(t.label), t, where))
+            v, n = encode_ids(table.column(f.column), f, where)
+            ids.append(v)
+            lengths.append(n)
+        rows = table.num_rows
+        dense = _columns([_numeric(table.column(f.column), f, where) for f in self.numeric], rows)
+        labels = _columns([_labels(table.column(t.label), t, where) for t in self.tasks], rows)
+        users = None
         if self.user_column:
-            users = table.column(self.user_column)
-            if users.null_count:
+            column = table.column(self.user_column)
+            if column.null_count:
                 raise ValueError(f"{where}, column {self.user_column!r}: null user id")
-            cols[USER] = users.combine_chunks().cast(pa.int64())
-        return pa.table(cols)
+            users = column.cast(pa.int64()).to_numpy()
+        return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users)
 
-    def to_batch(self, table: pa.Table, weights: np.ndarray | None = None) -> Batch:
-        """Assemble a Batch from an encoded slice of B rows."""
-        n = table.num_rows
-        values, lengths = [], []
-        for f in self.sparse:
-            col = table.column(f.name).combine_chunks()
-            if pa.types.is_list(col.type):
-                lengths.append(pc.list_value_length(col).to_numpy())
-                values.append(pc.list_flatten(col).to_numpy())
-            elif col.null_count:  # one id per row; a null is an empty bag
-                lengths.append((~np.asarray(col.is_null())).astype(np.int64))
-                values.append(col.drop_null().to_numpy())
-            else:
-                lengths.append(np.ones(n, np.int64))
-                values.append(col.to_numpy())
-        sparse = KeyedJaggedTensor(
-            keys=[f.name for f in self.sparse],
-            values=torch.from_numpy(np.concatenate(values) if values else np.zeros(0, np.int64)),
-            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int64) if lengths
-                                     else np.zeros(0, np.int64)),
-        )
-        return Batch(
-            sparse=sparse,
-            dense=_stack(table, [f.name for f in self.numeric], n),
-            labels=_stack(table, [t.name for t in self.tasks], n),
-            users=torch.from_numpy(table.column(USER).to_numpy().copy()) if self.user_column
-            else torch.zeros(n, dtype=torch.int64),
-            weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
-        )
+    def to_batch(self, rows: Rows, weights: np.ndarray | None = None) -> Batch:
+        """Assemble a Batch from encoded rows (see `Rows.to_batch`)."""
+        return rows.to_batch(weights)
 
 
-def _stack(table: pa.Table, names: list[str], n: int) -> torch.Tensor:
-    if not names:
-        return torch.zeros(n, 0)
-    return torch.from_numpy(np.stack([table.column(c).to_numpy() for c in names], axis=1))
+def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
+    """[rows, len(columns)] float32, row-major so that a slice of rows is contiguous."""
+    return np.stack(columns, axis=1) if columns else np.zeros((rows, 0), np.float32)
 
 
 def _is_int_list(typ: pa.DataType) -> bool:
