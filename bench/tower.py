@@ -2,7 +2,12 @@
 
 CPU (default): forward+backward FLOP/s divided by the same process's plain 2048^3
 matrix-multiply FLOP/s, measured in the same run (absolute times drift on a shared
-machine; the ratio does not).
+machine; the ratio does not). Each is the best of --repeats calls, the two timed in turns.
+glibc's malloc is told to keep freed memory (--no-malloc-tuning to leave it alone): by
+default every tensor over 32 MiB is a fresh mmap, so each step page-faults its large
+activations back in (about a tenth of the step at T=32, D=512). --clock cpu divides
+process CPU seconds instead of wall seconds, which other processes on a busy machine
+disturb far less (with several threads it also counts their spin-waits).
 
 CUDA (--device cuda): model FLOPs utilisation in bf16 autocast against the chip's peak
 (--peak-tflops, or a known peak for the device name), plus the same matmul ratio.
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
+import ctypes
+import math
 import time
 
 import torch
@@ -28,33 +34,61 @@ from dense.tokenizer import SliceTokenizer
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of `fn()` after two warm-up calls."""
+def tune_malloc() -> str:
+    """Keep freed memory in the process (no mmap per large tensor, no trimming): the
+    allocator settings a CPU training process would use; returns what was done."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "malloc untouched (no glibc)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = libc.mallopt(m_mmap_threshold, ctypes.c_int(1 << 30)) and libc.mallopt(m_trim_threshold, ctypes.c_int(1 << 30))
+    return "malloc keeps freed memory" if ok else "malloc tuning refused"
+
+
+def timed(fns, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
+    """Best seconds of each of `fns`, after two warm-up calls each, timed in turns.
+
+    The machine is shared: a slice taken by another process only ever adds time, so the
+    fastest of several calls is the least disturbed one; alternating the functions puts
+    the numerator and the denominator of the ratio under the same conditions.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn(), fn()
-    times = []
+    for fn in fns:
+        fn(), fn()
+    best = [math.inf] * len(fns)
     for _ in range(repeats):
-        sync()
-        tic = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            sync()
+            tic = clock()
+            fn()
+            sync()
+            best[i] = min(best[i], clock() - tic)
+    return best
 
 
-def matmul_flops_per_sec(device: torch.device, dtype: torch.dtype, repeats: int, n: int = 2048) -> float:
+def matmul_step(device: torch.device, dtype: torch.dtype, n: int = 2048):
+    """(fn, FLOPs) of the plain n^3 reference product."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / timed(lambda: a @ b, repeats, device)
+    return (lambda: a @ b), 2 * n**3
 
 
-def tower_flops_per_sec(shape: tuple[int, ...], device: torch.device, bf16: bool, repeats: int) -> tuple[float, int]:
-    """(FLOP/s, FLOPs) of one forward+backward of the tower at shape (T, D, L, k, B)."""
+def tower_step(shape: tuple[int, ...], device: torch.device, bf16: bool):
+    """(fn, FLOPs) of one forward+backward of the tower at shape (T, D, L, k, B).
+
+    FLOPs are the matrix products FlopCounterMode sees, checked against the analytic count:
+    forward 2 T d D (tokenizer, d = D) + L 4 k T D^2 (the per-token FFNs) per sample, and
+    backward twice that (input and weight gradients); elementwise work counts nothing.
+    """
     t, d, layers, k, batch = shape
     tower = RankMixerTower(SliceTokenizer(t * d, t, d, d), layers, d, k).to(device)
     e_input = torch.randn(batch, t * d, device=device, requires_grad=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    params = [e_input, *tower.parameters()]
 
     def step():
+        for p in params:  # as after optimizer.zero_grad(): gradients are written, not accumulated
+            p.grad = None
         with autocast:
             out = tower(e_input)
         out.float().sum().backward()
@@ -62,7 +96,10 @@ def tower_flops_per_sec(shape: tuple[int, ...], device: torch.device, bf16: bool
     with FlopCounterMode(display=False) as counter:
         step()
     flops = counter.get_total_flops()
-    return flops / timed(step, repeats, device), flops
+    expected = 3 * batch * (2 * t * d * d + layers * 4 * k * t * d * d)
+    if flops != expected:
+        raise RuntimeError(f"counted {flops} FLOPs per step, expected 3 x forward = {expected}")
+    return step, flops
 
 
 def main() -> None:
@@ -72,6 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true", help="autocast the tower to bfloat16")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="CPU only: time by process CPU seconds")
+    parser.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc's defaults")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak for MFU (default: by device name)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -82,11 +122,17 @@ def main() -> None:
         peak = peak or next((v * 1e12 for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
         print(f"{name}, torch {torch.__version__}, peak {peak / 1e12:.0f} TFLOP/s")
     else:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        malloc = "malloc untouched" if args.no_malloc_tuning else tune_malloc()
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {malloc}, {args.clock} clock")
+    clock = time.process_time if args.clock == "cpu" and device.type == "cpu" else time.perf_counter
     for text in args.shapes:
         shape = tuple(map(int, text.split(",")))
-        matmul = matmul_flops_per_sec(device, dtype, args.repeats)
-        rate, flops = tower_flops_per_sec(shape, device, args.bf16, args.repeats)
+        mm_fn, mm_flops = matmul_step(device, dtype)
+        tower_fn, flops = tower_step(shape, device, args.bf16)
+        mm_time, tower_time = timed([mm_fn, tower_fn], args.repeats, device, clock)
+        matmul, rate = mm_flops / mm_time, flops / tower_time
         line = (f"T={shape[0]} D={shape[1]} L={shape[2]} k={shape[3]} B={shape[4]}: {flops / 1e9:.1f} GFLOP/step, "
                 f"tower {rate / 1e12:.3f} TFLOP/s, matmul {matmul / 1e12:.3f} TFLOP/s, ratio {rate / matmul:.2f}")
         if peak:
