@@ -5,12 +5,15 @@ whose activation ratio tracks the budget while the inference router stays alive.
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -101,6 +104,29 @@ def test_lambda_moves_towards_the_budget():
     assert active > 0.1 and moe.l1_coef.item() == pytest.approx(start * math.exp((active - 0.1) / 0.1 * 0.1))
     moe.set_step(2)  # no training forward since: nothing to adapt
     assert moe.l1_coef.item() == pytest.approx(start * math.exp((active - 0.1) / 0.1 * 0.1))
+
+
+def _lambda_worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    moe = make_moe()
+    torch.manual_seed(rank)  # each rank sees other rows, so another active fraction
+    moe.forward_tm(torch.randn(T, B, D) + rank)
+    mine = moe._pending.mean().item()
+    moe.set_step(1)
+    torch.save({"active": mine, "lambda": moe.l1_coef.item()}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_rank_adapts_lambda_with_the_activity_averaged_over_ranks(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_lambda_worker, args=(port, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert ranks[0]["active"] != ranks[1]["active"]
+    mean = (ranks[0]["active"] + ranks[1]["active"]) / 2
+    for r in ranks:
+        assert r["lambda"] == pytest.approx(1e-3 * math.exp(0.1 * (mean - 0.5) / 0.5), rel=1e-6)
 
 
 def test_expert_width_splits_the_dense_ffn_or_is_an_error():
