@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import math
 import time
 
@@ -29,21 +28,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import SliceTokenizer
+from trainer.dist import tune_malloc
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
-
-
-def tune_malloc() -> str:
-    """Keep freed memory in the process (no mmap per large tensor, no trimming): the
-    allocator settings a CPU training process would use; returns what was done."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return "malloc untouched (no glibc)"
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = libc.mallopt(m_mmap_threshold, ctypes.c_int(1 << 30)) and libc.mallopt(m_trim_threshold, ctypes.c_int(1 << 30))
-    return "malloc keeps freed memory" if ok else "malloc tuning refused"
 
 
 def timed(fns, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
