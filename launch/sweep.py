@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-AXES = ("params", "flops")  # fit.json keys: x = dense parameters, x = forward FLOPs per sample
+AXES = ("params", "flops")
+MIN_FIT_POINTS = 3  # fit.json keys: x = dense parameters, x = forward FLOPs per sample
 
 
 @dataclass
@@ -307,8 +308,8 @@ def reusable(config: str | None, point: Point) -> bool:
 def fit_power_law(x: list[float], y: list[float]) -> dict[str, float]:
     """Least squares of log y = log a + b log x: {'a', 'b', 'r2', 'n'} (r2 in log space)."""
     lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
-    if len(lx) < 2 or np.ptp(lx) == 0:
-        raise ValueError(f"a power law needs at least two distinct x values, got {list(x)}")
+    if len(np.unique(lx)) < MIN_FIT_POINTS:  # through two points any line fits, r^2 = 1
+        raise ValueError(f"a power law needs at least {MIN_FIT_POINTS} distinct x values, got {list(x)}")
     b, log_a = np.polyfit(lx, ly, 1)
     residual = ly - (log_a + b * lx)
     total = float(((ly - ly.mean()) ** 2).sum())
@@ -392,8 +393,9 @@ def plot(rows: list[dict], fits: dict, baseline_auc: float, path: Path, title: s
             colour = colours[i % len(colours)]
             ax.plot([r[axis] for r in mine], [r["auc"] for r in mine], "o", color=colour, label=tower)
             fit = fits.get(tower, {}).get(axis)
-            if fit is not None and mine[0][axis] > 0:
-                x = np.geomspace(mine[0][axis], mine[-1][axis], 100)
+            kept = [r[axis] for r in mine if r["dauc"] > 0]
+            if fit is not None:  # over the points it was fitted to, no extrapolation
+                x = np.geomspace(kept[0], kept[-1], 100)
                 ax.plot(x, baseline_auc + fit["a"] * x ** fit["b"], "-", color=colour, alpha=0.7,
                         label=f"  fit b={fit['b']:.3f}, r²={fit['r2']:.2f}")
         ax.axhline(baseline_auc, color="grey", linestyle="--", linewidth=1, label="baseline")
@@ -401,7 +403,7 @@ def plot(rows: list[dict], fits: dict, baseline_auc: float, path: Path, title: s
         ax.set_xlabel(name)
         ax.set_ylabel("AUC")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="best", framealpha=0.6)
     if title:
         fig.suptitle(title)
     fig.savefig(path, dpi=120)
@@ -466,7 +468,7 @@ def sweep(argv: list[str]) -> int:
         {"baseline_auc": baseline_auc, "baseline": baseline_name, "form": "dAUC = a * x^b", "fits": fits},
         indent=1))
     if rows:
-        plot(rows, fits, baseline_auc, out / "sweep.png", title=f"{args.config or 'defaults'}: AUC vs size")
+        plot(rows, fits, baseline_auc, out / "sweep.png", title=f"{Path(args.config).name if args.config else 'defaults'}: AUC against size, 1 point per run")
     print(format_table(rows, fits, baseline_auc, baseline_name))
     print(f"wrote {out / 'sweep.csv'}, {out / 'fit.json'}, {out / 'sweep.png'}")
     return 1 if failures else 0

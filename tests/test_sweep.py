@@ -23,8 +23,8 @@ def test_power_law_fit_recovers_a_and_b():
     assert fit["r2"] == pytest.approx(1.0) and fit["n"] == 5
     noisy = fit_power_law(x, [0.002 * v ** 0.31 * f for v, f in zip(x, (1.1, 0.9, 1.05, 0.95, 1.0))])
     assert 0.25 < noisy["b"] < 0.37 and noisy["r2"] < 1.0
-    with pytest.raises(ValueError, match="two distinct x"):
-        fit_power_law([10, 10], [0.1, 0.2])
+    with pytest.raises(ValueError, match="at least 3 distinct x"):
+        fit_power_law([10, 10, 100], [0.1, 0.2, 0.3])  # two points: any line fits
 
 
 def test_grid_expansion_and_per_tower_grids(tmp_path):
@@ -136,4 +136,6 @@ def test_fit_leaves_out_points_that_do_not_beat_the_baseline(capsys):
     fits = sweep_module.fits_of(rows)
     assert fits["t"]["params"]["n"] == 3
     assert fits["t"]["params"]["b"] == pytest.approx(np.polyfit(np.log([1e3, 1e4, 1e5]), np.log([.01, .02, .04]), 1)[0])
+    rows[1]["dauc"] = 0.0  # two points left: no fit rather than a trivially perfect one
+    assert sweep_module.fits_of(rows)["t"] == {"params": None, "flops": None}
     assert "1 point(s) with dAUC <= 0 left out" in capsys.readouterr().err
