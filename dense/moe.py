@@ -10,9 +10,11 @@ Token t has E experts e_tj (D -> h -> D, GELU) and two ReLU routers (DTSI):
   reproduce the (detached) training output. With the L1 gradient alone h_infer decays to
   zero and inference dies, the bug of public implementations.
 
-lambda adapts after every optimizer step, lambda *= exp(rate (active - budget) / budget), where
+lambda adapts after every optimizer step as the multiplier of the constraint
+active = budget: lambda += rate (active - budget) / budget * max(|lambda|, l1_init), where
 `active` is the fraction of non-zero inference gates in the step's batch averaged over
-ranks (every rank keeps the same lambda, which is a checkpointed buffer).
+ranks (every rank keeps the same lambda, which is a checkpointed buffer). It turns
+negative when the routers are sparser than the budget by themselves.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class PerTokenMoE(nn.Module):
         super().__init__()
         t, e = num_tokens, num_experts
         self.num_experts, self.hidden = e, hidden
-        self.budget, self.l1_rate, self.consistency = budget, l1_rate, consistency
+        self.budget, self.l1_rate, self.l1_init, self.consistency = budget, l1_rate, l1_init, consistency
         self.sparse_inference = sparse_inference
         self.w1 = nn.Parameter(uniform_init((t, e, dim, hidden), dim))
         self.b1 = nn.Parameter(uniform_init((t, e, 1, hidden), dim))
@@ -128,8 +130,13 @@ class PerTokenMoE(nn.Module):
             dist.all_reduce(active)
             active /= dist.get_world_size()
         self._record(TRAIN, active)
-        # Relative error: a budget of 1/8 is tracked as quickly as one of 1/2.
-        self.l1_coef.mul_(torch.exp(self.l1_rate * (active.mean() - self.budget) / self.budget))
+        # A Lagrange multiplier of "active = budget", so it may turn negative: when the
+        # routers are naturally sparser than the budget, a negative coefficient rewards
+        # gate mass and the router biases open more rows. Steps are relative to |lambda|
+        # (floored at l1_init, so it can cross zero), and to the budget, so a budget of
+        # 1/8 is tracked as quickly as one of 1/2.
+        error = (active.mean() - self.budget) / self.budget
+        self.l1_coef.add_(self.l1_rate * error * self.l1_coef.abs().clamp(min=self.l1_init))
 
     def _record(self, kind: int, active: torch.Tensor) -> None:
         self.active_sum[kind] += active

@@ -170,9 +170,9 @@ class ModelConfig:
     moe_budget: float = 0.5
     """Target mean fraction of active experts; the L1 coefficient adapts to track it."""
     moe_l1_init: float = 0.001
-    """Initial L1 coefficient lambda on the inference router's gates."""
+    """Initial L1 coefficient lambda on the inference router's gates (also the smallest step scale)."""
     moe_l1_rate: float = 0.1
-    """Adaptation speed: lambda *= exp(rate * (active fraction - budget) / budget) after every step."""
+    """Adaptation speed: lambda += rate * (active - budget) / budget * max(|lambda|, moe_l1_init) per step."""
     moe_consistency: float = 1.0
     """Weight of the loss that teaches the inference router to reproduce the dense training output."""
     moe_inference: str = "sparse"
