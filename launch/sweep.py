@@ -324,12 +324,15 @@ def rows_of(points: list[Point], baseline_auc: float) -> list[dict]:
         groups.setdefault((p.tower, p.label), []).append((p, result_of(p)))
     rows = []
     for (tower, label), runs in groups.items():
-        auc = float(np.mean([r["auc"] for _, r in runs]))
-        uauc = float(np.mean([r.get("uauc", float("nan")) for _, r in runs]))
+        aucs = [r["auc"] for _, r in runs]
+        uaucs = [r.get("uauc", float("nan")) for _, r in runs]
+        auc, uauc = float(np.mean(aucs)), float(np.mean(uaucs))
+        # Spread over seeds: the sample standard deviation (0 for one seed).
+        auc_std, uauc_std = (float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in (aucs, uaucs))
         first = runs[0][1]
         rows.append({"tower": tower, "point": label, "params": int(first["dense_params"]),
                      "flops": int(first["flops_per_sample"]), "auc": auc, "uauc": uauc,
-                     "dauc": auc - baseline_auc, "seeds": len(runs),
+                     "auc_std": auc_std, "uauc_std": uauc_std, "dauc": auc - baseline_auc, "seeds": len(runs),
                      "overrides": " ".join(f"--{k}={v}" for k, v in runs[0][0].settings.items())})
     return rows
 
@@ -358,21 +361,23 @@ def fits_of(rows: list[dict]) -> dict[str, dict[str, dict[str, float] | None]]:
 
 def write_csv(rows: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, ["tower", "point", "overrides", "params", "flops", "auc", "uauc", "dauc", "seeds"])
+        writer = csv.DictWriter(f, ["tower", "point", "overrides", "params", "flops", "auc", "auc_std", "uauc",
+                                    "uauc_std", "dauc", "seeds"])
         writer.writeheader()
         writer.writerows(rows)
 
 
 def format_table(rows: list[dict], fits: dict, baseline_auc: float, baseline_name: str) -> str:
     lines = [f"baseline AUC {baseline_auc:.4f} ({baseline_name})",
-             f"{'tower':<15}{'point':<34}{'params':>11}{'FLOPs':>12}{'AUC':>8}{'UAUC':>8}{'dAUC':>9}"]
+             f"{'tower':<17}{'point':<34}{'params':>11}{'FLOPs':>12}{'AUC':>17}{'UAUC':>17}{'dAUC':>9}"
+             "  (mean ± sample std over seeds)"]
     for r in rows:
-        lines.append(f"{r['tower']:<15}{r['point']:<34}{r['params']:>11,}{r['flops']:>12,}"
-                     f"{r['auc']:>8.4f}{r['uauc']:>8.4f}{r['dauc']:>9.4f}")
-    lines.append(f"\n{'tower':<15}{'x':<8}{'a':>11}{'b':>9}{'r^2':>7}{'n':>4}   dAUC = a * x^b")
+        lines.append(f"{r['tower']:<17}{r['point']:<34}{r['params']:>11,}{r['flops']:>12,}"
+                     f"{r['auc']:>8.4f} ± {r['auc_std']:.4f}{r['uauc']:>8.4f} ± {r['uauc_std']:.4f}{r['dauc']:>9.4f}")
+    lines.append(f"\n{'tower':<17}{'x':<8}{'a':>11}{'b':>9}{'r^2':>7}{'n':>4}   dAUC = a * x^b")
     for tower, by_axis in fits.items():
         for axis, fit in by_axis.items():
-            lines.append(f"{tower:<15}{axis:<8}" + ("   (no fit)" if fit is None else
+            lines.append(f"{tower:<17}{axis:<8}" + ("   (no fit)" if fit is None else
                          f"{fit['a']:>11.4g}{fit['b']:>9.4f}{fit['r2']:>7.3f}{fit['n']:>4}"))
     return "\n".join(lines)
 
@@ -449,7 +454,7 @@ def sweep(argv: list[str]) -> int:
     if args.dry_run:
         for p, cost in zip(runs, costs):
             size = "" if cost is None else f"{cost[0]:>12,}{cost[1]:>14,}"
-            print(f"{p.tower:<15}{p.label:<34}{size}  {p.run_dir}")
+            print(f"{p.tower:<17}{p.label:<34}{size}  {p.run_dir}")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
