@@ -418,6 +418,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode also fills every new tensor with NaN to expose reads of
+        # uninitialised memory: a debugging aid that costs a pass over each allocation.
+        torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def rng_state() -> dict:
