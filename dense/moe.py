@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dense.rankmixer import token_mixing_residual_tm, uniform_init
+from dense.rankmixer import check_mixing_width, token_mixing_residual_tm, uniform_init
 
 
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
@@ -156,9 +156,7 @@ class RankMixerMoEBlock(nn.Module):
 
     def __init__(self, num_tokens: int, dim: int, moe: PerTokenMoE):
         super().__init__()
-        if dim % num_tokens:
-            raise ValueError(f"RankMixer needs model.hidden_dim={dim} divisible by the number of "
-                             f"tokens {num_tokens} (token mixing uses H = T heads)")
+        check_mixing_width(dim, num_tokens)
         self.norm1 = nn.LayerNorm(dim)
         self.moe = moe
         self.norm2 = nn.LayerNorm(dim)

@@ -103,14 +103,19 @@ def uniform_init(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
     return torch.empty(shape).uniform_(-bound, bound)
 
 
+def check_mixing_width(dim: int, num_tokens: int) -> None:
+    """Token mixing with H = T heads splits each token into T equal heads."""
+    if dim % num_tokens:
+        raise ValueError(f"RankMixer needs model.hidden_dim={dim} divisible by the number of "
+                         f"tokens {num_tokens} (token mixing uses H = T heads)")
+
+
 class RankMixerBlock(nn.Module):
     """Post-norm block (eq. 1): S = LN(TokenMixing(X) + X); X' = LN(PFFN(S) + S)."""
 
     def __init__(self, num_tokens: int, dim: int, ratio: int):
         super().__init__()
-        if dim % num_tokens:
-            raise ValueError(f"RankMixer needs model.hidden_dim={dim} divisible by the number of "
-                             f"tokens {num_tokens} (token mixing uses H = T heads)")
+        check_mixing_width(dim, num_tokens)
         self.num_tokens = num_tokens
         self.norm1 = nn.LayerNorm(dim)
         self.ffn = PerTokenFFN(num_tokens, dim, ratio)
