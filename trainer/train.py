@@ -133,6 +133,15 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured steps, evaluating on schedule and at the end."""
         batches = self._tracked(iter(self.train_reader))
+        try:
+            meter = self._train_loop(batches)
+        finally:
+            batches.close()  # stops the reader's prefetch thread now, not at interpreter exit
+        self.checkpoints.wait()
+        return self.finish(self.evaluate(), meter.examples_per_sec)
+
+    def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
+        """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
         meter = StepMeter(len(self.task_names), self.env.device)
         while self.step < self.total_steps:
             tic = time.perf_counter()
@@ -149,8 +158,7 @@ class Trainer:
                 self.evaluate()
             if self.checkpoints.due(self.step, last=self.step == self.total_steps):
                 self.save_checkpoint()
-        self.checkpoints.wait()
-        return self.finish(self.evaluate(), meter.examples_per_sec)
+        return meter
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         """One optimizer step; returns the per-task losses [K] (detached)."""
