@@ -169,3 +169,24 @@ def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive
     assert 0.15 < final["moe/active_ratio"] < 0.35  # sparse inference: the inference router is alive
     assert final["moe/dead_experts"] < 4  # of 2 layers x 4 tokens x 4 experts
     assert final["auc"] > 0.55
+
+
+def test_pipelined_training_adapts_lambda_exactly_like_the_plain_loop(tmp_path):
+    """TorchRec's pipeline (the default on GPUs and several ranks) runs the forward through
+    its own code: the aux terms and lambda's steps must come out the same."""
+    def records(pipeline: str) -> list[tuple]:
+        run = tmp_path / pipeline
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        env.pop("RANK", None)
+        proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
+                               "--model.tower=rankmixer_moe", f"--train.pipeline={pipeline}", "--metrics.log_every=10",
+                               "--metrics.eval_every=20", f"--train.run_dir={run}", f"--data.cache_dir={tmp_path}/d",
+                               "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.enabled=false"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["kind"], r.get("loss", r.get("auc")), r["moe/l1_coef"], r["moe/active_ratio"]) for r in lines]
+
+    plain = records("none")
+    assert len(plain) == 6  # 4 train logs, evaluations at steps 20 and 40
+    assert records("sparse_dist") == plain
