@@ -64,9 +64,9 @@ def matmul_step(device: torch.device, dtype: torch.dtype, n: int = 2048):
 def tower_step(shape: tuple[int, ...], device: torch.device, bf16: bool):
     """(fn, FLOPs) of one forward+backward of the tower at shape (T, D, L, k, B).
 
-    FLOPs are the matrix products FlopCounterMode sees, checked against the analytic count:
-    forward 2 T d D (tokenizer, d = D) + L 4 k T D^2 (the per-token FFNs) per sample, and
-    backward twice that (input and weight gradients); elementwise work counts nothing.
+    FLOPs are the matrix products FlopCounterMode sees, checked against the tower's own
+    analytic cost(): forward 2 T d D (tokenizer, d = D) + L 4 k T D^2 (the per-token FFNs)
+    per sample, and backward twice that (input and weight gradients).
     """
     t, d, layers, k, batch = shape
     tower = RankMixerTower(SliceTokenizer(t * d, t, d, d), layers, d, k).to(device)
@@ -84,7 +84,7 @@ def tower_step(shape: tuple[int, ...], device: torch.device, bf16: bool):
     with FlopCounterMode(display=False) as counter:
         step()
     flops = counter.get_total_flops()
-    expected = 3 * batch * (2 * t * d * d + layers * 4 * k * t * d * d)
+    expected = 3 * batch * tower.cost()[1]
     if flops != expected:
         raise RuntimeError(f"counted {flops} FLOPs per step, expected 3 x forward = {expected}")
     return step, flops

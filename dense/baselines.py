@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dense.rankmixer import PerTokenFFN, token_mixing
+from dense.rankmixer import PerTokenFFN, check_mixing_width, token_mixing
 from dense.tokenizer import build_tokenizer
-from dense.unimixer import tokenizer_cost
 
 
 def linear_cost(fan_in: int, fan_out: int, bias: bool = True) -> tuple[int, int]:
@@ -99,9 +98,7 @@ class TokenMixing(nn.Module):
 
     def __init__(self, num_tokens: int, dim: int):
         super().__init__()
-        if dim % num_tokens:
-            raise ValueError(f"token mixing needs model.hidden_dim={dim} divisible by the number of "
-                             f"tokens {num_tokens} (H = T heads)")
+        check_mixing_width(dim, num_tokens)
         self.num_tokens = num_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,12 +149,6 @@ class SharedFFN(nn.Module):
         return params, num_tokens * flops
 
 
-def per_token_ffn_cost(ffn: PerTokenFFN) -> tuple[int, int]:
-    """(parameters, FLOPs per sample) of RankMixer's PerTokenFFN: T (2 k D^2 + kD + D), 4 T k D^2."""
-    t, d, hidden = ffn.w1.shape
-    return t * (2 * d * hidden + hidden + d), 4 * t * d * hidden
-
-
 class AblationBlock(nn.Module):
     """Post-norm block: S = LN(Mix(X) + X); X' = LN(FFN(S) + S), or X' = LN(FFN(X) + X) when
     `mixing` is None. [B, T, D] -> [B, T, D]."""
@@ -173,8 +164,7 @@ class AblationBlock(nn.Module):
         return self.norm2(self.ffn(s) + s)
 
     def cost(self, num_tokens: int) -> tuple[int, int]:
-        # PerTokenFFN lives in rankmixer.py and has no cost(); the ablations' own modules do.
-        ffn = per_token_ffn_cost(self.ffn) if isinstance(self.ffn, PerTokenFFN) else self.ffn.cost(num_tokens)
+        ffn = self.ffn.cost(num_tokens)
         mix = self.mixing.cost(num_tokens) if self.mixing is not None else (0, 0)
         norms = sum(p.numel() for n in (self.norm1, self.norm2) if n is not None for p in n.parameters())
         return _add(ffn, mix, (norms, 0))
@@ -183,20 +173,18 @@ class AblationBlock(nn.Module):
 class AblationTower(nn.Module):
     """Tokenizer -> blocks -> mean over tokens: e_input [B, E] -> [B, D]."""
 
-    def __init__(self, tokenizer: nn.Module, blocks: list[AblationBlock], dim: int,
-                 tokenizer_costs: tuple[int, int]):
+    def __init__(self, tokenizer: nn.Module, blocks: list[AblationBlock], dim: int):
         super().__init__()
         self.tokenizer = tokenizer
         self.blocks = nn.Sequential(*blocks)
         self.out_dim = dim
-        self._tokenizer_costs = tokenizer_costs  # (parameters, FLOPs per sample) of `tokenizer`
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         return self.blocks(self.tokenizer(e_input)).mean(dim=1)
 
     def cost(self) -> tuple[int, int]:
         t = self.tokenizer.num_tokens
-        return _add(self._tokenizer_costs, *(b.cost(t) for b in self.blocks))
+        return _add(self.tokenizer.cost(), *(b.cost(t) for b in self.blocks))
 
 
 ABLATIONS = ("no_token_mixing", "shared_ffn", "self_attention")
@@ -216,8 +204,6 @@ def ablation_block(kind: str, num_tokens: int, dim: int, ratio: int, num_heads: 
 def ablation_tower(kind: str, cfg, group_widths: list[int]) -> AblationTower:
     """The ablation `kind` built from ModelConfig `cfg`, with RankMixer's tokenizer."""
     tokenizer = build_tokenizer(cfg.tokenizer, group_widths, cfg.num_tokens, cfg.token_dim, cfg.hidden_dim)
-    _, tok_params, tok_flops = tokenizer_cost(cfg.tokenizer, group_widths, cfg.num_tokens, cfg.token_dim,
-                                              cfg.hidden_dim)
     blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, cfg.num_heads)
               for _ in range(cfg.num_layers)]
-    return AblationTower(tokenizer, blocks, cfg.hidden_dim, (tok_params, tok_flops))
+    return AblationTower(tokenizer, blocks, cfg.hidden_dim)

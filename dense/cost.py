@@ -60,8 +60,8 @@ def flops_per_sample(module: nn.Module, width: int, device: torch.device) -> int
 
 def measure_cost(tower: nn.Module, heads: nn.Module, width: int, device: torch.device) -> DenseCost:
     """Check the analytic cost of tower + heads (both in their current mode) against the modules."""
-    params = tower.cost()[0] + heads.cost()[0]
-    flops = tower.cost()[1] + heads.cost()[1]
+    (tower_params, tower_flops), (head_params, head_flops) = tower.cost(), heads.cost()
+    params, flops = tower_params + head_params, tower_flops + head_flops
     counted_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
     counted = flops_per_sample(nn.Sequential(tower, heads), width, device)
     return DenseCost(params, counted_params, flops, counted)

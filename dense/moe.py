@@ -54,7 +54,7 @@ class PerTokenMoE(nn.Module):
         self.register_buffer("active_sum", torch.zeros(2, t, e), persistent=False)
         self.register_buffer("stat_batches", torch.zeros(2, 1, 1), persistent=False)
         self.aux_loss: torch.Tensor | None = None  # L1 + consistency of the last training forward
-        self._pending: torch.Tensor | None = None  # its active fraction [T, E], for set_step
+        self._pending: torch.Tensor | None = None  # its active fraction [T, E], until take_pending
 
     # ---------------------------------------------------------------- routing and experts
 
@@ -119,16 +119,14 @@ class PerTokenMoE(nn.Module):
 
     # ---------------------------------------------------------------- the adaptive L1
 
-    def set_step(self, step: int) -> None:
-        """After an optimizer step: move lambda towards the budget with that step's activity."""
-        if self._pending is None:
-            return
-        active = self._pending
-        self._pending = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            active = active.clone()
-            dist.all_reduce(active)
-            active /= dist.get_world_size()
+    def take_pending(self) -> torch.Tensor | None:
+        """The active fraction [T, E] of the training forward since the last call, or None."""
+        active, self._pending = self._pending, None
+        return active
+
+    def adapt(self, active: torch.Tensor) -> None:
+        """After an optimizer step: move lambda towards the budget with that step's activity
+        [T, E] (already averaged over ranks)."""
         self._record(TRAIN, active)
         # A Lagrange multiplier of "active = budget", so it may turn negative: when the
         # routers are naturally sparser than the budget, a negative coefficient rewards
@@ -170,8 +168,8 @@ class RankMixerMoEBlock(nn.Module):
 class RankMixerMoETower(nn.Module):
     """Tokenizer -> L MoE blocks -> mean over tokens: e_input [B, E_in] -> [B, D].
 
-    Trainer hooks: `aux_loss()` joins the task loss, `set_step` adapts lambda after each
-    step, `log_values()` gives the routing statistics for TensorBoard.
+    Trainer hooks: `aux_loss()` joins the task loss, `set_step` adapts every layer's lambda
+    after each step, `log_values()` gives the routing statistics for TensorBoard.
     """
 
     def __init__(self, tokenizer: nn.Module, blocks: list[RankMixerMoEBlock], dim: int):
@@ -189,6 +187,19 @@ class RankMixerMoETower(nn.Module):
     @property
     def moes(self) -> list[PerTokenMoE]:
         return [block.moe for block in self.blocks]
+
+    def set_step(self, step: int) -> None:
+        """After an optimizer step: every layer's activity, averaged over ranks in one
+        collective, moves its lambda. Nothing happens without a training forward since."""
+        pending = [m.take_pending() for m in self.moes]
+        if any(p is None for p in pending):
+            return
+        active = torch.stack(pending)  # [L, T, E]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(active)
+            active /= dist.get_world_size()
+        for moe, layer_active in zip(self.moes, active):
+            moe.adapt(layer_active)
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the blocks' L1 and consistency terms of the last training forward (a scalar)."""

@@ -65,6 +65,12 @@ class PerTokenFFN(nn.Module):
         """[B, T, D] -> [B, T, D]."""
         return self.forward_tm(x.transpose(0, 1)).transpose(0, 1)
 
+    def cost(self, num_tokens: int | None = None) -> tuple[int, int]:
+        """(parameters, forward matmul FLOPs per sample), eq. 12: T (2 k D^2 + kD + D), 4 T k D^2.
+        `num_tokens` is unused: the token count is in the weights' shape."""
+        t, d, hidden = self.w1.shape
+        return t * (2 * d * hidden + hidden + d), 4 * t * d * hidden
+
 
 class _FFNResidual(torch.autograd.Function):
     """x + GELU(x W1 + b1) W2 + b2 per token, token-major x [T, B, D].
@@ -152,7 +158,7 @@ class RankMixerTower(nn.Module):
         2 k T D^2 weights (+ biases, norms) and 4 k T D^2 FLOPs."""
         params, flops = self.tokenizer.cost()
         for block in self.blocks:
-            t, d, hidden = block.ffn.w1.shape
-            params += t * (2 * d * hidden + hidden + d) + 4 * d
-            flops += 4 * t * d * hidden
+            ffn_params, ffn_flops = block.ffn.cost()
+            params += ffn_params + sum(p.numel() for n in (block.norm1, block.norm2) for p in n.parameters())
+            flops += ffn_flops
         return params, flops

@@ -12,7 +12,7 @@ from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, RankMixerMoEBlock, RankMixerMoETower, expert_hidden
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
-from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite, tower_cost
+from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
 from trainer.config import ModelConfig
 from trainer.registry import Registry
 
@@ -63,24 +63,22 @@ class Passthrough(nn.Module):
 @TOWERS.register("unimixer")
 def unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters), lite=False)
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters))
 
 
 @TOWERS.register("unimixer_lite")
 def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank), lite=True)
+        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank))
 
 
-def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable, lite: bool) -> nn.Module:
+def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
     """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
     tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
                                 cfg.hidden_dim)
     length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
     blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
-    costs = tower_cost(cfg, layout.group_widths, lite)
-    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps,
-                         costs)
+    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps)
 
 
 @TOWERS.register("logreg")

@@ -173,9 +173,8 @@ class UniMixerTower(nn.Module):
     """
 
     def __init__(self, tokenizer: nn.Module, blocks: list[UniMixerBlock], dim: int,
-                 tau_start: float, tau_end: float, anneal_steps: int, costs: tuple[int, int] = (0, 0)):
+                 tau_start: float, tau_end: float, anneal_steps: int):
         super().__init__()
-        self._costs = costs  # analytic (parameters, FLOPs per sample), see tower_cost
         self.tokenizer = tokenizer
         self.layers = nn.ModuleList(SiameseLayer(b, dim) for b in blocks)
         self.norm_out = nn.RMSNorm(dim)
@@ -195,20 +194,18 @@ class UniMixerTower(nn.Module):
         return (x + self.norm_out(y)).mean(dim=1)
 
     def cost(self) -> tuple[int, int]:
-        return self._costs
+        """(parameters, forward matmul FLOPs per sample): tokenizer plus `unimixer_cost`."""
+        first = self.layers[0].block
+        mixing = first.mixing
+        ratio = first.ffn.w_down.shape[1] // mixing.block
+        lite = (mixing.basis.shape[0], mixing.a_global.shape[1]) if isinstance(mixing, UniMixingLite) else None
+        params, flops = unimixer_cost(self.tokenizer.num_tokens, self.out_dim, mixing.block, ratio,
+                                      len(self.layers), lite)
+        tok_params, tok_flops = self.tokenizer.cost()
+        return tok_params + params, tok_flops + flops
 
 
 # ---------------------------------------------------------------- analytic costs
-
-
-def tokenizer_cost(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,
-                   dim: int) -> tuple[int, int, int]:
-    """(T, parameters, forward matmul FLOPs per sample) of `build_tokenizer`'s result."""
-    if kind == "group":
-        width = sum(group_widths)
-        return len(group_widths), width * dim + len(group_widths) * dim, 2 * width * dim
-    d = token_dim or math.ceil(sum(group_widths) / num_tokens)
-    return num_tokens, num_tokens * (d * dim + dim), 2 * num_tokens * d * dim
 
 
 def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int,
@@ -230,12 +227,3 @@ def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int
     params = layers * (mixing + swiglu + 3 * dim) + dim
     flops = layers * (2 * length * block + 2 * length * n + 6 * ratio * length * block)
     return params, flops
-
-
-def tower_cost(cfg, group_widths: list[int], lite: bool) -> tuple[int, int]:
-    """(parameters, forward matmul FLOPs per sample) of the whole tower built from ModelConfig `cfg`."""
-    t, tok_params, tok_flops = tokenizer_cost(cfg.tokenizer, group_widths, cfg.num_tokens, cfg.token_dim,
-                                              cfg.hidden_dim)
-    params, flops = unimixer_cost(t, cfg.hidden_dim, cfg.block_size or cfg.hidden_dim, cfg.ffn_ratio,
-                                  cfg.num_layers, (cfg.num_basis, cfg.global_rank) if lite else None)
-    return tok_params + params, tok_flops + flops

@@ -63,12 +63,10 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
                          f"at row {_row_of(i, lengths)}")
     if spec.hashing == "modulo":
         return (values % values.dtype.type(spec.num_embeddings)).astype(np.int64)
-    if values.size and values.max() >= spec.num_embeddings:
-        i = np.flatnonzero(values >= spec.num_embeddings)[0]
-        raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
-                         f"{_row_of(i, lengths)} is out of range for num_embeddings="
-                         f"{spec.num_embeddings} (features.{spec.name}.hashing is 'none')")
-    return values.astype(np.int64, copy=False)
+    i = np.flatnonzero(values >= spec.num_embeddings)[0]  # the fast check above found one
+    raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
+                     f"{_row_of(i, lengths)} is out of range for num_embeddings="
+                     f"{spec.num_embeddings} (features.{spec.name}.hashing is 'none')")
 
 
 def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

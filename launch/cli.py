@@ -33,20 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     try:
-        if command == "train":
-            return train(rest)
-        if command == "launch":
-            return launch(rest)
-        if command == "data":
-            return data(rest)
-        if command == "export":
-            return export(rest)
-        if command == "score":
-            return score(rest)
-        if command == "sweep":
-            from launch.sweep import sweep
-            return sweep(rest)
-        raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
+        return COMMANDS[command](rest)
     except ValueError as e:  # user errors: one clear line, no traceback
         if os.environ.get("RANKMIX_TRACEBACK"):
             raise
@@ -218,6 +207,15 @@ def data(argv: list[str]) -> int:
     print(json.dumps(summary, default=str))
     return 0
 
+
+
+def sweep(argv: list[str]) -> int:
+    """Scaling curves (launch/sweep.py, imported only when used)."""
+    from launch.sweep import sweep as run_sweep
+    return run_sweep(argv)
+
+
+COMMANDS = {"train": train, "launch": launch, "export": export, "score": score, "sweep": sweep, "data": data}
 
 if __name__ == "__main__":
     sys.exit(main())

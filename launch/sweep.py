@@ -173,7 +173,7 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
     costs = []
     for p in points:
         try:
-            costs.append(cost_of_config(load(config, p.overrides), probe=True))
+            costs.append(cost_of_config(load(config, p.overrides)))
         except ValueError as e:
             raise ValueError(f"sweep point {p.tower} [{p.label}]: {e}") from None
     return costs
@@ -185,11 +185,10 @@ def load(config: str | None, overrides: list[str]):
     return load_config(config, overrides)
 
 
-def cost_of_config(cfg, probe: bool = False) -> tuple[int, int] | None:
+def cost_of_config(cfg) -> tuple[int, int] | None:
     """(dense parameters, forward FLOPs per sample) of the tower and heads the config builds.
     Needs the feature schema: the config's own, or a built-in dataset's (synth); returns
-    None when neither is known without preparing the data, unless probe, which only
-    checks the tower's name then."""
+    None when neither is known without preparing the data (the tower's name is still checked)."""
     from dense.layout import InputLayout
     from dense.model import TaskHeads
     from dense.towers import TOWERS, build_tower
@@ -208,28 +207,19 @@ def cost_of_config(cfg, probe: bool = False) -> tuple[int, int] | None:
     if hasattr(tower, "cost") and hasattr(heads, "cost"):
         (tp, tf), (hp, hf) = tower.cost(), heads.cost()
         return tp + hp, tf + hf
-    return counted_cost(nn_sequential(tower, heads), layout.width)
-
-
-def nn_sequential(*modules):
     from torch import nn
 
-    return nn.Sequential(*modules)
+    return counted_cost(nn.Sequential(tower, heads), layout.width)
 
 
 def counted_cost(model, width: int) -> tuple[int, int]:
-    """(parameters, forward FLOPs per sample) counted on the module itself, for towers
-    without an analytic cost(): torch's FLOP counter at batches 4 and 2, halved difference,
-    so work independent of the batch (building constrained mixing matrices) is left out."""
+    """(parameters, forward FLOPs per sample) counted on the module itself, for a tower
+    registered without an analytic cost()."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
-    def flops(batch: int) -> int:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(torch.zeros(batch, width))
-        return counter.get_total_flops()
+    from dense.cost import flops_per_sample
 
-    return sum(p.numel() for p in model.parameters()), (flops(4) - flops(2)) // 2
+    return sum(p.numel() for p in model.parameters()), flops_per_sample(model, width, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------- running

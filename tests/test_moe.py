@@ -16,7 +16,11 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
+from dense.towers import build_tower
+from trainer.config import ModelConfig
+from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 T, D, E, H, B = 3, 8, 4, 5, 11
@@ -98,11 +102,12 @@ def test_lambda_moves_towards_the_budget():
     moe.budget = 0.1
     start = moe.l1_coef.item()
     moe.forward_tm(torch.randn(T, B, D))
-    active = moe._pending.mean().item()
-    moe.set_step(1)
+    pending = moe.take_pending()
+    active = pending.mean().item()
+    moe.adapt(pending)
     expected = start + 0.1 * (active - 0.1) / 0.1 * start
     assert active > 0.1 and moe.l1_coef.item() == pytest.approx(expected)
-    moe.set_step(2)  # no training forward since: nothing to adapt
+    assert moe.take_pending() is None  # no training forward since: nothing to adapt
     assert moe.l1_coef.item() == pytest.approx(expected)
 
 
@@ -111,7 +116,7 @@ def test_lambda_turns_negative_when_the_routers_are_sparser_than_the_budget():
     moe.budget = 0.9
     for step in range(1, 80):
         moe.forward_tm(torch.randn(T, B, D))
-        moe.set_step(step)
+        moe.adapt(moe.take_pending())
     assert moe.l1_coef.item() < -1e-3  # crossed zero, then grew in magnitude
     moe.forward_tm(torch.randn(T, B, D))
     moe.aux_loss.backward()  # a negative L1 rewards gate mass: the router biases rise
@@ -120,12 +125,15 @@ def test_lambda_turns_negative_when_the_routers_are_sparser_than_the_budget():
 
 def _lambda_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    moe = make_moe()
+    torch.manual_seed(0)
+    layout = InputLayout(synth_features())
+    tower = build_tower(ModelConfig(tower="rankmixer_moe", num_tokens=4, hidden_dim=16, num_experts=4,
+                                    moe_budget=0.5, moe_l1_init=1e-3, moe_l1_rate=0.1), layout)
     torch.manual_seed(rank)  # each rank sees other rows, so another active fraction
-    moe.forward_tm(torch.randn(T, B, D) + rank)
-    mine = moe._pending.mean().item()
-    moe.set_step(1)
-    torch.save({"active": mine, "lambda": moe.l1_coef.item()}, f"{out}/{rank}.pt")
+    tower(torch.randn(B, layout.width) + rank)
+    mine = [m._pending.mean().item() for m in tower.moes]
+    tower.set_step(1)  # one all_reduce for every layer
+    torch.save({"active": mine, "lambda": [m.l1_coef.item() for m in tower.moes]}, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -136,9 +144,10 @@ def test_every_rank_adapts_lambda_with_the_activity_averaged_over_ranks(tmp_path
     mp.spawn(_lambda_worker, args=(port, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert ranks[0]["active"] != ranks[1]["active"]
-    mean = (ranks[0]["active"] + ranks[1]["active"]) / 2
-    for r in ranks:
-        assert r["lambda"] == pytest.approx(1e-3 + 0.1 * (mean - 0.5) / 0.5 * 1e-3, rel=1e-6)
+    for layer in range(2):
+        mean = (ranks[0]["active"][layer] + ranks[1]["active"][layer]) / 2
+        for r in ranks:
+            assert r["lambda"][layer] == pytest.approx(1e-3 + 0.1 * (mean - 0.5) / 0.5 * 1e-3, rel=1e-5)
 
 
 def test_expert_width_splits_the_dense_ffn_or_is_an_error():

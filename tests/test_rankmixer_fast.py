@@ -63,15 +63,7 @@ def test_block_matches_reference(dtype, b, t, d, k):
     _randomize(block)
     x = torch.randn(b, t, d, dtype=dtype, requires_grad=True)
     w = torch.randn(b, t, d, dtype=dtype)
-    params = [x, *block.parameters()]
-    out = block(x)
-    (out * w).sum().backward()
-    fast = _grads(params)
-    expected = ref_block(block, x)
-    (expected * w).sum().backward()
-    assert torch.allclose(out, expected, atol=TOL[dtype], rtol=0)
-    for name, a, r in zip(["x", *dict(block.named_parameters())], fast, _grads(params)):
-        assert torch.allclose(a, r, atol=TOL[dtype], rtol=0), name
+    _assert_matches_reference(block, ref_block, x, w, "x", TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -83,15 +75,21 @@ def test_tower_matches_reference(dtype, e, t, td, d, layers, k, b):
     _randomize(tower)
     inp = torch.randn(b, e, dtype=dtype, requires_grad=True)
     w = torch.randn(b, d, dtype=dtype)
-    params = [inp, *tower.parameters()]
-    out = tower(inp)
-    (out * w).sum().backward()
+    _assert_matches_reference(tower, ref_tower, inp, w, "e_input", TOL[dtype])
+
+
+def _assert_matches_reference(module, reference, inp, weight, input_name: str, tol: float) -> None:
+    """module(inp) and reference(module, inp), and the gradients of sum(out * weight) with
+    respect to inp and every parameter, agree within tol."""
+    params = [inp, *module.parameters()]
+    out = module(inp)
+    (out * weight).sum().backward()
     fast = _grads(params)
-    expected = ref_tower(tower, inp)
-    (expected * w).sum().backward()
-    assert torch.allclose(out, expected, atol=TOL[dtype], rtol=0)
-    for name, a, r in zip(["e_input", *dict(tower.named_parameters())], fast, _grads(params)):
-        assert torch.allclose(a, r, atol=TOL[dtype], rtol=0), name
+    expected = reference(module, inp)
+    (expected * weight).sum().backward()
+    assert torch.allclose(out, expected, atol=tol, rtol=0)
+    for name, a, r in zip([input_name, *dict(module.named_parameters())], fast, _grads(params)):
+        assert torch.allclose(a, r, atol=tol, rtol=0), name
 
 
 def test_tower_blocks_token_major_path_equals_public_path():

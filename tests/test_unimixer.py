@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.unimixer import UniMixing, UniMixingLite, constrain, temperature, tower_cost
+from dense.unimixer import UniMixing, UniMixingLite, constrain, temperature
 from trainer.config import ModelConfig
 from trainer.data.datasets import synth_features
 
@@ -113,7 +113,7 @@ def test_parameter_and_flop_counts_match_the_formulas(tower, tokenizer, block):
                       block_size=block, num_basis=3, global_rank=2)
     layout = InputLayout(synth_features())
     model = build_tower(cfg, layout)
-    params, flops = tower_cost(cfg, layout.group_widths, lite=tower == "unimixer_lite")
+    params, flops = model.cost()
     assert sum(p.numel() for p in model.parameters()) == params
 
     def counted(batch: int) -> int:

@@ -90,7 +90,7 @@ class Scorer:
             for i, record_batch in enumerate(parquet.iter_batches(batch_size, columns=list(
                     dict.fromkeys(encoder.columns + kept)))):
                 table = pa.Table.from_batches([record_batch])
-                batch = encoder.to_batch(encoder.encode(table, f"{path}, batch {i}"))
+                batch = encoder.encode(table, f"{path}, batch {i}").to_batch()
                 logits = self.model(batch.to(self.env.device)).float().cpu()
                 probs = torch.sigmoid(logits).numpy()
                 scored = table.select(kept)

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from embeddings.ids import encode_ids
 from trainer.config import FeatureSpec, TaskSpec
-from trainer.data.batch import Batch, Rows
+from trainer.data.batch import Rows
 
 
 class RowEncoder:
@@ -71,10 +71,6 @@ class RowEncoder:
                 raise ValueError(f"{where}, column {self.user_column!r}: null user id")
             users = column.cast(pa.int64()).to_numpy()
         return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users)
-
-    def to_batch(self, rows: Rows, weights: np.ndarray | None = None) -> Batch:
-        """Assemble a Batch from encoded rows (see `Rows.to_batch`)."""
-        return rows.to_batch(weights)
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
