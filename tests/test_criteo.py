@@ -311,3 +311,17 @@ def test_number_column_matches_python_parse():
     got = values.to_pylist()
     assert all((a is None and b is None) or (a == b and math.copysign(1, a) == math.copysign(1, b))
                for a, b in zip(got, expected)), [(s, a, b) for s, a, b in zip(strings, got, expected) if a != b]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_csv_files_of_different_columns_each_keep_their_own(tmp_path, workers):
+    """`--categorical` left empty means every other column of *that* file: the first file's
+    columns must not carry over to the second (they did with one worker)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.csv").write_text("click,site,app\n1,s1,a1\n0,s2,a2\n")
+    (src / "b.csv").write_text("click,device\n0,d1\n1,d2\n")
+    out = tmp_path / "out"
+    convert_csv([str(src / "a.csv"), str(src / "b.csv")], str(out), label="click", workers=workers)
+    schemas = {p.name.split("-")[0]: pq.read_schema(p).names for p in sorted(out.glob("*.parquet"))}
+    assert schemas == {"a": ["click", "site", "app"], "b": ["click", "device"]}

@@ -23,6 +23,7 @@ one block become typed output columns plus, per checked column, which rows are v
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -88,21 +89,22 @@ class CsvLayout:
         self.categorical, self.numeric, self.drop = list(categorical), list(numeric), list(drop)
         self.column_names: list[str] | None = None  # set from the header
 
-    def bind(self, header: list[str], src: str) -> None:
-        """Check the named columns against a file's header."""
+    def bind(self, header: list[str], src: str) -> CsvLayout:
+        """This layout checked against one file's header, as a new layout: the layout the
+        user gave is shared by every input file, and one file's columns must not become
+        the next file's (an empty `categorical` means "every other column of this file")."""
         named = [self.label, *self.categorical, *self.numeric, *self.drop]
         missing = [c for c in named if c not in header]
         if missing:
             raise ValueError(f"{src}: columns {missing} not in the header {header}")
-        if not self.categorical:
-            taken = {self.label, *self.numeric, *self.drop}
-            self.categorical = [c for c in header if c not in taken]
-        else:
-            rest = [c for c in header if c not in set(named)]
-            if rest:
-                raise ValueError(f"{src}: columns {rest} are not named in --label, --categorical, "
-                                 "--numeric or --drop")
-        self.column_names = header
+        rest = [c for c in header if c not in set(named)]
+        if rest and self.categorical:
+            raise ValueError(f"{src}: columns {rest} are not named in --label, --categorical, "
+                             "--numeric or --drop")
+        bound = copy.copy(self)
+        bound.categorical = self.categorical or rest
+        bound.column_names = header
+        return bound
 
     @property
     def schema(self) -> pa.Schema:
@@ -300,7 +302,7 @@ def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
     header_lines = 0
     read_opts = dict(use_threads=False, block_size=block_size)
     if layout.header:
-        layout.bind(_header(src, layout.delimiter), src)
+        layout = layout.bind(_header(src, layout.delimiter), src)
         header_lines = 1
     else:
         read_opts["column_names"] = layout.column_names
