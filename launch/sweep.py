@@ -12,6 +12,10 @@ summary.json, and a point whose summary exists is not trained again, so an inter
 sweep continues where it stopped. dAUC is AUC minus a baseline: a `logreg` tower trained
 by the sweep on the same data (OUT/baseline/<tower>), or a number. Outputs: OUT/sweep.csv,
 OUT/fit.json, OUT/sweep.png.
+
+Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) reach the runs as
+given, but everything the sweep writes or prints (folder names, labels, train.log's
+command line, sweep_point.json, the table) shows them redacted (trainer/credentials.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from trainer.credentials import redact_config, redact_uri
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
@@ -51,7 +57,8 @@ class Point:
 
     @property
     def label(self) -> str:
-        return " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in self.settings.items()) or "-"
+        """The point's settings for tables and messages (URI credentials redacted)."""
+        return redact_uri(" ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in self.settings.items())) or "-"
 
 
 # ------------------------------------------------------------------------------ grids
@@ -126,7 +133,7 @@ def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
 def point_name(settings: dict[str, str]) -> str:
     """A folder name for a point: `hidden_dim-64_num_layers-2`, `mlp_hidden-256x128`
     ('base' for no settings)."""
-    parts = [f"{k.rsplit('.', 1)[-1]}-{_slug(v)}" for k, v in settings.items()]
+    parts = [f"{k.rsplit('.', 1)[-1]}-{_slug(redact_uri(v))}" for k, v in settings.items()]
     return "_".join(parts) or "base"
 
 
@@ -179,10 +186,10 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
     return costs
 
 
-def load(config: str | None, overrides: list[str]):
+def load(config: str | None, overrides: list[str], allow_redacted: bool = False):
     from trainer.config import load_config
 
-    return load_config(config, overrides)
+    return load_config(config, overrides, allow_redacted=allow_redacted)
 
 
 def cost_of_config(cfg) -> tuple[int, int] | None:
@@ -226,7 +233,8 @@ def counted_cost(model, width: int) -> tuple[int, int]:
 
 
 def run_point(config: str | None, point: Point, python: str) -> None:
-    """`rankmix train` for one point, its output logged to <run_dir>/train.log."""
+    """`rankmix train` for one point, its output logged to <run_dir>/train.log (the command
+    line there with URI credentials redacted)."""
     point.run_dir.mkdir(parents=True, exist_ok=True)
     command = [python, "-m", "launch.cli", "train", *(["--config", config] if config else []), *point.overrides]
     env = {k: v for k, v in os.environ.items()
@@ -234,20 +242,21 @@ def run_point(config: str | None, point: Point, python: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = point.run_dir / "train.log"
     with log.open("w") as f:
-        f.write(" ".join(command) + "\n")
+        f.write(redact_uri(" ".join(command)) + "\n")
         f.flush()
         proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not (point.run_dir / "summary.json").exists():
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        tail = redact_uri("".join(log.read_text().splitlines(keepends=True)[-15:]))
         raise RuntimeError(f"{point.tower} [{point.label}] failed (exit {proc.returncode}), see {log}:\n{tail}")
 
 
 def result_of(point: Point) -> dict:
     """The run's summary plus its dense parameters and FLOPs (from summary.json when the
-    trainer wrote them, else computed from the run's resolved config.toml)."""
+    trainer wrote them, else computed from the run's resolved config.toml, whose redacted
+    data paths are never opened)."""
     summary = json.loads((point.run_dir / "summary.json").read_text())
     if "dense_params" not in summary or "flops_per_sample" not in summary:
-        cost = cost_of_config(load(str(point.run_dir / "config.toml"), []))
+        cost = cost_of_config(load(str(point.run_dir / "config.toml"), [], allow_redacted=True))
         summary["dense_params"], summary["flops_per_sample"] = cost
     return summary
 
@@ -275,8 +284,9 @@ POINT_FILE = "sweep_point.json"
 
 
 def fingerprint(config: str | None, point: Point) -> dict:
-    """What a finished run was trained from, to tell a reusable result from a stale one."""
-    return {"config": config, "overrides": point.overrides}
+    """What a finished run was trained from, to tell a reusable result from a stale one
+    (credentials redacted: they change how the data is reached, not the result)."""
+    return redact_config({"config": config, "overrides": point.overrides})
 
 
 def reusable(config: str | None, point: Point) -> bool:
@@ -286,7 +296,7 @@ def reusable(config: str | None, point: Point) -> bool:
     if not (point.run_dir / "summary.json").exists():
         return False
     record = point.run_dir / POINT_FILE
-    if record.exists() and json.loads(record.read_text()) != fingerprint(config, point):
+    if record.exists() and redact_config(json.loads(record.read_text())) != fingerprint(config, point):
         raise ValueError(f"{point.run_dir} holds a run trained with other settings ({record}); "
                          "sweep into another --out, or delete that folder to retrain it")
     return True
@@ -323,7 +333,7 @@ def rows_of(points: list[Point], baseline_auc: float) -> list[dict]:
         rows.append({"tower": tower, "point": label, "params": int(first["dense_params"]),
                      "flops": int(first["flops_per_sample"]), "auc": auc, "uauc": uauc,
                      "auc_std": auc_std, "uauc_std": uauc_std, "dauc": auc - baseline_auc, "seeds": len(runs),
-                     "overrides": " ".join(f"--{k}={v}" for k, v in runs[0][0].settings.items())})
+                     "overrides": redact_uri(" ".join(f"--{k}={v}" for k, v in runs[0][0].settings.items()))})
     return rows
 
 

@@ -2,6 +2,11 @@
 
 Every field carries a one-line docstring (the string literal after it); `rankmix train
 --help` prints them. Unknown keys and wrong types are `ValueError`s naming the key.
+
+Credentials in URIs (`s3://KEY:SECRET@bucket/...`) stay in the loaded config, where the
+reader needs them, but never leave it: `to_dict`, `dump_toml`, the reprs and every error
+of `load_config` show them redacted (`s3://***@bucket/...`, trainer/credentials.py), and a
+redacted value read back is an error that asks for the credentials again.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
+                                 redact_uri, with_placeholders, without_credentials)
 
 FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
 NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
@@ -259,6 +267,8 @@ class CheckpointConfig:
     """load_path: full (weights, optimizer, schedule, data position) | weights."""
     data_position: str = "exact"
     """On a world-size change mid-epoch: exact (refuse) | next_epoch (start the next epoch)."""
+    signal_grace_steps: int = 0
+    """On SIGTERM/SIGINT: train on to a scheduled save due within this many steps, else save at once."""
 
 
 @dataclass
@@ -311,24 +321,96 @@ class Config:
     """Distributed set-up."""
 
 
+def _redacting_repr(cls: type) -> None:
+    """Make the dataclass's generated repr show URIs with their credentials redacted."""
+    generated = cls.__repr__
+
+    def __repr__(self) -> str:
+        return redact_uri(generated(self))
+
+    __repr__.__qualname__ = f"{cls.__qualname__}.__repr__"
+    cls.__repr__ = __repr__  # type: ignore[method-assign]
+
+
+for _cls in (FeatureSpec, TaskSpec, DataConfig, EmbeddingsConfig, ModelConfig, OptimConfig, TrainConfig,
+             CheckpointConfig, MetricsConfig, LaunchConfig, Config):
+    _redacting_repr(_cls)
+
+
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    cfg = _build(Config, raw, "")
-    for item in overrides:
-        apply_override(cfg, item)
-    validate(cfg)
-    return cfg
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                allow_redacted: bool = False) -> Config:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides.
+
+    A value whose URI credentials were redacted (a run's config.toml) is a ValueError that
+    says which key to give again, unless an override replaces it; `allow_redacted` keeps
+    such values, for commands that never open them (scoring reads only the model's keys).
+    Error messages never quote credentials."""
+    try:
+        raw: dict[str, Any] = {}
+        if path is not None:
+            try:
+                raw = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ValueError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        cfg = _build(Config, raw, "")
+        for item in overrides:
+            apply_override(cfg, item)
+        check_credentials(cfg, path, overrides, allow_redacted=allow_redacted)
+        validate(cfg)
+        return cfg
+    except CredentialsError:
+        raise
+    except ValueError as e:
+        message = redact_uri(str(e))
+        if message != str(e):
+            raise ValueError(message) from None  # no chained original: it holds the secret
+        raise
+
+
+def check_credentials(cfg: Config, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                      *, allow_redacted: bool = False) -> None:
+    """CredentialsError (a ValueError) for URI credentials pyarrow cannot parse (its error
+    would quote them) and, unless `allow_redacted`, for redacted ones (naming the key and
+    where the value came from)."""
+    given = {item[2:].split("=", 1)[0] for item in overrides}
+    problems = []
+    for key, value in dict.fromkeys(_strings(cfg, "")):
+        if malformed_userinfo(value):
+            raise CredentialsError(
+                f"{key}: the user-info of {redact_uri(value)} is not valid URI syntax: percent-encode "
+                "'/' as %2F and '@' as %40 in the key and secret, or better put them in "
+                f"{' / '.join(ENV_VARIABLES)} and drop the user-info")
+        if is_redacted(value) and not allow_redacted:
+            where = "on the command line" if key in given or path is None else f"in {path}"
+            drop = "the user-info" if "://***@" in value else "them from the URI"
+            problems.append(
+                f"{key} {where} has redacted credentials ({value}): give the URI with credentials again on the "
+                f"command line (--{key}='{with_placeholders(value)}') or put them in "
+                f"{' / '.join(ENV_VARIABLES)} and drop {drop} (--{key}='{without_credentials(value)}')")
+    if problems:
+        raise CredentialsError("; ".join(problems))
+
+
+def _strings(obj: Any, key: str) -> typing.Iterator[tuple[str, str]]:
+    """(override key, value) of every string in the config; list entries by name, as
+    `apply_override` addresses them (`features.item_id.column`)."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _strings(getattr(obj, f.name), _join(key, f.name))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(v, _join(key, str(k)))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _strings(v, _join(key, getattr(v, "name", "") or str(i)) if dataclasses.is_dataclass(v)
+                                else key)
+    elif isinstance(obj, str):
+        yield key, obj
 
 
 def apply_override(cfg: Config, item: str) -> None:
@@ -448,7 +530,8 @@ def validate(cfg: Config) -> None:
                        "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
                        "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
                        "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
-                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep")
+                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep",
+                       "checkpoint.signal_grace_steps")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))
@@ -545,9 +628,12 @@ def _check_choice(cfg: Config, key: str, choices: tuple[str, ...]) -> None:
 # ---------------------------------------------------------------------------- writing
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain TOML values; unset (None) fields are left out, as TOML has no null."""
-    return _drop_none(dataclasses.asdict(cfg))
+def to_dict(cfg: Any, *, reveal: bool = False) -> dict[str, Any]:
+    """The config as plain TOML values, URI credentials redacted (`reveal`: as given, for
+    code that opens the stores, never for writing or showing); unset (None) fields are left
+    out, as TOML has no null."""
+    values = _drop_none(dataclasses.asdict(cfg))
+    return values if reveal else redact_config(values)
 
 
 def _drop_none(value: Any) -> Any:
@@ -559,7 +645,9 @@ def _drop_none(value: Any) -> Any:
 
 
 def dump_toml(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config so that `--config path` reproduces the run."""
+    """Write the resolved config so that `--config path` reproduces the run. URI credentials
+    are redacted: such a run is resumed with them given again (on the command line, or by
+    the environment: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)."""
     Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
 
 
