@@ -32,20 +32,29 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    from trainer.credentials import redact_uri
+    from trainer.errors import BAD_INPUT, RankmixError
+
     try:
         if command not in COMMANDS:
             raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
         return COMMANDS[command](rest)
-    except ValueError as e:  # user errors: one clear line, no traceback
+    except (ValueError, RankmixError) as e:  # one clear line, no traceback; exit codes: trainer/errors.py
         if os.environ.get("RANKMIX_TRACEBACK"):
             raise
-        print(f"rankmix: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        if type(e).__name__ != "NonFiniteLossError":
-            raise
-        print(f"rankmix: stopped: {e}", file=sys.stderr)
-        return 3
+        kind = "error" if isinstance(e, ValueError) else "stopped"
+        print(f"rankmix: {kind}: {redact_uri(str(e))}", file=sys.stderr)  # a safety net: raisers redact too
+        return BAD_INPUT if isinstance(e, ValueError) else e.exit_code
+
+
+def recorded(command):
+    """`command` under torch elastic's `record`: under torchrun or torchx, a rank's failure
+    (handled or not) goes to the error file the agent reads, so its report shows the real
+    message instead of `error_file: <N/A>`. Imported on use: it pulls in torch."""
+    def run(argv: list[str]) -> int:
+        from torch.distributed.elastic.multiprocessing.errors import record
+        return record(command)(argv)
+    return run
 
 
 def config_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -80,15 +89,23 @@ def train(argv: list[str]) -> int:
     cfg = load_config(*config_args(argv))
 
     from trainer.dist import shutdown
+    from trainer.errors import Interrupted, NonFiniteLossError
     from trainer.train import Trainer
 
+    trainer, ok = None, False  # ok: every rank reached the same point, so they can still meet
     try:
         trainer = Trainer(cfg)
         summary = trainer.fit()
-        if trainer.env.is_main:
-            print(json.dumps(summary), flush=True)
-    finally:
-        shutdown()
+        ok = True
+    except (NonFiniteLossError, Interrupted):  # every rank raises these after the same step
+        ok = True
+        raise
+    finally:  # threads and writers first, the process group last, whatever happened
+        if trainer is not None:
+            trainer.close(ok)
+        shutdown(wait_for_peers=ok)
+    if trainer.env.is_main:
+        print(json.dumps(summary), flush=True)
     return 0
 
 
@@ -109,9 +126,20 @@ def launch(argv: list[str]) -> int:
     rendezvous = (["--standalone"] if args.nnodes == 1 else
                   ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
                    "--master-port", str(args.master_port)])
-    torchrun(["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
-              "--max-restarts", str(args.max_restarts), *rendezvous,
-              "-m", "launch.cli", "train", *train_args])
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun(["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+                  "--max-restarts", str(args.max_restarts), *rendezvous,
+                  "-m", "launch.cli", "train", *train_args])
+    except ChildFailedError as e:  # the ranks' error files, summarised; the first rank's code passed on
+        rank, failure = e.get_first_failure()
+        print(f"{e}\nrankmix: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as e:  # torchrun passed the signal on to the ranks, which saved and stopped
+        print(f"rankmix: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + e.sigval
     return 0
 
 
@@ -146,7 +174,8 @@ def score(argv: list[str]) -> int:
     from trainer.score import Scorer, find_config
 
     config_path, overrides = config_args(rest)
-    cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides)
+    # scoring reads --data, never the run's data paths: their redacted credentials may stay so
+    cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides, allow_redacted=True)
     try:
         summary = Scorer(cfg, args.checkpoint).score(
             args.data, args.out, args.batch_size, [c.strip() for c in args.keep.split(",") if c.strip()])
@@ -215,7 +244,7 @@ def sweep(argv: list[str]) -> int:
     return run_sweep(argv)
 
 
-COMMANDS = {"train": train, "launch": launch, "export": export, "score": score, "sweep": sweep, "data": data}
+COMMANDS = {"train": recorded(train), "launch": launch, "export": export, "score": score, "sweep": sweep, "data": data}
 
 if __name__ == "__main__":
     sys.exit(main())

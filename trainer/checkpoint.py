@@ -115,6 +115,21 @@ class CheckpointManager:
             future.result()
             self._finish(path, on_done)
 
+    def close(self, wait: bool = True, timeout: float = 60.0) -> None:
+        """Finish the save in flight before the process group goes. After a failure the
+        other ranks may be gone and the save's collectives would never complete: then wait
+        at most `timeout` seconds for its writes and leave it incomplete (no `.metadata`,
+        so it is never loaded)."""
+        if wait:
+            self.wait()
+        elif self._pending is not None:
+            _, future, _ = self._pending
+            self._pending = None
+            try:
+                future.result(timeout=timeout)
+            except Exception:  # the run is failing already: report that failure, not this one
+                pass
+
     def _finish(self, path: Path, on_done: Callable[[str], None]) -> None:
         if self.rank == 0:
             self._retain()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -89,10 +90,23 @@ def _attempt_store() -> dict:
     return {"store": dist.PrefixStore(f"rankmix/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
-def shutdown() -> None:
-    """Leave the process group (safe to call twice)."""
+def shutdown(wait_for_peers: bool = True) -> None:
+    """Leave the process group with no collective left running (safe to call twice).
+
+    Why the barrier: gloo's worker threads outlive `destroy_process_group` (C++ objects of
+    the sharded model keep the group), and a collective still running when the interpreter
+    finalizes, such as the pipeline's read-ahead input dist, ends with its thread releasing
+    a tensor that Python owned. That takes the GIL during finalization, where CPython ends
+    the thread with pthread_exit, and the forced unwind through a noexcept C++ frame aborts
+    the process ("terminate called without an active exception"). gloo's barrier completes
+    only after every collective enqueued before it. After a failure the peers may be gone
+    (`wait_for_peers=False`): the process is ending with an error anyway.
+    """
     if dist.is_initialized():
+        if wait_for_peers and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
+    gc.collect()  # what held the groups goes now, while the interpreter is whole
 
 
 def _free_port() -> int:

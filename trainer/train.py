@@ -36,16 +36,15 @@ from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.metrics import task_metrics
+from trainer.credentials import redact_uri
+from trainer.errors import Interrupted, NonFiniteLossError
+from trainer.lifecycle import StopSignal
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
 logging.getLogger("torchrec").setLevel(logging.ERROR)
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped before an optimizer step because the loss was NaN or infinite."""
 
 
 class Trainer:
@@ -82,7 +81,7 @@ class Trainer:
         self.total_steps = cfg.train.steps or sum(
             self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
         if self.total_steps == 0:
-            raise ValueError(f"{files.train_path}: not one batch of {self.batch_size} rows "
+            raise ValueError(f"{redact_uri(files.train_path)}: not one batch of {self.batch_size} rows "
                              f"per rank in {cfg.train.epochs} epoch(s)")
         self.run_dir = Path(cfg.train.run_dir)
         if self.env.is_main:
@@ -97,6 +96,8 @@ class Trainer:
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
+        self.stop_signal = StopSignal()
+        self._stop_at: int | None = None  # the step to stop after, once every rank saw a signal
         self.restore()
 
     # ------------------------------------------------------------------ building
@@ -131,14 +132,30 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
-        """Train for the configured steps, evaluating on schedule and at the end."""
+        """Train for the configured steps, evaluating on schedule and at the end.
+        Raises `Interrupted` after a SIGTERM/SIGINT, once the due checkpoint is saved."""
         batches = self._tracked(iter(self.train_reader))
         try:
-            meter = self._train_loop(batches)
+            with self.stop_signal:
+                meter = self._train_loop(batches)
         finally:
             batches.close()  # stops the reader's prefetch thread now, not at interpreter exit
         self.checkpoints.wait()
+        if self._stop_at is not None and self.step < self.total_steps:
+            raise Interrupted(f"stopped by {self.stop_signal.name} after step {self.step}" +
+                              (f"; resume from {self.checkpoints.latest()}" if self.checkpoints.latest() else ""))
         return self.finish(self.evaluate(), meter.examples_per_sec)
+
+    def close(self, ok: bool = True) -> None:
+        """Release what outlives the loop, in dependency order, on success and failure alike:
+        an async save is finished (after a failure only waited on for a bounded time: a
+        dead rank would never join its collectives), then the metric writers close. The
+        reader's threads are already stopped by fit(); the caller then leaves the process group
+        (`trainer.dist.shutdown`), which waits for the collectives still in flight."""
+        if self.pipeline is not None:
+            self.pipeline.reset()  # its read-ahead batches and their input-dist outputs
+        self.checkpoints.close(wait=ok)
+        self.logger.close()
 
     def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
@@ -156,9 +173,34 @@ class Trainer:
                 self.log_train(*meter.flush())
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
-            if self.checkpoints.due(self.step, last=self.step == self.total_steps):
+            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps)
+            if saved:
                 self.save_checkpoint()
+            if self._stopping(saved):
+                break
         return meter
+
+    def _stopping(self, saved: bool) -> bool:
+        """After a signal that every rank has seen: stop now, saving first unless this step
+        was just saved, or train on to a scheduled save due within signal_grace_steps."""
+        if self._stop_at is None:
+            if not self.stop_signal.agreed:
+                return False
+            self._stop_at = self._stop_step()
+        if self.step < self._stop_at:
+            return False
+        if not saved and self.cfg.checkpoint.enabled:
+            self.save_checkpoint()
+        return True
+
+    def _stop_step(self) -> int:
+        """The step to stop after: the next scheduled save if it is within the grace, else now."""
+        ck = self.cfg.checkpoint
+        due = [self.total_steps] if ck.save_final else []
+        if ck.interval:
+            due.append(-(-self.step // ck.interval) * ck.interval)
+        within = [s for s in due if self.step <= s <= self.step + ck.signal_grace_steps]
+        return min(within, default=self.step) if ck.enabled else self.step
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         """One optimizer step; returns the per-task losses [K] (detached)."""
@@ -227,11 +269,17 @@ class Trainer:
             torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.grad_clip_norm, norm)
 
     def _stop_if(self, value: torch.Tensor, message: str) -> None:
-        """Raise NonFiniteLossError on every rank when `value` is not finite on any rank."""
-        bad = (~torch.isfinite(value)).float().reshape(1)
+        """Raise NonFiniteLossError on every rank when `value` is not finite on any rank.
+        The same all-reduce carries this rank's stop-signal vote, so every rank agrees on
+        the step a signal takes effect without a collective of its own."""
+        votes = torch.stack([(~torch.isfinite(value)).float().reshape(()),
+                             torch.tensor(float(self.stop_signal.received), device=value.device)])
         if self.env.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        bad, stop = votes.tolist()
+        if stop:
+            self.stop_signal.agreed = True
+        if bad:
             raise NonFiniteLossError(message.format(value=value.item()))
 
     def backward(self, loss: torch.Tensor) -> None:

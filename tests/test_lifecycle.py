@@ -1,0 +1,65 @@
+"""Process lifecycle: SIGTERM (what Slurm and Kubernetes send first) saves a checkpoint and
+stops every rank with the documented exit code; the run resumes from it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_checkpoint import REPO, ok, train, train_args
+from trainer.checkpoint import complete_steps
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def signalled(world: int, run: Path, args: list[str], after_step: int, timeout: float = 240) -> tuple[
+        subprocess.CompletedProcess, list[dict]]:
+    """Start a run, send SIGTERM to its first process (torchrun's agent for world > 1, which
+    passes it on to the ranks, as on Kubernetes) once `after_step` is logged; wait for it."""
+    command = ["train"] if world == 1 else ["launch", "--nproc-per-node", str(world)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *command, *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "PYTHONWARNINGS": "ignore"})
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and any(json.loads(line)["step"] >= after_step
+                                        for line in metrics.read_text().splitlines())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=timeout)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), records
+
+
+def test_sigterm_saves_at_once_and_the_run_resumes_there(cache, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(run, cache, 10_000)
+    stopped, records = signalled(1, run, args, after_step=3)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = max(r["step"] for r in records if r["kind"] == "train")
+    assert complete_steps(run / "checkpoints") == [last]  # saved after the step in flight, nothing after it
+    assert f"rankmix: stopped: stopped by SIGTERM after step {last}; resume from" in stopped.stderr
+    resumed = ok(train(1, *train_args(run, cache, last + 2)))
+    assert f"at step {last}" in resumed.stdout
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == last + 2
+
+
+def test_sigterm_through_torchrun_trains_on_to_a_save_due_within_the_grace(cache, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(run, cache, 10_000, "--checkpoint.interval=6", "--checkpoint.signal_grace_steps=5",
+                      "--checkpoint.keep=0")
+    stopped, records = signalled(2, run, args, after_step=2)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "rankmix: stopped by SIGTERM" in stopped.stderr
+    last = max(r["step"] for r in records if r["kind"] == "train")
+    assert last % 6 == 0  # the scheduled save, not an extra one
+    assert complete_steps(run / "checkpoints") == list(range(6, last + 1, 6))
