@@ -7,7 +7,7 @@ DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/n
 STAMP  := $(VENV)/.installed-$(DEVICE)
 ARGS   ?=
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-portability bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,14 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# Tests of trained quantities under other kernels (ATen's dispatch level) and one thread:
+# other rounding, other summation order. `make test-portability PORTABILITY_ARGS=` runs them all.
+PORTABILITY_ARGS ?= -m trained
+test-portability: setup
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
 
 bench: setup
 	$(BIN)/python bench/tower.py

@@ -158,6 +158,7 @@ def test_expert_width_splits_the_dense_ffn_or_is_an_error():
         expert_hidden(64, 4, 3, 0)
 
 
+@pytest.mark.trained
 def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("RANK", None)

@@ -32,6 +32,7 @@ def run(tmp_path_factory) -> tuple[Path, dict, Path]:
     return root / "run", json.loads(proc.stdout.splitlines()[-1]), valid
 
 
+@pytest.mark.trained
 def test_scores_match_the_trainers_evaluation_row_for_row(run, tmp_path):
     run_dir, summary, valid = run
     proc = rankmix("score", "--checkpoint", str(run_dir), "--data", str(valid), "--out", str(tmp_path),
@@ -53,6 +54,7 @@ def test_scores_match_the_trainers_evaluation_row_for_row(run, tmp_path):
     assert scored["moe/active_ratio"] < 0.9
 
 
+@pytest.mark.trained
 def test_dense_inference_is_a_different_router(run, tmp_path):
     run_dir, summary, valid = run
     proc = rankmix("score", "--checkpoint", str(run_dir), "--data", str(valid), "--out", str(tmp_path),

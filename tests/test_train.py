@@ -68,6 +68,7 @@ def test_pipeline_with_evaluation_trains_exactly_like_the_plain_loop(tmp_path, c
     assert losses("--train.pipeline=none", "--metrics.eval_every=10") == plain
 
 
+@pytest.mark.trained
 def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir):
     common = ("--train.epochs=2", f"--data.cache_dir={cache_dir}", "--metrics.progress=false")
     rm = summary_of(rankmix("train", *common, f"--train.run_dir={tmp_path / 'rm'}"))
@@ -76,6 +77,7 @@ def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir
     assert rm["uauc"] > lr["uauc"] + 0.03, (rm["uauc"], lr["uauc"])
 
 
+@pytest.mark.trained
 @pytest.mark.skipif(not (MOVIELENS / "ml-100k.inter").exists(), reason="MovieLens-100K is not in ../shared/data")
 def test_movielens_reaches_sensible_auc(tmp_path):
     summary = summary_of(rankmix("train", "--config", "configs/movielens.toml", "--train.epochs=1",
