@@ -142,3 +142,37 @@ def test_repeated_two_rank_runs_exit_cleanly(tmp_path):
              nprocs=2)
     for i in range(3):
         assert json.loads((tmp_path / str(i) / "summary.json").read_text())["steps"] == 6
+
+
+def _in_flight_worker(rank: int, port: int, leave_cleanly: bool) -> None:
+    """Rank 1 leaves while a collective it started still waits for rank 0; its completion
+    runs a Python callback on gloo's worker thread, as TorchRec's awaitables do."""
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.dist import shutdown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 0:
+        time.sleep(0.3)
+    work = dist.all_reduce(torch.ones(8), async_op=True)
+    work.get_future().then(lambda fut: fut.value())
+    if leave_cleanly:
+        shutdown()
+    elif rank == 0:
+        work.wait()
+        time.sleep(2)  # rank 1 finalizes meanwhile
+
+
+@pytest.mark.parametrize("leave_cleanly", [False, True])
+def test_a_collective_in_flight_at_exit_aborts_unless_shutdown_waits_for_it(leave_cleanly):
+    """The root cause of the rank that died with SIGABRT at exit: gloo's thread finishes the
+    collective while the interpreter finalizes, needs the GIL, is ended by pthread_exit, and
+    the forced unwind through a noexcept frame calls std::terminate. `shutdown()` waits."""
+    if leave_cleanly:
+        mp.spawn(_in_flight_worker, args=(free_port(), True), nprocs=2)
+        return
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        mp.spawn(_in_flight_worker, args=(free_port(), False), nprocs=2)
