@@ -196,9 +196,9 @@ def test_resume_twice_in_a_row(resume_data):
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("k", [1, 5, 9, 10])
 def test_resume_in_evaluation_keeps_real_rows(tmp_path, rank, k):
-    # row groups 3 x 100 and 4 x 250: rank 0 reads 700 rows, rank 1 600, so with 64-row batches
-    # rank 1's 10th batch (k=10) is all padding and resuming lands inside the padding
-    write_files(tmp_path, [300, 1000], [100, 250])
+    # 1281 rows in row groups 3 x 100 and 3 x 250 + 231: rank 0 reads 640 rows (10 batches of 64),
+    # rank 1 641 (11), so rank 0's 11th batch (k=10) is all padding and resuming lands inside it
+    write_files(tmp_path, [300, 981], [100, 250])
     kw = dict(batch_size=64, shuffle=False, drop_last=False, rank=rank, world_size=2)
     reference = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), **kw)]
     assert len(reference) == 11
@@ -214,7 +214,7 @@ def test_resume_in_evaluation_keeps_real_rows(tmp_path, rank, k):
         real = want["weights"] == 1
         for key in ("users", "dense", "labels"):
             np.testing.assert_array_equal(got[key][real], want[key][real])
-    if rank == 1:
+    if rank == 0:
         assert (reference[10]["weights"] == 0).all()
 
 
@@ -242,7 +242,7 @@ def test_load_state_dict_with_other_world_size(resume_data):
 
 
 @pytest.mark.parametrize("key, value", [("seed", 12), ("batch_size", 32), ("shuffle_buffer", 100),
-                                        ("row_groups", 5), ("rank", 1)])
+                                        ("row_groups", 5), ("rows", 2499), ("rank", 1), ("shuffle", False)])
 def test_load_state_dict_with_other_setting(resume_data, key, value):
     path = resume_data[0]
     state = resume_reader(path).state_dict()
@@ -386,41 +386,46 @@ def test_uneven_files_same_number_of_batches(tmp_path, seed):
     kw = dict(batch_size=50, shuffle_buffer=300, seed=seed, num_epochs=2)
     probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, **kw)
     per_rank = rank_epochs(tmp_path, 2, **kw)
-    rows = [[sum(g.num_rows for g in groups) for groups in probe._assignment(e)] for e in range(2)]
+    rows = [[sum(p.num_rows for p in pieces) for pieces in probe._assignment(e)] for e in range(2)]
+    assert rows == [[1200, 1200]] * 2  # row ranges, not whole row groups: the ranks are balanced
     steps = [min(r) // 50 for r in rows]
-    assert steps == [probe.steps_in_epoch(e) for e in range(2)]
-    assert len(per_rank[0]) == len(per_rank[1]) == sum(steps) > 0
+    assert steps == [probe.steps_in_epoch(e) for e in range(2)] == [24, 24]
+    assert len(per_rank[0]) == len(per_rank[1]) == sum(steps)
     assert all(len(b["users"]) == 50 for r in per_rank for b in r)
     for epoch, (lo, hi) in enumerate([(0, steps[0]), (steps[0], sum(steps))]):
         users = [users_of(r[lo:hi]) for r in per_rank]
         for rank, u in enumerate(users):
-            assert len(np.unique(u)) == len(u)  # no row twice in an epoch
-            # the rank's rows come only from its own row groups
-            mine = {(Path(g.path).name, g.index) for g in probe._assignment(epoch)[rank]}
-            assert {uneven_row_group(x) for x in u} <= mine
-        assert not set(users[0]) & set(users[1])
+            # every row of the rank's pieces once, and no other row
+            mine = np.concatenate([uneven_piece_users(p) for p in probe._assignment(epoch)[rank]])
+            np.testing.assert_array_equal(np.sort(u), np.sort(mine))
+        np.testing.assert_array_equal(np.sort(np.concatenate(users)), np.arange(2400))
 
 
-def uneven_row_group(user: int) -> tuple[str, int]:
-    """(file, row group) of a row of write_files(..., [600, 1800], [150, 700])."""
-    return ("part-000.parquet", user // 150) if user < 600 else ("part-001.parquet", (user - 600) // 700)
+def uneven_piece_users(piece) -> np.ndarray:
+    """Row ids of a piece of write_files(..., [600, 1800], [150, 700])."""
+    g = piece.group
+    first = g.index * 150 if Path(g.path).name == "part-000.parquet" else 600 + g.index * 700
+    return first + np.arange(piece.start, piece.stop)
 
 
-def test_uneven_files_are_uneven_for_the_seeds_used(tmp_path):
-    """Guards the test above: for most of its seeds and epochs the ranks' row counts differ."""
+def test_uneven_row_groups_are_cut_into_pieces(tmp_path):
+    """Guards the test above: for its seeds the rank boundary falls inside a row group,
+    which one rank reads the front of and the other the back."""
     write_files(tmp_path, [600, 1800], [150, 700])
-    uneven = 0
+    cut = 0
     for seed in range(4):
         probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, batch_size=50, seed=seed)
         for epoch in range(2):
-            a, b = (sum(g.num_rows for g in groups) for groups in probe._assignment(epoch))
-            uneven += a // 50 != b // 50
-    assert uneven >= 4
+            first, second = probe._assignment(epoch)
+            if first[-1].stop < first[-1].group.num_rows:
+                assert second[0].group == first[-1].group and second[0].start == first[-1].stop
+                cut += 1
+    assert cut >= 4
 
 
 @pytest.mark.parametrize("batch_size", [64, 100, 1200])
 def test_evaluation_over_two_ranks(tmp_path, batch_size):
-    write_files(tmp_path, [600, 1800], [150, 700])  # rank row counts differ
+    write_files(tmp_path, [601, 1800], [150, 700])  # 2401 rows: ranks get 1200 and 1201
     per_rank = rank_epochs(tmp_path, 2, batch_size=batch_size, shuffle=False, drop_last=False)
     assert len(per_rank[0]) == len(per_rank[1]) > 0
     for batches in per_rank:
@@ -432,8 +437,8 @@ def test_evaluation_over_two_ranks(tmp_path, batch_size):
         real = int(weights.sum())
         np.testing.assert_array_equal(weights, np.r_[np.ones(real), np.zeros(len(weights) - real)])
     real = [users_of(b, real_only=True) for b in per_rank]
-    np.testing.assert_array_equal(np.sort(np.concatenate(real)), np.arange(2400))
-    assert len(real[0]) != len(real[1])
+    np.testing.assert_array_equal(np.sort(np.concatenate(real)), np.arange(2401))
+    assert [len(r) for r in real] == [1200, 1201]
     # padding rows copy real rows, so they carry valid inputs
     padded = [b for r in per_rank for b in r if (b["weights"] == 0).any()]
     assert padded
@@ -468,12 +473,18 @@ def test_reader_with_fewer_rows_than_a_batch_raises_instead_of_spinning(tmp_path
 
 
 def test_fewer_row_groups_than_ranks(tmp_path):
+    """One row group is shared by the ranks, each reading its own row range of it."""
     write_files(tmp_path, [100], 1000)
-    with pytest.raises(ValueError, match=err(f"{tmp_path}: 1 row groups cannot be split over 2 ranks")):
-        ParquetReader(str(tmp_path), make_encoder(), batch_size=10, rank=0, world_size=2)
-    write_files(tmp_path, [100, 100], 1000)
-    reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=10, rank=1, world_size=2)
-    assert reader.steps_in_epoch(0) == 10
+    per_rank = rank_epochs(tmp_path, 2, batch_size=10, num_epochs=1)
+    assert len(per_rank[0]) == len(per_rank[1]) == 5
+    users = [users_of(r) for r in per_rank]
+    np.testing.assert_array_equal(np.sort(np.concatenate(users)), np.arange(100))
+    assert set(users[0]) == set(range(50))  # contiguous halves of the shuffled row group order
+    # the only limit left: a rank needs one batch of rows (100 rows over 3 ranks: 33, 33, 34)
+    reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=34, rank=2, world_size=3)
+    with pytest.raises(ValueError, match=err(f"{tmp_path}: a rank gets only 33 rows in epoch 0, "
+                                             "fewer than one batch of 34")):
+        next(iter(reader))
 
 
 # ----------------------------------------------------------------------------- bad input

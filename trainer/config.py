@@ -119,6 +119,10 @@ class DataConfig:
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"
     """Where generated or converted Parquet files are kept and reused."""
+    retry_seconds: float = 300.0
+    """How long a failing object-store read is retried (with backoff) before the run stops with exit code 4."""
+    retry_attempts: int = 3
+    """Attempts per request inside pyarrow's S3 client (its AWS standard retry strategy)."""
 
 
 @dataclass
@@ -525,12 +529,12 @@ def validate(cfg: Config) -> None:
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
                     "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr",
                     "model.tau_start", "model.tau_end", "model.sinkhorn_iters", "model.num_basis",
-                    "model.global_rank", "model.num_experts", "model.moe_l1_init")  # lambda adapts multiplicatively
+                    "model.global_rank", "model.num_experts", "model.moe_l1_init", "data.retry_attempts")  # lambda adapts multiplicatively
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
                        "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
                        "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
                        "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
-                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep",
+                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
                        "checkpoint.signal_grace_steps")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))

@@ -53,7 +53,8 @@ class Scorer:
 
     def score(self, data: str, out: str, batch_size: int, keep: list[str]) -> dict:
         """Write predictions of every file of `data` into folder `out`; return a summary."""
-        fs, files = resolve_files(data)
+        fs, files = resolve_files(data, retry_seconds=self.cfg.data.retry_seconds,
+                                  retry_attempts=self.cfg.data.retry_attempts)
         Path(out).mkdir(parents=True, exist_ok=True)
         names = pq.ParquetFile(files[0], filesystem=fs).schema_arrow.names
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only

@@ -66,7 +66,7 @@ class Trainer:
         self.train_reader = ParquetReader(
             files.train_path, self.encoder, batch_size=self.batch_size, shuffle=cfg.data.shuffle,
             shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
-            rank=self.env.rank, world_size=self.env.world_size)
+            rank=self.env.rank, world_size=self.env.world_size, **self._retries())
         self.model = self._build_model()
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
@@ -98,9 +98,15 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
         self.stop_signal = StopSignal()
         self._stop_at: int | None = None  # the step to stop after, once every rank saw a signal
+        self.data_rows: dict[str, int] = {}  # the last complete epoch's row count (see _count_rows)
         self.restore()
+        self._epoch_rows_trained = self.reader_state["step"] * self.batch_size  # this rank's, in this epoch
 
     # ------------------------------------------------------------------ building
+
+    def _retries(self) -> dict:
+        """How the readers ride out object-store faults (data.retry_*)."""
+        return {"retry_seconds": self.cfg.data.retry_seconds, "retry_attempts": self.cfg.data.retry_attempts}
 
     def _build_model(self) -> nn.Module:
         model = build_model(self.cfg, self.env.device)
@@ -167,6 +173,7 @@ class Trainer:
             self.step += 1
             self.notify_step()
             self.reader_state = self._reader_states.popleft()
+            self._count_rows()
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
             if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
@@ -179,6 +186,22 @@ class Trainer:
             if self._stopping(saved):
                 break
         return meter
+
+    def _count_rows(self) -> None:
+        """Count the rows this step trained; at an epoch's last step, log the epoch's rows
+        trained on all ranks against the rows of the split, so no data goes missing unseen
+        (the reader leaves out fewer than world_size x batch_size rows an epoch)."""
+        self._epoch_rows_trained += self.batch_size  # training batches are always full
+        epoch, step = self.reader_state["epoch"], self.reader_state["step"]
+        if step < self.train_reader.steps_in_epoch(epoch):
+            return
+        trained = torch.tensor([self._epoch_rows_trained], dtype=torch.int64)
+        if self.env.world_size > 1:
+            dist.all_reduce(trained)
+        self._epoch_rows_trained = 0
+        rows = self.train_reader.epoch_rows(epoch).rows
+        self.data_rows = {"epoch": epoch, "rows": rows, "rows_trained": int(trained), "rows_dropped": rows - int(trained)}
+        self.logger.log(self.step, "data", self.data_rows)
 
     def _stopping(self, saved: bool) -> bool:
         """After a signal that every rank has seen: stop now, saving first unless this step
@@ -231,7 +254,9 @@ class Trainer:
                    "logloss": metrics["logloss"], "steps": self.step, "examples_per_sec": examples_per_sec,
                    "dense_params": self.cost.params, "flops_per_sample": self.cost.flops,
                    "mfu": self.mfu(examples_per_sec), "peak_tflops": self.peak_flops / 1e12,
-                   "run_dir": str(self.run_dir),  # per-task and top-level tower metrics, not per layer
+                   "run_dir": str(self.run_dir),
+                   **{f"data/{k}": v for k, v in self.data_rows.items()},
+                   # per-task and top-level tower metrics, not per layer
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
@@ -312,7 +337,7 @@ class Trainer:
         self.model.eval()
         reader = ParquetReader(self.eval_path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
                                shuffle=False, drop_last=False, rank=self.env.rank,
-                               world_size=self.env.world_size)
+                               world_size=self.env.world_size, **self._retries())
         logits, labels, users, weights = [], [], [], []
         for i, batch in enumerate(reader):
             if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:

@@ -1,28 +1,60 @@
-"""Streaming Parquet reader: row-group granularity, bounded memory, exact resume.
+"""Streaming Parquet reader: row ranges of row groups, bounded memory, exact resume.
 
-Every rank sees the same list of row groups (from the files' footers), shuffled per
-epoch with a seed, and takes every `world_size`-th one, so ranks read disjoint row
-groups. A rank's row groups are grouped into *windows* of at least `shuffle_buffer`
-rows; a window is read, encoded, permuted with a seed of (seed, epoch, rank, window)
-and its rows are streamed into batches (a batch may straddle two windows). The rows a
-rank has consumed in the epoch therefore fix its position exactly: the state is just
-(epoch, rows consumed), and resuming re-reads one window and skips into it.
+Assignment. Every rank lists the same row groups (from the files' footers). Each epoch
+orders them (shuffled with (seed, epoch) unless shuffle is off) and lays them end to
+end as one sequence of N rows; a rank's share of that sequence is a list of *pieces*,
+(row group, start, stop) row ranges, so ranks read disjoint rows whatever the number and
+sizes of the row groups, in training and evaluation alike:
 
-Memory: at most the current and the next window, each below `shuffle_buffer` plus
-one row group. A window is held encoded, as numpy columns (`Rows`): encoding, shuffling
-and batch assembly work on whole columns, and a batch is a slice of the window copied
-once into its tensors. All ranks compute every rank's row count from the footers, so they agree
-on the steps per epoch (the smallest rank's rows // batch) without communicating.
+- by default rank r of W takes the contiguous slice [r*N/W, (r+1)*N/W): every rank gets
+  N/W rows (+-1) and decodes only the row groups its slice touches.
+- unshuffled training (shuffle=False, drop_last=True, W > 1) interleaves at batch
+  granularity: rank r takes rows [k*W*B + r*B, k*W*B + (r+1)*B) for k = 0, 1, ... Global
+  step k is then rows [k*W*B, (k+1)*W*B) in file order, the batch one rank with batch W*B
+  reads, so runs at different world sizes train on the same global batches. The price:
+  a row group larger than W*B rows is decoded by every rank (each keeps its pieces).
+
+Data loss. A training epoch is steps_in_epoch = min over ranks of (rank rows // B) steps
+on every rank (all ranks compute it from the footers, without communicating), so at most
+W*B - 1 rows of an epoch are not trained on: contiguous slices leave each rank fewer than
+B rows of its own plus at most W-1 rows of imbalance; interleaving leaves only the last,
+partial round of W*B rows. `epoch_rows(epoch)` gives the split's rows and the rows used.
+
+Windows. A rank's pieces are grouped into *windows* of at least `shuffle_buffer` rows; a
+window is read, encoded, permuted with a seed of (seed, epoch, rank, window) and its rows
+are streamed into batches (a batch may straddle two windows). The batches a rank has
+yielded in the epoch fix its position exactly: the state is just (epoch, step), and
+resuming re-reads one window and skips into it.
+
+Memory: at most the current and the next window, each below `shuffle_buffer` plus one
+piece, and the decoded row group of the last piece read. A window is held encoded, as
+numpy columns (`Rows`): encoding, shuffling and batch assembly work on whole columns, and
+a batch is a slice of the window copied once into its tensors.
+
+Object stores. An s3:// URI gets pyarrow's AWS standard retry strategy (`retry_attempts`
+tries per request). On top of it, a listing, footer or row-group read that fails with a
+transient error (network, timeout, throttling, 5xx: `_transient`) is retried with
+exponential backoff for up to `retry_seconds` from its first failure, re-opening the
+file, each retry logged on "rankmix.data"; past that budget the reader raises
+DataUnavailableError. A missing or corrupt file is a ValueError at once. No message shows
+a URI's credentials (`redact_uri`).
 """
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import itertools
+import logging
 import posixpath
-from collections.abc import Iterator
+import re
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
-from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -30,47 +62,197 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from trainer.credentials import redact_uri
 from trainer.data.batch import Batch, Rows
 from trainer.data.encode import RowEncoder
+from trainer.errors import DataUnavailableError
 
+log = logging.getLogger("rankmix.data")
+T = TypeVar("T")
 
+FIRST_RETRY_DELAY = 0.25  # seconds; doubled after each failure ...
+MAX_RETRY_DELAY = 10.0    # ... up to this: a store that comes back is found within 10 s
+S3_URI_OPTIONS = ("endpoint_override", "scheme", "region")
+# pyarrow raises OSError for network failures and for corrupt files alike ("Couldn't
+# deserialize thrift"), so the transient ones are told apart by their AWS error codes
+# (those the AWS SDK itself retries), HTTP 5xx, curl failures and socket errors.
+_TRANSIENT = re.compile(r"NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|REQUEST_TIMEOUT|"
+                        r"THROTTLING|HTTP status 5\d\d|curlCode|timed out|connection reset|broken pipe", re.I)
 @dataclass(frozen=True)
 class RowGroup:
-    """One row group of one file: the unit of sharding and shuffling."""
+    """One row group of one file, as its footer describes it."""
 
     path: str
     index: int
     num_rows: int
 
 
-def resolve_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of one row group: the unit of sharding and reading."""
+
+    group: RowGroup
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EpochRows:
+    """What one epoch makes of the split: for reporting the rows training leaves out."""
+
+    rows: int  # rows in the split
+    used: int  # rows the epoch's batches consume over all ranks (every row in evaluation)
+
+    @property
+    def dropped(self) -> int:
+        return self.rows - self.used
+
+
+@dataclass(frozen=True)
+class Store:
+    """A filesystem, its name in messages ("s3 endpoint host:port") and its retry budget.
+    `key` is equal for URIs that address the same store with the same options."""
+
+    fs: pafs.FileSystem
+    name: str
+    key: tuple = field(repr=False)  # holds an S3 URI's credentials
+    retry_seconds: float = 300.0
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        return _retrying(fn, self.name, what, self.retry_seconds)
+
+
+def _retrying(fn: Callable[[], T], store: str, what: str, budget: float) -> T:
+    """fn(), called again while it fails transiently, with exponential backoff, for up to
+    `budget` seconds from its first failure; then DataUnavailableError. `fn` must start
+    afresh each call (re-open what it reads): a failed stream may be dead."""
+    start, delay = time.monotonic(), FIRST_RETRY_DELAY
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if not _transient(e):
+                raise
+            spent = time.monotonic() - start
+            if spent >= budget:
+                raise DataUnavailableError(f"{store}, {what}: unreachable for {spent:.1f} s "
+                                           f"(retry budget {budget:g} s): {_reason(e)}") from e
+            wait = min(delay, budget - spent)
+            log.warning("%s, %s: %s; retrying in %.2f s (%.1f s of the %g s retry budget left)",
+                        store, what, _reason(e), wait, budget - spent, budget)
+            time.sleep(wait)
+            delay = min(2 * delay, MAX_RETRY_DELAY)
+
+
+def _transient(e: OSError) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    return not isinstance(e, (FileNotFoundError, PermissionError)) and bool(_TRANSIENT.search(str(e)))
+
+
+def _reason(e: BaseException) -> str:
+    """The gist of a store error on one line: pyarrow's S3 errors from "AWS Error", without
+    the curl details."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text[text.find("AWS Error"):] if "AWS Error" in text else text
+    return redact_uri(text.split("; Details:")[0])[:200]
+
+
+def resolve_files(spec: str, *, retry_seconds: float = 300.0,
+                  retry_attempts: int = 3) -> tuple[pafs.FileSystem, list[str]]:
     """Comma-separated files, directories (every *.parquet below) or globs; local or URI."""
-    fs: pafs.FileSystem | None = None
+    store, files = _resolve(spec, retry_seconds, retry_attempts)
+    return store.fs, files
+
+
+def _resolve(spec: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, list[str]]:
+    if not retry_seconds >= 0:
+        raise ValueError(f"retry_seconds must be >= 0, got {retry_seconds}")
+    if retry_attempts < 1:
+        raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
+    store: Store | None = None
     files: list[str] = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        item_fs, path = (pafs.FileSystem.from_uri(item) if "://" in item
-                         else (pafs.LocalFileSystem(), posixpath.abspath(item)))
-        if fs is not None and item_fs.type_name != fs.type_name:
-            raise ValueError(f"data path {spec!r} mixes filesystems ({fs.type_name}, {item_fs.type_name})")
-        fs = item_fs
-        files += _expand(fs, path, item)
-    if fs is None or not files:
-        raise ValueError(f"no Parquet files found at {spec!r}")
-    return fs, files
+        item_store, path = _open_store(item, retry_seconds, retry_attempts)
+        if store is not None and item_store.key != store.key:
+            raise ValueError(f"data path {redact_uri(spec)!r} mixes filesystems "
+                             f"({store.name}, {item_store.name})")
+        store = store or item_store
+        files += _expand(store, path, redact_uri(item))
+    if store is None or not files:
+        raise ValueError(f"no Parquet files found at {redact_uri(spec)!r}")
+    return store, files
 
 
-def _expand(fs: pafs.FileSystem, path: str, shown: str) -> list[str]:
+def _open_store(item: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, str]:
+    """The store of one path or URI, and the path in it."""
+    if item.startswith("s3://"):
+        return _s3_store(item, retry_seconds, retry_attempts)
+    if "://" in item:
+        try:
+            fs, path = pafs.FileSystem.from_uri(item)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"cannot open {redact_uri(item)}: {redact_uri(str(e))}") from None
+        return Store(fs, f"{fs.type_name} store", (fs.type_name,), retry_seconds), path
+    return Store(pafs.LocalFileSystem(), "local disk", ("local",), retry_seconds), posixpath.abspath(item)
+
+
+def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, str]:
+    """s3://[KEY:SECRET@]bucket/key[?endpoint_override=&scheme=&region=], built here because
+    FileSystem.from_uri takes no retry strategy. Without user-info the credentials come
+    from the AWS default chain (AWS_* variables, ~/.aws, instance metadata); without region
+    and endpoint the bucket's region is looked up, as from_uri does."""
+    parts = urlsplit(uri)
+    options = dict(parse_qsl(parts.query))
+    unknown = sorted(set(options) - set(S3_URI_OPTIONS))
+    if unknown:
+        raise ValueError(f"{redact_uri(uri)}: unknown S3 URI option(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(S3_URI_OPTIONS)})")
+    user, _, bucket = parts.netloc.rpartition("@")
+    if not bucket or ":" in bucket:  # a ':' is a secret cut short by an unescaped '/'
+        raise ValueError(f"{redact_uri(uri)}: expected s3://[KEY:SECRET@]bucket/key "
+                         "(write a '/' in the secret as %2F)")
+    key, _, secret = user.partition(":")
+    credentials = dict(access_key=unquote(key), secret_key=unquote(secret)) if user else {}
+    endpoint = options.get("endpoint_override")
+    try:
+        if not endpoint and "region" not in options:
+            options["region"] = _retrying(partial(pafs.resolve_s3_region, bucket), "s3 endpoint AWS", bucket,
+                                          retry_seconds)
+        fs = pafs.S3FileSystem(**credentials, **options,
+                               retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=retry_attempts))
+    except (pa.ArrowException, OSError) as e:  # no such bucket, a bad scheme, ...
+        raise ValueError(f"{redact_uri(uri)}: {_reason(e)}") from None
+    name = f"s3 endpoint {endpoint or 'AWS ' + options['region']}"
+    key_of = ("s3", user, tuple(sorted(options.items())))
+    return Store(fs, name, key_of, retry_seconds), (bucket + parts.path).rstrip("/")
+
+
+def _expand(store: Store, path: str, shown: str) -> list[str]:
+    fs = store.fs
     if any(c in path for c in "*?["):
         parent, pattern = posixpath.split(path)
-        infos = fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
+        infos = store.call(lambda: fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)), parent)
         return sorted(i.path for i in infos if i.is_file and fnmatch.fnmatch(i.base_name, pattern))
-    info = fs.get_file_info(path)
+    info = store.call(lambda: fs.get_file_info(path), path)
     if info.type == pafs.FileType.NotFound:
         raise ValueError(f"data path not found: {shown}")
     if info.type == pafs.FileType.Directory:
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        infos = store.call(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True)), path)
         return sorted(i.path for i in infos if i.is_file and i.base_name.endswith(".parquet"))
     return [path]
+
+
+def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, list]:
+    """A file's schema and row groups, from its footer alone."""
+    frag = ds.ParquetFileFormat().make_fragment(path, filesystem=fs)
+    schema = frag.physical_schema
+    frag.ensure_complete_metadata()
+    return schema, frag.row_groups
 
 
 class ParquetReader:
@@ -79,12 +261,14 @@ class ParquetReader:
     Training (`drop_last=True`) runs epochs without end, each of the same number of
     steps on every rank. Evaluation (`drop_last=False`, one epoch) yields every row of
     the rank once; all ranks still yield the same number of equally sized batches, the
-    padding rows carrying weight 0.
+    padding rows carrying weight 0. `retry_seconds` and `retry_attempts`: how long a
+    failing object store is retried (module docstring); 0 seconds gives up at once.
     """
 
     def __init__(self, paths: str, encoder: RowEncoder, *, batch_size: int, shuffle_buffer: int = 0,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1, num_epochs: int = 0):
+                 rank: int = 0, world_size: int = 1, num_epochs: int = 0,
+                 retry_seconds: float = 300.0, retry_attempts: int = 3):
         self.encoder = encoder
         self.batch_size = batch_size
         self.shuffle_buffer = shuffle_buffer
@@ -93,60 +277,88 @@ class ParquetReader:
         self.drop_last = drop_last
         self.rank, self.world_size = rank, world_size
         self.num_epochs = num_epochs if drop_last else 1
-        self.source = paths
-        self.fs, self.files = resolve_files(paths)
+        # unshuffled training keeps the global batches of every world size in file order
+        self.interleaved = drop_last and not shuffle and world_size > 1
+        self.source = redact_uri(paths)
+        self.store, self.files = _resolve(paths, retry_seconds, retry_attempts)
+        self.fs = self.store.fs
         self.row_groups = self._discover()
+        self.num_rows = sum(g.num_rows for g in self.row_groups)
         self.epoch, self.step = 0, 0
         self._filler: Rows | None = None
         self.peak_buffered_rows = 0
-        if drop_last and len(self.row_groups) < world_size:
-            raise ValueError(f"{paths}: {len(self.row_groups)} row groups cannot be split over "
-                             f"{world_size} ranks; write smaller row groups or more files")
 
     # ------------------------------------------------------------------ metadata
 
     def _discover(self) -> list[RowGroup]:
-        fmt = ds.ParquetFileFormat()
         groups = []
         for path in self.files:
             try:
-                frag = fmt.make_fragment(path, filesystem=self.fs)
-                schema = frag.physical_schema
-                frag.ensure_complete_metadata()
-                infos = frag.row_groups
+                schema, infos = self.store.call(partial(_footer, self.fs, path), path)
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"cannot read Parquet file {path}: {e}") from None
             self.encoder.check_schema(schema, path)
             groups += [RowGroup(path, rg.id, rg.num_rows) for rg in infos if rg.num_rows]
         return groups
 
-    @property
-    def num_rows(self) -> int:
-        return sum(g.num_rows for g in self.row_groups)
+    def _spans(self, rank: int) -> Iterator[tuple[int, int]]:
+        """`rank`'s rows as [start, stop) positions in an epoch's sequence of rows."""
+        n, w, b = self.num_rows, self.world_size, self.batch_size
+        if self.interleaved:
+            return ((k, min(k + b, n)) for k in range(rank * b, n, w * b))
+        return iter([(rank * n // w, (rank + 1) * n // w)])
 
-    def _assignment(self, epoch: int) -> list[list[RowGroup]]:
-        """Every rank's row groups for `epoch` (the same answer on every rank)."""
-        order = np.arange(len(self.row_groups))
+    def _rank_rows(self, rank: int) -> int:
+        """Rows of `rank` in any epoch: the sum over `_spans`, in closed form."""
+        n, w, b = self.num_rows, self.world_size, self.batch_size
+        if self.interleaved:
+            rounds, rest = divmod(n, w * b)
+            return rounds * b + min(max(rest - rank * b, 0), b)
+        return (rank + 1) * n // w - rank * n // w
+
+    def _pieces(self, epoch: int, rank: int) -> list[Piece]:
+        """`rank`'s rows in `epoch`, in reading order (the same answer on every rank)."""
+        order = self.row_groups
         if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(order)
-        return [[self.row_groups[i] for i in order[r::self.world_size]] for r in range(self.world_size)]
+            order = [order[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(order))]
+        ends = list(itertools.accumulate(g.num_rows for g in order))
+        pieces = []
+        for start, stop in self._spans(rank):
+            i = bisect.bisect_right(ends, start)
+            while start < stop:
+                g, base = order[i], ends[i] - order[i].num_rows
+                end = min(stop, ends[i])
+                pieces.append(Piece(g, start - base, end - base))
+                start, i = end, i + 1
+        return pieces
+
+    def _assignment(self, epoch: int) -> list[list[Piece]]:
+        """Every rank's pieces for `epoch`."""
+        return [self._pieces(epoch, r) for r in range(self.world_size)]
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Batches every rank yields in `epoch`."""
-        rows = [sum(g.num_rows for g in groups) for groups in self._assignment(epoch)]
+        rows = [self._rank_rows(r) for r in range(self.world_size)]
         if self.drop_last:
             return min(rows) // self.batch_size
         return max(-(-r // self.batch_size) for r in rows)
 
-    def _windows(self, groups: list[RowGroup]) -> list[list[RowGroup]]:
-        windows: list[list[RowGroup]] = [[]]
+    def epoch_rows(self, epoch: int) -> EpochRows:
+        """The split's rows and those `epoch` consumes on all ranks together; training
+        leaves out fewer than world_size * batch_size (module docstring)."""
+        if not self.drop_last:
+            return EpochRows(self.num_rows, self.num_rows)
+        return EpochRows(self.num_rows, self.steps_in_epoch(epoch) * self.batch_size * self.world_size)
+
+    def _windows(self, pieces: list[Piece]) -> list[list[Piece]]:
+        windows: list[list[Piece]] = [[]]
         rows = 0
-        for g in groups:
+        for p in pieces:
             if windows[-1] and rows >= max(self.shuffle_buffer, 1):
                 windows.append([])
                 rows = 0
-            windows[-1].append(g)
-            rows += g.num_rows
+            windows[-1].append(p)
+            rows += p.num_rows
         return windows
 
     # ------------------------------------------------------------------ streaming
@@ -159,10 +371,10 @@ class ParquetReader:
     def _epoch_batches(self) -> Iterator[Batch]:
         steps = self.steps_in_epoch(self.epoch)
         if steps == 0:
-            rows = min(sum(g.num_rows for g in groups) for groups in self._assignment(self.epoch))
+            rows = min(self._rank_rows(r) for r in range(self.world_size))
             raise ValueError(f"{self.source}: a rank gets only {rows} rows in epoch {self.epoch}, fewer than "
                              f"one batch of {self.batch_size}; use a smaller batch or fewer ranks")
-        windows = self._windows(self._assignment(self.epoch)[self.rank])
+        windows = self._windows(self._pieces(self.epoch, self.rank))
         chunks = self._window_stream(windows, skip=self.step * self.batch_size)
         held: list[Rows] = []  # rows read and not yet yielded, in order
         seen = False
@@ -171,18 +383,18 @@ class ParquetReader:
                 held.append(t)
                 seen = True
             if not seen and self._filler is None:  # evaluation on a rank with no rows left: pad with any row
-                self._filler = self._read(self.row_groups[0]).slice(0, 1)
+                self._filler = self._read(Piece(self.row_groups[0], 0, 1))
             rows = _take_front(held, self.batch_size)
             self.step += 1
             yield self._padded(rows)
 
-    def _window_stream(self, windows: list[list[RowGroup]], skip: int) -> Iterator[Rows]:
+    def _window_stream(self, windows: list[list[Piece]], skip: int) -> Iterator[Rows]:
         """Encoded, shuffled rows of `windows`, starting `skip` rows in. The next window is
         read and encoded in a background thread while this one is consumed: Parquet decode
         and most of the encoding run outside the GIL."""
         todo = []
         for i, window in enumerate(windows):
-            size = sum(g.num_rows for g in window)
+            size = sum(p.num_rows for p in window)
             if skip >= size:
                 skip -= size
                 continue
@@ -216,41 +428,47 @@ class ParquetReader:
         take = np.resize(np.arange(source.num_rows), self.batch_size)
         return source.take(take).to_batch(weights)
 
-    def _load_window(self, groups: list[RowGroup], index: int, epoch: int, files: "_LastFile") -> Rows:
-        rows = Rows.concat([self._read(g, files) for g in groups])
+    def _load_window(self, pieces: list[Piece], index: int, epoch: int, files: "_LastFile") -> Rows:
+        rows = Rows.concat([self._read(p, files) for p in pieces])
         if self.shuffle and self.shuffle_buffer:
             rng = np.random.default_rng([self.seed, epoch, self.rank, index])
             rows = rows.take(rng.permutation(rows.num_rows))
         self.peak_buffered_rows = max(self.peak_buffered_rows, rows.num_rows)
         return rows
 
-    def _read(self, g: RowGroup, files: "_LastFile | None" = None) -> Rows:
+    def _read(self, p: Piece, files: "_LastFile | None" = None) -> Rows:
+        g = p.group
         where = f"{g.path}, row group {g.index}"
+        # the encoder numbers rows from the piece's first row
+        shown = f"{where} from row {p.start}" if p.start else where
         own = files is None
         files = _LastFile(self.fs) if own else files
         try:
-            raw = files.get(g.path).read_row_group(g.index, columns=self.encoder.columns)
+            raw = self.store.call(partial(files.read, p, self.encoder.columns), where)
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"cannot read {where}: {e}") from None
         finally:
             if own:
                 files.close()
-        return self.encoder.encode(raw, where)
+        return self.encoder.encode(raw, shown)
 
     # ------------------------------------------------------------------ state
 
+    def _identity(self) -> dict:
+        """What gives a position its meaning: the rows of a rank's batches follow from it."""
+        return {"seed": self.seed, "world_size": self.world_size, "rank": self.rank,
+                "batch_size": self.batch_size, "shuffle_buffer": self.shuffle_buffer, "shuffle": self.shuffle,
+                "row_groups": len(self.row_groups), "rows": self.num_rows}
+
     def state_dict(self) -> dict:
         """Exact position: epoch and batches yielded in it, plus what gives them meaning."""
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed,
-                "world_size": self.world_size, "rank": self.rank, "batch_size": self.batch_size,
-                "shuffle_buffer": self.shuffle_buffer, "row_groups": len(self.row_groups)}
+        return {"epoch": self.epoch, "step": self.step, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state`'s position; a position that means something else here is an error."""
-        for key in ("seed", "world_size", "rank", "batch_size", "shuffle_buffer", "row_groups"):
-            if state[key] != getattr(self, key) if key != "row_groups" else state[key] != len(self.row_groups):
-                mine = len(self.row_groups) if key == "row_groups" else getattr(self, key)
-                raise ValueError(f"data reader state was saved with {key}={state[key]} but this run has "
+        for key, mine in self._identity().items():
+            if state.get(key) != mine:
+                raise ValueError(f"data reader state was saved with {key}={state.get(key)} but this run has "
                                  f"{key}={mine}: the saved position cannot be honoured")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
@@ -273,15 +491,34 @@ def _take_front(held: list[Rows], n: int) -> Rows | None:
 class _LastFile:
     """The Parquet file read last, kept open for the next row group: consecutive row
     groups often share a file, and opening one (footer parse, reader set-up) costs about
-    a third of decoding a 16k-row row group. Used by one thread at a time."""
+    a third of decoding a 16k-row row group. Also the row group decoded last, while a
+    later piece of it may follow (interleaved pieces). Used by one thread at a time."""
 
     def __init__(self, fs: pafs.FileSystem):
         self.fs = fs
         self.path: str | None = None
         self.stream: pa.NativeFile | None = None
         self.file: pq.ParquetFile | None = None
+        self.group: RowGroup | None = None
+        self.table: pa.Table | None = None
 
-    def get(self, path: str) -> pq.ParquetFile:
+    def read(self, piece: Piece, columns: list[str]) -> pa.Table:
+        """The rows of `piece`; after a failure the file is re-opened on the next call."""
+        g = piece.group
+        try:
+            if g != self.group:
+                self.group = self.table = None
+                self.table = self._open(g.path).read_row_group(g.index, columns=columns)
+                self.group = g
+        except BaseException:
+            self.close()  # the stream may be dead
+            raise
+        table = self.table
+        if piece.stop == g.num_rows:  # the rank's last piece of this row group
+            self.group = self.table = None
+        return table.slice(piece.start, piece.num_rows)
+
+    def _open(self, path: str) -> pq.ParquetFile:
         if path != self.path:
             self.close()
             stream = self.fs.open_input_file(path)
@@ -296,4 +533,4 @@ class _LastFile:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
-        self.path = self.stream = self.file = None
+        self.path = self.stream = self.file = self.group = self.table = None

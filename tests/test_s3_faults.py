@@ -1,0 +1,226 @@
+"""Transient object-store faults (trainer.data.reader): a real S3-compatible server (moto's,
+on loopback) is stopped in the middle of an epoch and started again on the same port; the
+reader retries, re-opening its file, and yields exactly the batches of an undisturbed
+read. A store that stays away past the retry budget, or is not there at start, gives one
+DataUnavailableError line naming endpoint, bucket and key; permanent errors (missing or
+corrupt files) stay ValueErrors, raised at once. No message shows the credentials.
+
+The server is moto's S3 application on werkzeug's threaded server, as in moto's
+ThreadedMotoServer, except that stopping it also cuts the connections it has open, as a
+crash would: ThreadedMotoServer.stop() only closes the listening socket, and a pooled
+keep-alive connection would go on being served, hiding the outage. moto keeps its buckets
+in process-wide state, so a server started again on the same port serves the same objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed")
+from werkzeug.serving import make_server  # noqa: E402  (moto[server] brings it)
+
+from trainer.config import FeatureSpec, TaskSpec, validate_features  # noqa: E402
+from trainer.data.encode import RowEncoder  # noqa: E402
+from trainer.credentials import redact_uri  # noqa: E402
+from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
+from trainer.errors import DataUnavailableError  # noqa: E402
+
+BUCKET = "rankmix-faults"
+SECRET = "se/cr+et"  # a '/' as in real AWS secrets: written %2F in the URI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Handler(moto_server.MotoRequestHandler):
+    """moto's request handler, remembering its open connections."""
+
+    live: set[socket.socket] = set()
+
+    def setup(self) -> None:
+        super().setup()
+        self.live.add(self.connection)
+
+    def finish(self) -> None:
+        self.live.discard(self.connection)
+        super().finish()
+
+
+class Server:
+    """moto's S3 server on 127.0.0.1:`port`, whose stop() drops every connection."""
+
+    def __init__(self, port: int):
+        app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
+        self.server = make_server("127.0.0.1", port, app, threaded=True, request_handler=_Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()  # and closes the listening socket
+        self.thread.join()
+        for connection in list(_Handler.live):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+def uri(port: int, key: str = "train") -> str:
+    return (f"s3://AKIDFAULTS:se%2Fcr%2Bet@{BUCKET}/{key}?endpoint_override=127.0.0.1:{port}"
+            "&scheme=http&region=us-east-1")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """(port, local copy of the uploaded folder, server holder): 3 files of 50-row row groups."""
+    port = free_port()
+    holder = {"server": Server(port)}
+    local = tmp_path_factory.mktemp("faults")
+    start = 0
+    for i, n in enumerate([700, 650, 450]):
+        ids = np.arange(start, start + n, dtype=np.int64)
+        table = pa.table({"item": ids % 50, "price": ids.astype(np.float64), "click": ids % 2, "user": ids})
+        pq.write_table(table, local / f"part-{i}.parquet", row_group_size=50)
+        start += n
+    fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", access_key="AKIDFAULTS", secret_key=SECRET,
+                           scheme="http", region="us-east-1", allow_bucket_creation=True)
+    fs.create_dir(BUCKET)
+    pafs.copy_files(str(local), f"{BUCKET}/train", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=fs)
+    with fs.open_output_stream(f"{BUCKET}/corrupt/part-0.parquet") as f:
+        f.write(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
+    try:
+        yield port, local, holder
+    finally:
+        holder["server"].stop()
+
+
+def encoder() -> RowEncoder:
+    features = [FeatureSpec(name="item", kind="id", num_embeddings=50), FeatureSpec(name="price", kind="numeric")]
+    validate_features(features)
+    return RowEncoder(features, [TaskSpec(name="click", label="click")], "user")
+
+
+KW = dict(batch_size=64, shuffle_buffer=120, seed=5, num_epochs=2, rank=1, world_size=2)
+
+
+def snaps(batches) -> list[tuple[np.ndarray, ...]]:
+    return [(b.users.numpy().copy(), b.dense.numpy().copy(), b.labels.numpy().copy(),
+             b.sparse.values().numpy().copy()) for b in batches]
+
+
+def assert_same(a, b) -> None:
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u, v, err_msg=f"batch {i}")
+
+
+def retries(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "rankmix.data" and r.levelno == logging.WARNING]
+
+
+def test_read_goes_on_through_an_outage_mid_epoch(store, caplog):
+    port, local, holder = store
+    reference = snaps(ParquetReader(str(local), encoder(), **KW))
+    # one try per request: pyarrow's own retries (3 by default) can ride out a 2 s outage alone
+    reader = ParquetReader(uri(port), encoder(), retry_seconds=30, retry_attempts=1, **KW)
+    it = iter(reader)
+    got = snaps(next(it) for _ in range(4))
+    assert reader.step == 4  # in the middle of epoch 0
+    holder["server"].stop()
+    down = time.monotonic()
+
+    def restart():
+        time.sleep(2.0)
+        holder["server"] = Server(port)
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    with caplog.at_level(logging.WARNING, logger="rankmix.data"):
+        got += snaps(it)
+    thread.join()
+    assert time.monotonic() - down >= 2.0
+    assert_same(got, reference)  # no batch lost, repeated or changed
+    lines = retries(caplog)
+    assert lines
+    pattern = (rf"s3 endpoint 127\.0\.0\.1:{port}, {BUCKET}/train/part-\d\.parquet, row group \d+: "
+               r"AWS Error NETWORK_CONNECTION .*; retrying in \d+\.\d\d s \(\d+\.\d s of the 30 s retry budget left\)")
+    assert all(re.fullmatch(pattern, line) for line in lines), lines
+    assert not any(SECRET in line or "%2F" in line for line in lines)
+
+
+def test_unreachable_store_at_start(store):
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(DataUnavailableError) as info:
+        ParquetReader(uri(port), encoder(), batch_size=8, retry_seconds=2, retry_attempts=1)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    match = re.fullmatch(rf"s3 endpoint 127\.0\.0\.1:{port}, {BUCKET}/train: unreachable for (\d+\.\d) s "
+                         r"\(retry budget 2 s\): AWS Error NETWORK_CONNECTION during HeadObject operation: "
+                         r"curlCode: 7, Could(?:n't| not) connect to server", message)
+    assert match, message  # one line: '.' matches no newline
+    assert 2.0 <= float(match.group(1)) <= elapsed < 5.0
+    assert info.value.exit_code == 4
+
+
+def test_store_gone_for_longer_than_the_budget(store):
+    port, _, holder = store
+    reader = ParquetReader(uri(port), encoder(), retry_seconds=1.5, retry_attempts=1, **KW)
+    it = iter(reader)
+    next(it)
+    holder["server"].stop()
+    try:
+        with pytest.raises(DataUnavailableError) as info:
+            list(it)
+    finally:
+        holder["server"] = Server(port)
+    assert re.fullmatch(rf"s3 endpoint 127\.0\.0\.1:{port}, {BUCKET}/train/part-\d\.parquet, row group \d+: "
+                        r"unreachable for \d+\.\d s \(retry budget 1\.5 s\): AWS Error NETWORK_CONNECTION .*",
+                        str(info.value)), str(info.value)
+
+
+def test_permanent_errors_are_not_retried(store):
+    port = store[0]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(f"data path not found: {redact_uri(uri(port, 'nothing'))}")):
+        ParquetReader(uri(port, "nothing"), encoder(), batch_size=8, retry_seconds=30)
+    with pytest.raises(ValueError, match=re.escape(f"cannot read Parquet file {BUCKET}/corrupt/part-0.parquet: ")):
+        ParquetReader(uri(port, "corrupt"), encoder(), batch_size=8, retry_seconds=30)
+    assert time.monotonic() - started < 5.0  # far below the 30 s budget
+
+
+def test_messages_never_show_credentials(store):
+    port = store[0]
+    with pytest.raises(ValueError) as info:
+        resolve_files(uri(port, "nothing"))
+    assert str(info.value) == (f"data path not found: s3://***@{BUCKET}/nothing?endpoint_override=127.0.0.1:{port}"
+                               "&scheme=http&region=us-east-1")
+    with pytest.raises(ValueError, match=re.escape("rankmix-faults/train?x=1: unknown S3 URI option(s) x")) as info:
+        resolve_files(f"s3://AKIDFAULTS:{SECRET}@{BUCKET}/train?x=1")
+    assert "AKIDFAULTS" not in str(info.value) and "cr+et" not in str(info.value)
+    # an unescaped '/' in the secret cuts the URI short; it is still hidden, and named
+    with pytest.raises(ValueError, match=re.escape("s3://***@rankmix-faults/t: expected s3://[KEY:SECRET@]bucket/key")):
+        resolve_files(f"s3://AKIDFAULTS:{SECRET}@{BUCKET}/t")
+
+
+def test_retry_options_are_checked(tmp_path):
+    pq.write_table(pa.table({"item": [1], "price": [1.0], "click": [0], "user": [1]}), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=re.escape("retry_seconds must be >= 0, got -1")):
+        ParquetReader(str(tmp_path), encoder(), batch_size=1, retry_seconds=-1)
+    with pytest.raises(ValueError, match=re.escape("retry_attempts must be >= 1, got 0")):
+        ParquetReader(str(tmp_path), encoder(), batch_size=1, retry_attempts=0)
+
