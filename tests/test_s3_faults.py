@@ -20,6 +20,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,7 @@ from trainer.credentials import redact_uri  # noqa: E402
 from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
 from trainer.errors import DataUnavailableError  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 BUCKET = "rankmix-faults"
 SECRET = "se/cr+et"  # a '/' as in real AWS secrets: written %2F in the URI
 
@@ -224,3 +226,79 @@ def test_retry_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match=re.escape("retry_attempts must be >= 1, got 0")):
         ParquetReader(str(tmp_path), encoder(), batch_size=1, retry_attempts=0)
 
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+
+@pytest.fixture(scope="module")
+def runs_store(store, tmp_path_factory):
+    """(config with the synthetic schema, train URI, eval URI) of synthetic logs on the store."""
+    import pyarrow.fs as fs_
+
+    from trainer.config import dump_toml, load_config
+    from trainer.data.datasets import synth_features
+    from trainer.data.synth import write_synthetic
+
+    port, _, _ = store
+    local = tmp_path_factory.mktemp("synth")
+    write_synthetic(local, rows=3_000, files=3, row_group_size=250, seed=3, num_users=200, num_items=100)
+    s3 = fs_.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", access_key="AKIDFAULTS", secret_key=SECRET,
+                          scheme="http", region="us-east-1")
+    for split in ("train", "valid"):
+        fs_.copy_files(str(local / split), f"{BUCKET}/synth/{split}", source_filesystem=fs_.LocalFileSystem(),
+                       destination_filesystem=s3)
+    cfg = load_config(str(REPO / "configs" / "debug.toml"), ["--data.dataset=parquet"])
+    cfg.features = synth_features()
+    config = local / "parquet.toml"
+    dump_toml(cfg, config)
+    return config, uri(port, "synth/train"), uri(port, "synth/valid")
+
+
+def train_through(world: int, runs_store, run, holder, port: int, outage_at: int | None):
+    """Train `world` ranks on the store; with `outage_at`, the store goes away once that
+    step is logged and comes back on the same port 3 s later."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config, train_uri, eval_uri = runs_store
+    command = ["train"] if world == 1 else ["launch", "--nproc-per-node", str(world)]
+    args = ["--config", str(config), f"--data.train_path={train_uri}", f"--data.eval_path={eval_uri}",
+            "--data.batch_size=64", "--data.shuffle_buffer=256", "--train.steps=24", f"--train.run_dir={run}",
+            "--metrics.log_every=1", "--metrics.eval_batches=2", "--metrics.progress=false",
+            "--metrics.tensorboard=false", "--data.retry_attempts=1", "--data.retry_seconds=60"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *command, *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, "PYTHONWARNINGS": "ignore", "AWS_EC2_METADATA_DISABLED": "true"})
+    if outage_at is not None:
+        metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and any(json.loads(line)["step"] >= outage_at
+                                            for line in metrics.read_text().splitlines())):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.02)
+        holder["server"].stop()
+        time.sleep(3)
+        holder["server"] = Server(port)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, redact_uri(err[-3000:])
+    return out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_training_rides_out_a_store_restart_bitwise(world, store, runs_store, tmp_path):
+    """The store restarted mid-epoch costs only time: the same rows are trained, and the
+    final weights, optimizer states and data positions are bitwise those of a run that saw
+    no outage."""
+    from test_checkpoint import assert_same_state
+
+    port, _, holder = store
+    calm, hit = tmp_path / "calm", tmp_path / "hit"
+    train_through(world, runs_store, calm, holder, port, outage_at=None)
+    _, err = train_through(world, runs_store, hit, holder, port, outage_at=6)
+    assert re.search(rf"{BUCKET}/synth/train/part-\d+\.parquet.*; retrying in", err), err[-3000:]  # met the outage
+    assert "AKIDFAULTS" not in err and "se%2Fcr" not in err
+    assert_same_state(calm / "checkpoints" / "step-24", hit / "checkpoints" / "step-24", tmp_path)
