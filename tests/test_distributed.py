@@ -176,3 +176,35 @@ def test_a_collective_in_flight_at_exit_aborts_unless_shutdown_waits_for_it(leav
         return
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
         mp.spawn(_in_flight_worker, args=(free_port(), False), nprocs=2)
+
+
+def test_uneven_files_on_two_ranks_train_every_row_but_a_bounded_few(data_dir, tmp_path):
+    """One 1000-row file written as a single row group (fewer row groups than ranks) and a
+    37-row file: both ranks train, and each epoch's rows trained, counted over the ranks,
+    are logged against the split's and lose fewer than ranks x batch rows."""
+    from trainer.config import dump_toml
+
+    table = pq.read_table(data_dir / "src" / "train")
+    uneven = tmp_path / "uneven"
+    uneven.mkdir()
+    pq.write_table(table.slice(0, 1000), uneven / "a.parquet", row_group_size=1000)
+    pq.write_table(table.slice(1000, 37), uneven / "b.parquet", row_group_size=10)
+    cfg = load_config(None, [f"--data.train_path={uneven}", f"--data.eval_path={data_dir}/valid",
+                             "--data.dataset=parquet", "--data.batch_size=64", "--train.epochs=2"])
+    cfg.features = synth_features()
+    dump_toml(cfg, tmp_path / "uneven.toml")
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2", "--config",
+                           str(tmp_path / "uneven.toml"), f"--train.run_dir={run}", "--metrics.progress=false",
+                           "--metrics.tensorboard=false", "--checkpoint.enabled=false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**env, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "data"]
+    # 1037 rows: 518 and 519 per rank, 8 batches of 64 each
+    assert [(r["epoch"], r["rows"], r["rows_trained"], r["rows_dropped"]) for r in epochs] == \
+        [(0, 1037, 1024, 13), (1, 1037, 1024, 13)]
+    assert [r["step"] for r in epochs] == [8, 16]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["data/rows_dropped"] == 13 < 2 * 64
