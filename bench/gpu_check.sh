@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (DESIGN.md; issue: distributed training): the CUDA path end to end
+# One prepared GPU check (docs/design.md §6; issue: distributed training): the CUDA path end to end
 # (NCCL, fbgemm-gpu, fused Adagrad, bf16 autocast, TrainPipelineSparseDist), then the
 # tower's bf16 MFU at the RankMixer paper's 100M and 1B shapes. Run from the repo root
 # on a machine with a GPU; prints everything it measures.

@@ -1,4 +1,4 @@
-"""Comparison towers (DESIGN.md section 3): a DLRM-style MLP, DCNv2, and three RankMixer
+"""Comparison towers (docs/design.md §3.7): a DLRM-style MLP, DCNv2, and three RankMixer
 ablations, each e_input [B, E] -> [B, out_dim], with analytic (parameters, FLOPs) costs.
 
 FLOPs are forward matmul FLOPs per sample, 2 m n k per product as `torch.utils.flop_counter`

@@ -1,4 +1,4 @@
-"""UniMixer (seed 004): learnable block mixing (UniMixing, UniMixing-Lite), per-block SwiGLU
+"""UniMixer (docs/design.md §3.6): learnable block mixing (UniMixing, UniMixing-Lite), per-block SwiGLU
 and SiameseNorm, with the linear temperature schedule of eq. 21.
 
 Tokens [B, T, D] are flattened to L = T*D and cut into n = L/blk blocks of blk values

@@ -1,6 +1,6 @@
 """Id validation and hashing at the data boundary.
 
-FBGEMM clamps an out-of-range id silently (DESIGN.md 4), so every id is checked or
+FBGEMM clamps an out-of-range id silently (docs/design.md §4.9), so every id is checked or
 hashed here, before it can reach a kernel, and a bad one is reported with its location.
 """
 

@@ -131,7 +131,7 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
     """Shard the embedding tables by the configured plan; the rest is replicated (DDP).
 
     `output_dtensor` makes the state dict hold DTensors instead of ShardedTensors, which
-    DCP's async_save needs (DESIGN.md 4)."""
+    DCP's async_save needs (docs/design.md §4.8)."""
     plan = build_plan(model, cfg, device)
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan)

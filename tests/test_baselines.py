@@ -1,4 +1,4 @@
-"""Comparison towers (DESIGN.md section 3): DCNv2's cross layer, the RankMixer ablations
+"""Comparison towers (docs/design.md §3.7): DCNv2's cross layer, the RankMixer ablations
 against naive references and analytic costs against the FLOP counter (CLI training of every
 tower: tests/test_towers.py)."""
 

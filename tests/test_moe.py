@@ -1,4 +1,4 @@
-"""Per-token Sparse-MoE (RankMixer eq. 10-11, DESIGN.md 3): the expert sum against a
+"""Per-token Sparse-MoE (RankMixer eq. 10-11, docs/design.md §3.5): the expert sum against a
 per-expert loop, sparse inference against dense inference, its FLOPs, and a training run
 whose activation ratio tracks the budget while the inference router stays alive."""
 

@@ -1,4 +1,4 @@
-"""RankMixer maths against its definition, a per-token loop and the seed 003 worked example."""
+"""RankMixer maths against its definition, a per-token loop and the worked example of docs/design.md §1."""
 
 import math
 

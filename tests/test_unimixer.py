@@ -1,4 +1,4 @@
-"""UniMixer (seed 004): appendix A's TokenMixer equivalence, eq. 14 against eq. 11, the
+"""UniMixer (docs/design.md §3.6): appendix A's TokenMixer equivalence, eq. 14 against eq. 11, the
 Sinkhorn constraint, the temperature schedule, analytic costs and CLI training."""
 
 import json

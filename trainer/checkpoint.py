@@ -64,7 +64,7 @@ class CheckpointManager:
         self.rank = rank
         self._last_save_time = time.monotonic()
         self._pending: tuple[Path, Future, Callable[[str], None]] | None = None
-        # async_save on the default group hung (DESIGN.md 4): it gets a gloo group of its own.
+        # async_save on the default group hung (docs/design.md §4.8): it gets a gloo group of its own.
         self._group = dist.new_group(backend="gloo") if cfg.async_save else None
 
     def latest(self) -> Path | None:
