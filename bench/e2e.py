@@ -12,7 +12,7 @@ gloo). Each part runs standalone on the real modules and batches:
     grad check  the dense gradient norm the trainer checks for finiteness (and clips with)
     optimizer   CombinedOptimizer.step (RMSProp; the fused side only sets its LR) + zero_grad
 
-and the whole step as fit() runs it (Trainer.train_step, then the schedule). Parts and
+and the whole step as fit() runs it (Trainer.train_step: the step and its bookkeeping). Parts and
 the whole step alternate within every round and the medians over rounds are reported,
 so drift on a shared machine hits both alike; process CPU time is reported beside wall
 time, as it does not count waiting for a core. Target: end-to-end / sum of parts <= 1.25.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import statistics
 import tempfile
@@ -37,7 +38,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from trainer.config import Config, load_config
+from trainer.config import Config
+from trainer.config_loader import load_config
 from trainer.data.batch import Batch
 
 # Without --config: configs/debug.toml's synthetic log and tasks at a realistic batch and a
@@ -100,15 +102,16 @@ class StepParts:
     def __init__(self, trainer):
         self.trainer = trainer
         self.model = trainer.model.module  # RankingModel under DMP (and DDP for the dense part)
-        self.batches: Iterator[Batch] = trainer._tracked(iter(trainer.train_reader))
+        self.batches: Iterator[Batch] = trainer.batches()  # for whole steps
+        # The parts read their own copy of the reader: a batch they take is not one a
+        # whole step trains, so it must not move the trainer's data position.
+        self.part_batches: Iterator[Batch] = iter(copy.copy(trainer.train_reader))
         self.batch = self._next()
         self.has_tokenizer = hasattr(self.model.tower, "tokenizer")
         self.grads: list[torch.Tensor] = []
 
     def _next(self) -> Batch:
-        batch = self.trainer.fetch(self.batches)
-        self.trainer._reader_states.popleft()  # fit() pops one per step; keep the queue short
-        return batch
+        return self.trainer.fetch(self.part_batches)
 
     # ---------------------------------------------------------------- the parts
 
@@ -186,14 +189,9 @@ class StepParts:
         return clock.times
 
     def time_step(self) -> tuple[float, float]:
-        """fit()'s loop body up to the metering: the whole step and the schedule."""
-        trainer = self.trainer
+        """fit()'s loop body up to the metering: Trainer.train_step, the whole step."""
         with Clock() as clock:
-            trainer.train_step(self.batches)
-            trainer.scheduler.step()
-            trainer.step += 1
-            trainer.notify_step()
-            trainer.reader_state = trainer._reader_states.popleft()
+            self.trainer.train_step(self.batches)
         return clock.times
 
     def clear(self) -> None:

@@ -203,7 +203,7 @@ def ablation_block(kind: str, num_tokens: int, dim: int, ratio: int, num_heads: 
 
 def ablation_tower(kind: str, cfg, group_widths: list[int]) -> AblationTower:
     """The ablation `kind` built from ModelConfig `cfg`, with RankMixer's tokenizer."""
-    tokenizer = build_tokenizer(cfg.tokenizer, group_widths, cfg.num_tokens, cfg.token_dim, cfg.hidden_dim)
+    tokenizer = build_tokenizer(cfg, group_widths)
     blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, cfg.num_heads)
               for _ in range(cfg.num_layers)]
     return AblationTower(tokenizer, blocks, cfg.hidden_dim)

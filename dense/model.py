@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
 from dense.layout import InputLayout
-from trainer.data.batch import Batch
+
+if TYPE_CHECKING:  # the batch is the trainer's; the model only reads its fields
+    from trainer.config import Config, FeatureSpec, ModelConfig
+    from trainer.data.batch import Batch
 
 
 class TaskHeads(nn.Module):
@@ -57,3 +62,22 @@ class RankingModel(nn.Module):
         # forward symbolically, where e_input is a proxy.
         with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
             return self.heads(self.tower(e_input)).float()
+
+
+def build_dense(model: ModelConfig, features: list[FeatureSpec]) -> tuple[InputLayout, nn.Module, TaskHeads]:
+    """The dense side of a config (layout of e_input, tower, heads): the one place that
+    assembles it, for training, scoring, the sweep's cost and the tests."""
+    from dense.towers import build_tower  # the registry imports every tower module
+
+    layout = InputLayout(features)
+    tower = build_tower(model, layout)
+    return layout, tower, TaskHeads(tower.out_dim, len(model.tasks), model.head_hidden)
+
+
+def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> RankingModel:
+    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
+    from embeddings.tables import build_embedding_bags
+
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
+                        autocast_dtype=autocast_dtype)

@@ -19,12 +19,15 @@ negative when the routers are sparser than the budget by themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dense.rankmixer import check_mixing_width, token_mixing_residual_tm, uniform_init
+from dense.hooks import HookProvider, TrainingHooks
+from dense.rankmixer import RankMixerTower, uniform_init
 
 
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
@@ -53,7 +56,7 @@ class PerTokenMoE(nn.Module):
         # the inference router in training steps and in evaluation.
         self.register_buffer("active_sum", torch.zeros(2, t, e), persistent=False)
         self.register_buffer("stat_batches", torch.zeros(2, 1, 1), persistent=False)
-        self.aux_loss: torch.Tensor | None = None  # L1 + consistency of the last training forward
+        self.pending_loss: torch.Tensor | None = None  # L1 + consistency of the last training forward
         self._pending: torch.Tensor | None = None  # its active fraction [T, E], until take_pending
 
     # ---------------------------------------------------------------- routing and experts
@@ -90,9 +93,20 @@ class PerTokenMoE(nn.Module):
         v_infer = self.combine(g_infer, outputs.detach())
         if torch.is_grad_enabled():  # a real training step, not a FLOP count or a probe
             l1 = g_infer.sum(dim=(0, 2)).mean()
-            self.aux_loss = self.l1_coef * l1 + self.consistency * (v_infer - v.detach()).pow(2).mean()
+            self.pending_loss = self.l1_coef * l1 + self.consistency * (v_infer - v.detach()).pow(2).mean()
             self._pending = (g_infer.detach() > 0).float().mean(dim=1)
         return v
+
+    def residual_tm(self, s: torch.Tensor) -> torch.Tensor:
+        """s + MoE(s), token-major [T, B, D] -> [T, B, D]: the FFN slot of a RankMixerBlock."""
+        return s + self.forward_tm(s)
+
+    def cost(self) -> tuple[int, int]:
+        """(parameters, FLOPs per sample) of the training forward: every expert, both
+        routers and both combinations."""
+        t, e, d, h = self.w1.shape
+        return (t * e * (2 * d * h + h + d) + 2 * t * (d * e + e),
+                4 * t * e * d * h + 2 * (2 * t * d * e) + 2 * (2 * t * e * d))
 
     def sparse_forward(self, s: torch.Tensor) -> torch.Tensor:
         """Inference by h_infer alone, computing expert (t, j) only on the rows whose gate
@@ -149,44 +163,26 @@ class PerTokenMoE(nn.Module):
         return stats
 
 
-class RankMixerMoEBlock(nn.Module):
-    """Post-norm block with the FFN replaced: S = LN(TokenMixing(X) + X); X' = LN(MoE(S) + S)."""
+class RankMixerMoETower(RankMixerTower, HookProvider):
+    """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
+    e_input [B, E_in] -> [B, D].
 
-    def __init__(self, num_tokens: int, dim: int, moe: PerTokenMoE):
-        super().__init__()
-        check_mixing_width(dim, num_tokens)
-        self.norm1 = nn.LayerNorm(dim)
-        self.moe = moe
-        self.norm2 = nn.LayerNorm(dim)
-
-    def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
-        """Token-major [T, B, D] -> [T, B, D]."""
-        s = self.norm1(token_mixing_residual_tm(x))
-        return self.norm2(s + self.moe.forward_tm(s))
-
-
-class RankMixerMoETower(nn.Module):
-    """Tokenizer -> L MoE blocks -> mean over tokens: e_input [B, E_in] -> [B, D].
-
-    Trainer hooks: `aux_loss()` joins the task loss, `set_step` adapts every layer's lambda
-    after each step, `log_values()` gives the routing statistics for TensorBoard.
+    Training hooks (dense/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
+    every layer's lambda after each optimizer step, `log_values()` gives the routing
+    statistics for TensorBoard.
     """
 
-    def __init__(self, tokenizer: nn.Module, blocks: list[RankMixerMoEBlock], dim: int):
-        super().__init__()
-        self.tokenizer = tokenizer
-        self.blocks = nn.ModuleList(blocks)
-        self.out_dim = dim
+    def register_hooks(self, hooks: TrainingHooks) -> None:
+        hooks.extra_losses.append(self.aux_loss)
+        hooks.after_optimizer_step.append(self.set_step)
+        hooks.metrics.append(self.log_values)
 
-    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
-        x = self.tokenizer.forward_tm(e_input)
-        for block in self.blocks:
-            x = block.forward_tm(x)
-        return x.mean(dim=0)
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, moe: Callable[[], PerTokenMoE]):
+        super().__init__(tokenizer, num_layers, dim, ffn=moe)
 
     @property
     def moes(self) -> list[PerTokenMoE]:
-        return [block.moe for block in self.blocks]
+        return [block.ffn for block in self.blocks]
 
     def set_step(self, step: int) -> None:
         """After an optimizer step: every layer's activity, averaged over ranks in one
@@ -203,9 +199,9 @@ class RankMixerMoETower(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the blocks' L1 and consistency terms of the last training forward (a scalar)."""
-        losses = [m.aux_loss for m in self.moes if m.aux_loss is not None]
+        losses = [m.pending_loss for m in self.moes if m.pending_loss is not None]
         for m in self.moes:
-            m.aux_loss = None  # each forward's terms join exactly one loss
+            m.pending_loss = None  # each forward's terms join exactly one loss
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def log_values(self, kind: str) -> dict[str, float]:
@@ -229,22 +225,12 @@ class RankMixerMoETower(nn.Module):
             values.update({f"moe/layer{layer}/expert{j}": float(v) for j, v in enumerate(s.mean(dim=0))})
         return values
 
-    def cost(self) -> tuple[int, int]:
-        """(parameters, FLOPs per sample) of the training forward: every expert, both
-        routers and both combinations."""
-        params, flops = self.tokenizer.cost()
-        for block in self.blocks:
-            t, e, d, h = block.moe.w1.shape
-            params += t * e * (2 * d * h + h + d) + 2 * t * (d * e + e) + 4 * d
-            flops += 4 * t * e * d * h + 2 * (2 * t * d * e) + 2 * (2 * t * e * d)
-        return params, flops
-
     def inference_flops(self, active: float) -> float:
         """Expected FLOPs per sample of sparse inference when a fraction `active` of the
         gates is non-zero: the inference router, and the active experts only."""
         flops = self.tokenizer.cost()[1]
         for block in self.blocks:
-            t, e, d, h = block.moe.w1.shape
+            t, e, d, h = block.ffn.w1.shape
             flops += 2 * t * d * e + active * 4 * t * e * d * h
         return flops
 

@@ -10,6 +10,7 @@ tokenizer to the mean over tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -117,14 +118,19 @@ def check_mixing_width(dim: int, num_tokens: int) -> None:
 
 
 class RankMixerBlock(nn.Module):
-    """Post-norm block (eq. 1): S = LN(TokenMixing(X) + X); X' = LN(PFFN(S) + S)."""
+    """Post-norm block (eq. 1): S = LN(TokenMixing(X) + X); X' = LN(FFN(S) + S).
 
-    def __init__(self, num_tokens: int, dim: int, ratio: int):
+    The per-token FFN is pluggable: any module with `residual_tm(s)` (token-major
+    s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters, FLOPs per sample). The
+    default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE (dense/moe.py) is another.
+    """
+
+    def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None):
         super().__init__()
         check_mixing_width(dim, num_tokens)
         self.num_tokens = num_tokens
         self.norm1 = nn.LayerNorm(dim)
-        self.ffn = PerTokenFFN(num_tokens, dim, ratio)
+        self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ratio)
         self.norm2 = nn.LayerNorm(dim)
 
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,12 +144,17 @@ class RankMixerBlock(nn.Module):
 
 
 class RankMixerTower(nn.Module):
-    """Tokenizer -> L RankMixer blocks -> mean over tokens: e_input [B, E] -> [B, D]."""
+    """Tokenizer -> L RankMixer blocks -> mean over tokens: e_input [B, E] -> [B, D].
 
-    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ratio: int):
+    `ffn` makes each block's per-token FFN (default: `PerTokenFFN(T, D, ratio)`)."""
+
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ratio: int = 2,
+                 ffn: Callable[[], nn.Module] | None = None):
         super().__init__()
         self.tokenizer = tokenizer
-        self.blocks = nn.Sequential(*(RankMixerBlock(tokenizer.num_tokens, dim, ratio)
+        t = tokenizer.num_tokens
+        # Each FFN is made before its block, as the RNG draws have always been ordered.
+        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ratio, ffn() if ffn else PerTokenFFN(t, dim, ratio))
                                       for _ in range(num_layers)))
         self.out_dim = dim
 
@@ -154,8 +165,8 @@ class RankMixerTower(nn.Module):
         return x.mean(dim=0)
 
     def cost(self) -> tuple[int, int]:
-        """(parameters, forward matmul FLOPs per sample): tokenizer plus eq. 12 per block,
-        2 k T D^2 weights (+ biases, norms) and 4 k T D^2 FLOPs."""
+        """(parameters, forward matmul FLOPs per sample): the tokenizer, then per block its
+        FFN (eq. 12 for the dense one: 2 k T D^2 weights and 4 k T D^2 FLOPs) and norms."""
         params, flops = self.tokenizer.cost()
         for block in self.blocks:
             ffn_params, ffn_flops = block.ffn.cost()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainer.config import ModelConfig
 
 
 class SliceTokenizer(nn.Module):
@@ -72,11 +76,11 @@ class GroupTokenizer(nn.Module):
         return width * dim + len(self.group_widths) * dim, 2 * width * dim
 
 
-def build_tokenizer(kind: str, group_widths: list[int], num_tokens: int, token_dim: int,
-                    hidden_dim: int) -> nn.Module:
-    """`model.tokenizer`: slice (eq. 2) or group (one token per semantic group)."""
-    if kind == "slice":
-        return SliceTokenizer(sum(group_widths), num_tokens, token_dim, hidden_dim)
-    if kind == "group":
-        return GroupTokenizer(group_widths, hidden_dim)
-    raise ValueError(f"model.tokenizer must be slice or group, got {kind!r}")
+def build_tokenizer(cfg: ModelConfig, group_widths: list[int]) -> nn.Module:
+    """`model.tokenizer` over e_input's semantic groups: slice (eq. 2: model.num_tokens
+    slices of model.token_dim) or group (one token per group), each projected to model.hidden_dim."""
+    if cfg.tokenizer == "slice":
+        return SliceTokenizer(sum(group_widths), cfg.num_tokens, cfg.token_dim, cfg.hidden_dim)
+    if cfg.tokenizer == "group":
+        return GroupTokenizer(group_widths, cfg.hidden_dim)
+    raise ValueError(f"model.tokenizer must be slice or group, got {cfg.tokenizer!r}")

@@ -9,7 +9,7 @@ from torch import nn
 
 from dense.baselines import ABLATIONS, MLP, DCNv2, ablation_tower
 from dense.layout import InputLayout
-from dense.moe import PerTokenMoE, RankMixerMoEBlock, RankMixerMoETower, expert_hidden
+from dense.moe import PerTokenMoE, RankMixerMoETower, expert_hidden
 from dense.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
 from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
@@ -26,15 +26,13 @@ def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 
 @TOWERS.register("rankmixer")
 def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
-    tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
-                                cfg.hidden_dim)
+    tokenizer = build_tokenizer(cfg, layout.group_widths)
     return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio)
 
 
 @TOWERS.register("rankmixer_moe")
 def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
-    tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
-                                cfg.hidden_dim)
+    tokenizer = build_tokenizer(cfg, layout.group_widths)
     t, d = tokenizer.num_tokens, cfg.hidden_dim
     hidden = expert_hidden(d, cfg.ffn_ratio, cfg.num_experts, cfg.expert_hidden)
 
@@ -42,7 +40,7 @@ def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
         return PerTokenMoE(t, d, cfg.num_experts, hidden, budget=cfg.moe_budget, l1_init=cfg.moe_l1_init,
                            l1_rate=cfg.moe_l1_rate, consistency=cfg.moe_consistency,
                            sparse_inference=cfg.moe_inference == "sparse")
-    return RankMixerMoETower(tokenizer, [RankMixerMoEBlock(t, d, moe()) for _ in range(cfg.num_layers)], d)
+    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe)
 
 
 class Passthrough(nn.Module):
@@ -74,8 +72,7 @@ def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 
 def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
     """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
-    tokenizer = build_tokenizer(cfg.tokenizer, layout.group_widths, cfg.num_tokens, cfg.token_dim,
-                                cfg.hidden_dim)
+    tokenizer = build_tokenizer(cfg, layout.group_widths)
     length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
     blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
     return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps)

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from dense.hooks import HookProvider, TrainingHooks
 from dense.rankmixer import uniform_init
 
 
@@ -163,7 +164,7 @@ class SiameseLayer(nn.Module):
         return self.norm_x(x + o), y + o
 
 
-class UniMixerTower(nn.Module):
+class UniMixerTower(nn.Module, HookProvider):
     """Tokenizer -> M Siamese UniMixer layers -> X_M + RMSNorm(Y_M) (eq. 20) -> mean over
     tokens: e_input [B, E] -> [B, D].
 
@@ -182,8 +183,12 @@ class UniMixerTower(nn.Module):
         self.schedule = (tau_start, tau_end, anneal_steps)
         self.register_buffer("tau", torch.tensor(tau_start), persistent=False)
 
+    def register_hooks(self, hooks: TrainingHooks) -> None:
+        hooks.after_optimizer_step.append(self.set_step)
+        hooks.after_restore.append(self.set_step)
+
     def set_step(self, step: int) -> None:
-        """Called by the trainer after every optimizer step and after a restore."""
+        """The temperature of `step` (after every optimizer step and after a restore)."""
         self.tau.fill_(temperature(step, *self.schedule))
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ def config_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def train(argv: list[str]) -> int:
     """Parse --config and overrides, train, print the summary as the last line (rank 0)."""
-    from trainer.config import describe, load_config
+    from trainer.config_loader import describe, load_config
 
     if "-h" in argv or "--help" in argv:
         print("rankmix train [--config F.toml] [--section.key=value ...]\n\nOptions:")
@@ -169,7 +169,7 @@ def score(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.dist import shutdown
     from trainer.score import Scorer, find_config
 

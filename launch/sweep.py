@@ -187,7 +187,7 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
 
 
 def load(config: str | None, overrides: list[str], allow_redacted: bool = False):
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
 
     return load_config(config, overrides, allow_redacted=allow_redacted)
 
@@ -196,9 +196,8 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     """(dense parameters, forward FLOPs per sample) of the tower and heads the config builds.
     Needs the feature schema: the config's own, or a built-in dataset's (synth); returns
     None when neither is known without preparing the data (the tower's name is still checked)."""
-    from dense.layout import InputLayout
-    from dense.model import TaskHeads
-    from dense.towers import TOWERS, build_tower
+    from dense.model import build_dense
+    from dense.towers import TOWERS
 
     features = cfg.features
     if not features and cfg.data.dataset == "synth":
@@ -208,9 +207,7 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     if not features:
         TOWERS.get(cfg.model.tower)
         return None
-    layout = InputLayout(features)
-    tower = build_tower(cfg.model, layout)
-    heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
+    layout, tower, heads = build_dense(cfg.model, features)
     if hasattr(tower, "cost") and hasattr(heads, "cost"):
         (tp, tf), (hp, hf) = tower.cost(), heads.cost()
         return tp + hp, tf + hf
@@ -479,5 +476,5 @@ def sweep(argv: list[str]) -> int:
     return 1 if failures else 0
 
 
-if __name__ == "__main__":  # until `rankmix sweep` is wired into launch/cli.py
+if __name__ == "__main__":  # `python -m launch.sweep` works as `rankmix sweep` does
     sys.exit(sweep(sys.argv[1:]))

@@ -11,18 +11,8 @@ from pathlib import Path
 import pytest
 
 import trainer.config as config_module
-from trainer.config import (
-    Config,
-    DataConfig,
-    FeatureSpec,
-    OptimConfig,
-    TaskSpec,
-    describe,
-    dump_toml,
-    field_docs,
-    load_config,
-    validate,
-)
+from trainer.config import Config, DataConfig, FeatureSpec, OptimConfig, TaskSpec
+from trainer.config_loader import describe, dump_toml, field_docs, load_config, validate
 
 FEATURES_TOML = """
 [[features]]

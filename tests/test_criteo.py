@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.data.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
 from trainer.data.csvlog import convert_csv, stable_hash
 

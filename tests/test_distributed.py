@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.data.synth import write_synthetic
 
@@ -62,7 +62,7 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
                              "--metrics.tensorboard=false", f"--train.run_dir={out}.run", *overrides])
     cfg.features = synth_features()
     trainer = Trainer(cfg)
-    batches = iter(trainer.train_reader)
+    batches = trainer.batches()
     losses = []
     for _ in range(steps):
         loss = (trainer.train_step(batches) * trainer.task_weights).sum()
@@ -182,7 +182,7 @@ def test_uneven_files_on_two_ranks_train_every_row_but_a_bounded_few(data_dir, t
     """One 1000-row file written as a single row group (fewer row groups than ranks) and a
     37-row file: both ranks train, and each epoch's rows trained, counted over the ranks,
     are logged against the split's and lose fewer than ranks x batch rows."""
-    from trainer.config import dump_toml
+    from trainer.config_loader import dump_toml
 
     table = pq.read_table(data_dir / "src" / "train")
     uneven = tmp_path / "uneven"

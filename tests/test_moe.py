@@ -92,7 +92,7 @@ def test_training_forward_sets_the_l1_and_consistency_terms_on_the_inference_rou
     moe = make_moe()
     s = torch.randn(T, B, D, requires_grad=True)
     moe.forward_tm(s)
-    moe.aux_loss.backward()
+    moe.pending_loss.backward()
     assert moe.router_infer.grad.abs().sum() > 0
     assert moe.router_train.grad is None and moe.w1.grad is None and s.grad is None
 
@@ -119,7 +119,7 @@ def test_lambda_turns_negative_when_the_routers_are_sparser_than_the_budget():
         moe.adapt(moe.take_pending())
     assert moe.l1_coef.item() < -1e-3  # crossed zero, then grew in magnitude
     moe.forward_tm(torch.randn(T, B, D))
-    moe.aux_loss.backward()  # a negative L1 rewards gate mass: the router biases rise
+    moe.pending_loss.backward()  # a negative L1 rewards gate mass: the router biases rise
     assert (moe.router_infer_bias.grad < 0).float().mean() > 0.5
 
 

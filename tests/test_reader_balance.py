@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import FeatureSpec, TaskSpec, validate_features
+from trainer.config import FeatureSpec, TaskSpec
+from trainer.config_loader import validate_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 

@@ -1,4 +1,4 @@
-"""The column-wise encoding and batch assembly (embeddings.ids.encode_ids, trainer.data.batch.Rows)
+"""The column-wise encoding and batch assembly (trainer.data.ids.encode_ids, trainer.data.batch.Rows)
 against plain per-row Python references, on random data with the edge cases: nulls, null
 and empty lists, lists longer than max_len, uint64 ids above 2^63, narrow integer types,
 ids at the table boundary, batches straddling windows, shuffled windows, padding."""
@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embeddings.ids import encode_ids
-from trainer.config import FeatureSpec, TaskSpec, validate_features
+from trainer.data.ids import encode_ids
+from trainer.config import FeatureSpec, TaskSpec
+from trainer.config_loader import validate_features
 from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

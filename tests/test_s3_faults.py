@@ -31,7 +31,8 @@ import pytest
 moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed")
 from werkzeug.serving import make_server  # noqa: E402  (moto[server] brings it)
 
-from trainer.config import FeatureSpec, TaskSpec, validate_features  # noqa: E402
+from trainer.config import FeatureSpec, TaskSpec  # noqa: E402
+from trainer.config_loader import validate_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.credentials import redact_uri  # noqa: E402
 from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
@@ -236,7 +237,7 @@ def runs_store(store, tmp_path_factory):
     """(config with the synthetic schema, train URI, eval URI) of synthetic logs on the store."""
     import pyarrow.fs as fs_
 
-    from trainer.config import dump_toml, load_config
+    from trainer.config_loader import dump_toml, load_config
     from trainer.data.datasets import synth_features
     from trainer.data.synth import write_synthetic
 

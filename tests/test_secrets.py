@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import Config, DataConfig, dump_toml, load_config, to_dict
+from trainer.config import Config, DataConfig
+from trainer.config_loader import dump_toml, load_config, to_dict
 from trainer.credentials import (has_credentials, is_redacted, malformed_userinfo, redact_config, redact_uri,
                                  with_placeholders, without_credentials)
 

@@ -9,7 +9,7 @@ import pytest
 
 from launch import sweep as sweep_module
 from launch.sweep import build_points, fit_power_law, parser, sweep
-from trainer.config import load_config
+from trainer.config_loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")

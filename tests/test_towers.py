@@ -12,9 +12,10 @@ import torch
 
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
 from dense.layout import InputLayout
-from dense.model import TaskHeads
+from dense.model import TaskHeads, build_dense
 from dense.towers import TOWERS, build_tower
-from trainer.config import ModelConfig, load_config
+from trainer.config import ModelConfig
+from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,9 +65,8 @@ def test_towers_train_through_the_cli_and_report_their_cost(tmp_path, cache_dir,
 
     # Rebuilt from the run's resolved config, independently of the trainer.
     cfg = load_config(tmp_path / "config.toml", [])
-    layout = InputLayout(cfg.features)
-    tower = build_tower(cfg.model, layout)
-    dense = torch.nn.Sequential(tower, TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden))
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    dense = torch.nn.Sequential(tower, heads)
     assert summary["dense_params"] == sum(p.numel() for p in dense.parameters())
     assert summary["flops_per_sample"] == (count_flops(dense, torch.randn(2, layout.width))
                                            - count_flops(dense, torch.randn(1, layout.width)))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config, validate_features
+from trainer.config_loader import load_config, validate_features
 from dense.towers import TOWERS
 from trainer.data.datasets import synth_features
 

@@ -7,7 +7,7 @@ shows config values (config.toml, reprs, error messages, the sweep's files) goes
 `redact_uri` / `redact_config`, which turn it into `s3://***@bucket/prefix?...`.
 
 A redacted value read back (a run's config.toml given to `--config`) is not usable: see
-`is_redacted`, and `trainer.config.load_config`, which asks for the credentials again.
+`is_redacted`, and `trainer.config_loader.load_config`, which asks for the credentials again.
 
 Standard library only: importable from anywhere (reader, CLI, sweep) without cost.
 """

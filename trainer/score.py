@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dense.model import build_model
 from embeddings.sharding import shard_model
 from trainer import checkpoint
 from trainer.config import Config
@@ -23,7 +24,6 @@ from trainer.data.encode import RowEncoder
 from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics import task_metrics
-from trainer.train import build_model
 
 
 def find_config(path: str) -> Path:
@@ -44,7 +44,7 @@ class Scorer:
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.tasks = [t.name for t in cfg.model.tasks]
-        model = build_model(cfg, self.env.device)
+        model = build_model(cfg)  # scoring runs the tower in fp32
         self.tower = model.tower
         self.model = shard_model(model, cfg.embeddings, self.env.device)
         source = checkpoint.resolve_load_path(checkpoint_path)

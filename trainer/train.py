@@ -19,13 +19,12 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dense.cost import measure_cost, mfu, peak_flops
-from dense.layout import InputLayout
-from dense.model import RankingModel, TaskHeads
-from dense.towers import build_tower
+from dense.hooks import TrainingHooks
+from dense.model import build_model
 from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
-from embeddings.tables import build_embedding_bags
-from trainer.config import Config, dump_toml, validate_features
+from trainer.config import Config
+from trainer.config_loader import dump_toml, validate_features
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
@@ -52,7 +51,6 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self._hook_cache: dict[str, list] = {}
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
         files = build_dataset(cfg)
@@ -68,6 +66,7 @@ class Trainer:
             shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
             rank=self.env.rank, world_size=self.env.world_size, **self._retries())
         self.model = self._build_model()
+        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
         self.optimizer = self._build_optimizer()
@@ -109,7 +108,7 @@ class Trainer:
         return {"retry_seconds": self.cfg.data.retry_seconds, "retry_attempts": self.cfg.data.retry_attempts}
 
     def _build_model(self) -> nn.Module:
-        model = build_model(self.cfg, self.env.device)
+        model = build_model(self.cfg, autocast_dtype(self.cfg.train.mixed_precision, self.env.device))
         self.cost = measure_cost(model.tower, model.heads, model.layout.width, torch.device("cpu"))  # before it moves
         sharded = shard_model(model, self.cfg.embeddings, self.env.device,
                               output_dtensor=self.cfg.checkpoint.async_save)
@@ -140,7 +139,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured steps, evaluating on schedule and at the end.
         Raises `Interrupted` after a SIGTERM/SIGINT, once the due checkpoint is saved."""
-        batches = self._tracked(iter(self.train_reader))
+        batches = self.batches()
         try:
             with self.stop_signal:
                 meter = self._train_loop(batches)
@@ -169,11 +168,6 @@ class Trainer:
         while self.step < self.total_steps:
             tic = time.perf_counter()
             task_losses = self.train_step(batches)
-            self.scheduler.step()
-            self.step += 1
-            self.notify_step()
-            self.reader_state = self._reader_states.popleft()
-            self._count_rows()
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
             if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
@@ -225,8 +219,25 @@ class Trainer:
         within = [s for s in due if self.step <= s <= self.step + ck.signal_grace_steps]
         return min(within, default=self.step) if ck.enabled else self.step
 
+    def batches(self) -> Iterator[Batch]:
+        """The training batches from the current position, for `train_step`."""
+        return self._tracked(iter(self.train_reader))
+
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """One optimizer step; returns the per-task losses [K] (detached)."""
+        """One whole training step on the next batch of `batches` (from `batches()`): the
+        optimizer step, then the LR schedule, the step count, the data position, the
+        after-step hooks and the row count. Returns the per-task losses [K] (detached)."""
+        task_losses = self._optimizer_step(batches)
+        self.scheduler.step()
+        self.step += 1
+        for hook in self.hooks.after_optimizer_step:
+            hook(self.step)
+        self.reader_state = self._reader_states.popleft()
+        self._count_rows()
+        return task_losses
+
+    def _optimizer_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """Fetch, forward, finiteness check, backward, gradient check, optimizer step."""
         if self.pipeline is not None:  # the same stages, with the next batch's input dist overlapped
             return self.pipeline.progress(batches)
         batch = self.fetch(batches)
@@ -274,8 +285,8 @@ class Trainer:
         task_losses = nn.functional.binary_cross_entropy_with_logits(
             logits, batch.labels, reduction="none").mean(dim=0)
         loss = (task_losses * self.task_weights).sum()
-        for aux_loss in self._hooks("aux_loss"):
-            loss = loss + aux_loss()
+        for extra_loss in self.hooks.extra_losses:
+            loss = loss + extra_loss()
         return loss, task_losses
 
     def check_finite(self, loss: torch.Tensor) -> None:
@@ -322,8 +333,8 @@ class Trainer:
                   **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)},
                   **{f"lr/{name}": opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers},
                   "mfu": self.mfu(examples_per_sec)}
-        for log_values in self._hooks("log_values"):
-            values.update(log_values("train"))
+        for hook in self.hooks.metrics:
+            values.update(hook("train"))
         self.logger.log(self.step, "train", values)
         self.logger.postfix(loss=values["loss"], ex_per_s=examples_per_sec)
 
@@ -352,8 +363,8 @@ class Trainer:
         metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
                                with_uauc=bool(self.cfg.data.user_column))
         metrics["examples"] = int(keep.sum())
-        for log_values in self._hooks("log_values"):
-            metrics.update(log_values("eval"))
+        for hook in self.hooks.metrics:
+            metrics.update(hook("eval"))
         self.logger.log(self.step, "eval", metrics)
         # Back to training mode now: the pipeline decides whether to zero gradients from
         # the mode the model is in when its next step begins.
@@ -389,20 +400,8 @@ class Trainer:
             self.load_checkpoint(latest[0], full=True)
         elif ck.load_path:
             self.load_checkpoint(resolve_load_path(ck.load_path), full=ck.load_mode == "full")
-        self.notify_step()
-
-    def notify_step(self) -> None:
-        """Tell modules with a `set_step(step)` hook the step now trained: the UniMixer
-        temperature (a function of the step: nothing to checkpoint), the MoE's L1 coefficient."""
-        for set_step in self._hooks("set_step"):
-            set_step(self.step)
-
-    def _hooks(self, name: str) -> list:
-        """The methods called `name` of every module of the model that has one (cached)."""
-        if name not in self._hook_cache:
-            self._hook_cache[name] = [getattr(m, name) for m in self.model.modules()
-                                      if callable(getattr(m, name, None))]
-        return self._hook_cache[name]
+        for hook in self.hooks.after_restore:
+            hook(self.step)
 
     def mfu(self, examples_per_sec: float) -> float:
         """Model FLOPs utilisation of the dense model on this rank's device."""
@@ -451,15 +450,6 @@ class Trainer:
         position = self.train_reader.state_dict()
         position.update(epoch=epoch + 1 if step else epoch, step=0)
         return position
-
-
-def build_model(cfg: Config, device: torch.device) -> RankingModel:
-    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
-    layout = InputLayout(cfg.features)
-    tower = build_tower(cfg.model, layout)
-    heads = TaskHeads(tower.out_dim, len(cfg.model.tasks), cfg.model.head_hidden)
-    return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
-                        autocast_dtype=autocast_dtype(cfg.train.mixed_precision, device))
 
 
 def per_rank_batch_size(cfg: Config, world_size: int) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.config import Config, FeatureSpec, validate_features
+from trainer.config import Config, FeatureSpec
+from trainer.config_loader import validate_features
 from trainer.registry import Registry
 
 
@@ -85,22 +86,27 @@ def movielens(cfg: Config) -> DatasetFiles:
 
 
 def synth_features() -> list[FeatureSpec]:
-    """The schema of `write_synthetic`'s columns, in semantic groups."""
+    """The schema of `write_synthetic`'s columns (default sizes), in semantic groups. Table
+    sizes come from synth.py's constants (ids are 1-based, 0 is padding; hour and weekday
+    start at 0), so the two cannot drift apart into silent modulo folding."""
+    from trainer.data import synth as s
+
     f = FeatureSpec
     features = [
-        f(name="user_id", num_embeddings=5_001, embedding_dim=16, hashing="none", group="user"),
-        f(name="user_age", num_embeddings=9, embedding_dim=8, group="user"),
-        f(name="user_gender", num_embeddings=3, embedding_dim=4, group="user"),
+        f(name="user_id", num_embeddings=s.NUM_USERS + 1, embedding_dim=16, hashing="none", group="user"),
+        f(name="user_age", num_embeddings=s.NUM_AGES + 1, embedding_dim=8, group="user"),
+        f(name="user_gender", num_embeddings=s.NUM_GENDERS + 1, embedding_dim=4, group="user"),
         f(name="user_activity", kind="numeric", transform=["log1p"], group="user"),
-        f(name="item_id", table="item", num_embeddings=2_001, embedding_dim=16, hashing="none", group="item"),
-        f(name="item_category", num_embeddings=33, embedding_dim=8, group="item"),
-        f(name="item_tags", kind="id_list", num_embeddings=201, embedding_dim=8, group="item"),
+        f(name="item_id", table="item", num_embeddings=s.NUM_ITEMS + 1, embedding_dim=16, hashing="none",
+          group="item"),
+        f(name="item_category", num_embeddings=s.NUM_CATEGORIES + 1, embedding_dim=8, group="item"),
+        f(name="item_tags", kind="id_list", num_embeddings=s.NUM_TAGS + 1, embedding_dim=8, group="item"),
         f(name="item_price", kind="numeric", transform=["log1p"], group="item"),
-        f(name="hour", num_embeddings=24, embedding_dim=4, group="context"),
-        f(name="weekday", num_embeddings=7, embedding_dim=4, group="context"),
-        f(name="device", num_embeddings=5, embedding_dim=4, group="context"),
-        f(name="hist_items", kind="sequence", table="item", num_embeddings=2_001, embedding_dim=16,
-          hashing="none", pooling="mean", max_len=30, group="behaviour"),
+        f(name="hour", num_embeddings=s.NUM_HOURS, embedding_dim=4, group="context"),
+        f(name="weekday", num_embeddings=s.NUM_WEEKDAYS, embedding_dim=4, group="context"),
+        f(name="device", num_embeddings=s.NUM_DEVICES + 1, embedding_dim=4, group="context"),
+        f(name="hist_items", kind="sequence", table="item", num_embeddings=s.NUM_ITEMS + 1, embedding_dim=16,
+          hashing="none", pooling="mean", max_len=s.MAX_HIST, group="behaviour"),
     ]
     validate_features(features)
     return features

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from embeddings.ids import encode_ids
+from trainer.data.ids import encode_ids
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.data.batch import Rows
 

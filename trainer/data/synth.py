@@ -43,6 +43,8 @@ SCHEMA = pa.schema(
     ]
 )
 
+NUM_USERS = 5_000
+NUM_ITEMS = 2_000
 NUM_AGES = 8
 NUM_GENDERS = 2
 NUM_CATEGORIES = 32
@@ -50,6 +52,8 @@ NUM_TAGS = 200
 MAX_TAGS = 4
 NUM_DEVICES = 4
 MAX_HIST = 30
+NUM_HOURS = 24
+NUM_WEEKDAYS = 7
 LATENT_DIM = 8
 ZIPF_EXPONENT = 1.1
 
@@ -114,8 +118,8 @@ def write_synthetic(
     files: int = 4,
     row_group_size: int = 8_192,
     seed: int = 0,
-    num_users: int = 5_000,
-    num_items: int = 2_000,
+    num_users: int = NUM_USERS,
+    num_items: int = NUM_ITEMS,
 ) -> dict:
     """Write train/ and valid/ Parquet parts under out_dir and return a summary dict.
 
@@ -389,8 +393,8 @@ def _chunk_table(teacher: _Teacher, rng: np.random.Generator, n: int) -> pa.Tabl
     users = _draw(teacher.user_rank_ids, teacher.user_cdf, rng.random(n))
     popular = _draw(teacher.item_rank_ids, teacher.item_cdf, rng.random(n))
     items = np.where(rng.random(n) < _PREF_IMPRESSION_RATE, _draw_preferred(teacher, rng, users), popular)
-    hour = rng.choice(24, size=n, p=_hour_probs())
-    weekday = rng.integers(0, 7, n)
+    hour = rng.choice(NUM_HOURS, size=n, p=_hour_probs())
+    weekday = rng.integers(0, NUM_WEEKDAYS, n)
     device = rng.choice(NUM_DEVICES, size=n, p=[0.55, 0.3, 0.1, 0.05]) + 1
     hist_values, hist_offsets = _history(teacher, rng, users)
     hist_frac = _history_match(teacher, items, hist_values, hist_offsets)

@@ -1,0 +1,377 @@
+"""Loading, overriding, checking and writing the config tree of `trainer/config.py`:
+defaults < TOML file < `--section.key=value` overrides.
+
+Every field carries a one-line docstring (the string literal after it); `rankmix train
+--help` prints them (`describe`). Unknown keys and wrong types are `ValueError`s naming
+the key. A redacted credential read back (a run's config.toml given to `--config`) is an
+error that asks for the credentials again.
+"""
+
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
+                                 redact_uri, with_placeholders, without_credentials)
+
+from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConfig, FeatureSpec, LaunchConfig,
+                            MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig)
+
+FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
+NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                allow_redacted: bool = False) -> Config:
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides.
+
+    A value whose URI credentials were redacted (a run's config.toml) is a ValueError that
+    says which key to give again, unless an override replaces it; `allow_redacted` keeps
+    such values, for commands that never open them (scoring reads only the model's keys).
+    Error messages never quote credentials."""
+    try:
+        raw: dict[str, Any] = {}
+        if path is not None:
+            try:
+                raw = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ValueError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        cfg = _build(Config, raw, "")
+        for item in overrides:
+            apply_override(cfg, item)
+        check_credentials(cfg, path, overrides, allow_redacted=allow_redacted)
+        validate(cfg)
+        return cfg
+    except CredentialsError:
+        raise
+    except ValueError as e:
+        message = redact_uri(str(e))
+        if message != str(e):
+            raise ValueError(message) from None  # no chained original: it holds the secret
+        raise
+
+
+def check_credentials(cfg: Config, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                      *, allow_redacted: bool = False) -> None:
+    """CredentialsError (a ValueError) for URI credentials pyarrow cannot parse (its error
+    would quote them) and, unless `allow_redacted`, for redacted ones (naming the key and
+    where the value came from)."""
+    given = {item[2:].split("=", 1)[0] for item in overrides}
+    problems = []
+    for key, value in dict.fromkeys(_strings(cfg, "")):
+        if malformed_userinfo(value):
+            raise CredentialsError(
+                f"{key}: the user-info of {redact_uri(value)} is not valid URI syntax: percent-encode "
+                "'/' as %2F and '@' as %40 in the key and secret, or better put them in "
+                f"{' / '.join(ENV_VARIABLES)} and drop the user-info")
+        if is_redacted(value) and not allow_redacted:
+            where = "on the command line" if key in given or path is None else f"in {path}"
+            drop = "the user-info" if "://***@" in value else "them from the URI"
+            problems.append(
+                f"{key} {where} has redacted credentials ({value}): give the URI with credentials again on the "
+                f"command line (--{key}='{with_placeholders(value)}') or put them in "
+                f"{' / '.join(ENV_VARIABLES)} and drop {drop} (--{key}='{without_credentials(value)}')")
+    if problems:
+        raise CredentialsError("; ".join(problems))
+
+
+def _strings(obj: Any, key: str) -> typing.Iterator[tuple[str, str]]:
+    """(override key, value) of every string in the config; list entries by name, as
+    `apply_override` addresses them (`features.item_id.column`)."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _strings(getattr(obj, f.name), _join(key, f.name))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(v, _join(key, str(k)))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _strings(v, _join(key, getattr(v, "name", "") or str(i)) if dataclasses.is_dataclass(v)
+                                else key)
+    elif isinstance(obj, str):
+        yield key, obj
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `--a.b=value` (list entries by name: `--features.item_id.num_embeddings=10`)."""
+    if not item.startswith("--") or "=" not in item:
+        raise ValueError(f"override {item!r} must look like --section.key=value")
+    dotted, text = item[2:].split("=", 1)
+    parts = dotted.split(".")
+    obj: Any = cfg
+    hint: Any = Config
+    for i, part in enumerate(parts[:-1]):
+        if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
+            hint = _hints(type(obj))[part]
+        obj = _child(obj, part, ".".join(parts[: i + 1]))
+    key = parts[-1]
+    if isinstance(obj, dict):  # a table of free keys: `--embeddings.table_sharding.item=row_wise`
+        item = typing.get_args(hint)[1]
+        obj[key] = _coerce(_parse_scalar(text, item), item, dotted)
+        return
+    if not dataclasses.is_dataclass(obj) or key not in _fields(type(obj)):
+        raise ValueError(f"unknown config key: {dotted}")
+    hint = _hints(type(obj))[key]
+    setattr(obj, key, _coerce(_parse_scalar(text, hint), hint, dotted))
+
+
+def _child(obj: Any, part: str, where: str) -> Any:
+    if isinstance(obj, list):
+        for entry in obj:
+            if getattr(entry, "name", None) == part:
+                return entry
+        raise ValueError(f"unknown config key: {where} (no entry named {part!r})")
+    if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
+        return getattr(obj, part)
+    raise ValueError(f"unknown config key: {where}")
+
+
+def _parse_scalar(text: str, hint: Any) -> Any:
+    if hint is str:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        if typing.get_origin(hint) is list:  # `a,b` for `["a", "b"]`, `64,32` for `[64, 32]`
+            (item,) = typing.get_args(hint)
+            return [_parse_scalar(t.strip(), item) for t in text.split(",") if t.strip()]
+        return text
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config key {where or '<root>'} must be a table, got {type(raw).__name__}")
+    hints, known = _hints(cls), _fields(cls)
+    for key in raw:
+        if key not in known:
+            raise ValueError(f"unknown config key: {_join(where, key)}")
+    return cls(**{k: _coerce(v, hints[k], _join(where, k)) for k, v in raw.items()})
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against the field's type; ints widen to float, nothing else converts."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {where} must be a table, got {value!r}")
+        return {str(k): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ValueError(f"config key {where} must be a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except ValueError:
+                pass
+        raise ValueError(f"config key {where} has the wrong type: {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif hint in (str, bool) and isinstance(value, hint):
+        return value
+    raise ValueError(f"config key {where} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
+    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
+                    "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr",
+                    "model.tau_start", "model.tau_end", "model.sinkhorn_iters", "model.num_basis",
+                    "model.global_rank", "model.num_experts", "model.moe_l1_init", "data.retry_attempts")  # lambda adapts multiplicatively
+    _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
+                       "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
+                       "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
+                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
+                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
+                       "checkpoint.signal_grace_steps")
+    _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
+    _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
+    _check_choice(cfg, "model.tokenizer", ("slice", "group"))
+    _check_choice(cfg, "train.pipeline", ("auto", "sparse_dist", "none"))
+    _check_choice(cfg, "checkpoint.load_mode", ("full", "weights"))
+    _check_choice(cfg, "checkpoint.data_position", ("exact", "next_epoch"))
+    _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
+    _check_choice(cfg, "model.moe_inference", ("sparse", "dense"))
+    if not 0 < cfg.model.moe_budget <= 1:
+        raise ValueError(f"model.moe_budget={cfg.model.moe_budget} must be a fraction of the experts in (0, 1]")
+    for table, kind in cfg.embeddings.table_sharding.items():
+        if kind not in SPARSE_SHARDING_TYPES:
+            raise ValueError(f"embeddings.table_sharding.{table}={kind!r}; choose from {SPARSE_SHARDING_TYPES}")
+    _check_choice(cfg, "embeddings.optimizer", ("adagrad", "rowwise_adagrad"))
+    bad = [t for t in cfg.embeddings.sharding_types if t not in SPARSE_SHARDING_TYPES]
+    if bad or not cfg.embeddings.sharding_types:
+        raise ValueError(f"embeddings.sharding_types: {bad or 'empty'}; choose from {SPARSE_SHARDING_TYPES}")
+    if cfg.train.steps == 0 and cfg.train.epochs == 0:
+        raise ValueError("train.steps and train.epochs are both 0: nothing to train")
+    if cfg.model.tau_anneal_steps and cfg.model.tau_end > cfg.model.tau_start:
+        raise ValueError(f"model.tau_end={cfg.model.tau_end} exceeds model.tau_start={cfg.model.tau_start}: "
+                         "eq. 21 anneals the temperature downwards")
+    if not cfg.model.tasks:
+        raise ValueError("model.tasks is empty: at least one task is needed")
+    for task in cfg.model.tasks:
+        task.label = task.label or task.name
+    names = [t.name for t in cfg.model.tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model.tasks has duplicate names: {names}")
+    validate_features(cfg.features)
+
+
+def validate_features(features: list[FeatureSpec]) -> None:
+    """Fill defaults (column, table) and check each feature and table sharing."""
+    seen: set[str] = set()
+    tables: dict[str, FeatureSpec] = {}
+    for f in features:
+        where = f"features.{f.name or '<unnamed>'}"
+        if not f.name:
+            raise ValueError("features: every feature needs a name")
+        if f.name in seen:
+            raise ValueError(f"{where}: duplicate feature name")
+        seen.add(f.name)
+        f.column = f.column or f.name
+        if f.kind not in FEATURE_KINDS:
+            raise ValueError(f"{where}.kind must be one of {FEATURE_KINDS}, got {f.kind!r}")
+        if f.kind == "numeric":
+            bad = [t for t in f.transform if t not in NUMERIC_TRANSFORMS]
+            if bad:
+                raise ValueError(f"{where}.transform: unknown {bad}; choose from {NUMERIC_TRANSFORMS}")
+            if f.std <= 0:
+                raise ValueError(f"{where}.std must be positive, got {f.std}")
+            continue
+        f.table = f.table or f.name
+        if f.max_len < 0:
+            raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
+        if f.num_embeddings <= 0 or f.embedding_dim <= 0:
+            raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
+        if f.hashing not in ("modulo", "none"):
+            raise ValueError(f"{where}.hashing must be modulo or none, got {f.hashing!r}")
+        if f.pooling not in ("sum", "mean"):
+            raise ValueError(f"{where}.pooling must be sum or mean, got {f.pooling!r}")
+        other = tables.setdefault(f.table, f)
+        if (other.num_embeddings, other.embedding_dim) != (f.num_embeddings, f.embedding_dim):
+            raise ValueError(
+                f"{where}: shares table {f.table!r} with features.{other.name} but their "
+                "num_embeddings / embedding_dim differ")
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) <= 0:
+            raise ValueError(f"{key} must be positive, got {_get(cfg, key)}")
+
+
+def _check_nonnegative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise ValueError(f"{key} must be >= 0, got {_get(cfg, key)}")
+
+
+def _check_choice(cfg: Config, key: str, choices: tuple[str, ...]) -> None:
+    if _get(cfg, key) not in choices:
+        raise ValueError(f"{key} must be one of {choices}, got {_get(cfg, key)!r}")
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def to_dict(cfg: Any, *, reveal: bool = False) -> dict[str, Any]:
+    """The config as plain TOML values, URI credentials redacted (`reveal`: as given, for
+    code that opens the stores, never for writing or showing); unset (None) fields are left
+    out, as TOML has no null."""
+    values = _drop_none(dataclasses.asdict(cfg))
+    return values if reveal else redact_config(values)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dump_toml(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config so that `--config path` reproduces the run. URI credentials
+    are redacted: such a run is resumed with them given again (on the command line, or by
+    the environment: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)."""
+    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line docstring, read from the class source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+    return docs
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """`--section.key  (type, default)  doc` lines for every field, for --help."""
+    lines = []
+    docs, hints = field_docs(cls), _hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            lines += describe(hint, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if typing.get_origin(hint) is list and typing.get_args(hint)[0] in (FeatureSpec, TaskSpec):
+            lines.append(f"  [[{prefix}{f.name}]]  {docs.get(f.name, '')}")
+            continue
+        lines.append(f"  --{prefix}{f.name}={default!r}  {docs.get(f.name, '')}")
+    return lines
