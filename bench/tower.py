@@ -124,7 +124,7 @@ def main() -> None:
         line = (f"T={shape[0]} D={shape[1]} L={shape[2]} k={shape[3]} B={shape[4]}: {flops / 1e9:.1f} GFLOP/step, "
                 f"tower {rate / 1e12:.3f} TFLOP/s, matmul {matmul / 1e12:.3f} TFLOP/s, ratio {rate / matmul:.2f}")
         if peak:
-            line += f", MFU {rate / peak:.1%}"
+            line += f", MFU vs peak {rate / peak:.1%}"
         print(line, flush=True)
 
 

@@ -274,31 +274,61 @@ def _line_of(row: int, header_lines: int, skipped: list[int]) -> int:
     return line
 
 
-def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
-                 rows_per_file: int = 0, row_group_size: int = DEFAULT_ROW_GROUP,
-                 block_size: int = DEFAULT_BLOCK) -> FileReport:
-    """Convert one input file (see the module docstring); returns its report."""
-    out = Path(out_dir)
-    name = os.path.basename(src)
-    marker = out / f"_DONE_{name}"
-    if marker.exists():
-        report = FileReport(**json.loads(marker.read_text()))
-        report.skipped = True
-        return report
-    for tmp in out.glob(f"{_stem(name)}-*.parquet.tmp"):
-        tmp.unlink()
-    if not os.path.isfile(src):
-        raise ValueError(f"input not found: {src}")
+class _BadRows:
+    """Malformed rows of one input as they are found: counted into the report, the first
+    one (smallest line) kept with its reason, and `strict` raising on the first."""
 
-    report = FileReport(src=src)
-    bad_lines: list[tuple[int, str]] = []  # from the field-count handler
-    first: list[tuple[int, str]] = []
+    def __init__(self, src: str, report: FileReport, strict: bool):
+        self.src, self.report, self.strict = src, report, strict
+        self.field_count: list[tuple[int, str]] = []  # filled by the CSV reader's handler
+        self.first: list[tuple[int, str]] = []
+        self.skipped_lines: list[int] = []  # sorted: where parsed rows stop matching lines
 
-    def on_invalid(row) -> str:
+    def on_invalid(self, row) -> str:
+        """pyarrow's invalid-row handler: a row with the wrong number of fields is skipped."""
         number = row.number if row.number is not None else -1
-        bad_lines.append((number, f"expected {row.expected_columns} fields, got {row.actual_columns}"))
+        self.field_count.append((number, f"expected {row.expected_columns} fields, got {row.actual_columns}"))
         return "skip"
 
+    def flush_field_count(self) -> None:
+        """Count the rows the CSV reader skipped since the last call."""
+        if self.field_count:
+            self.skipped_lines = sorted(self.skipped_lines + [n for n, _ in self.field_count])
+            self.report.bad_rows += len(self.field_count)
+            self.report.bad_field_count += len(self.field_count)
+            self.first.append(min(self.field_count))
+            self.field_count.clear()
+
+    def values(self, checked: Checked, parsed: int, header_lines: int) -> np.ndarray:
+        """Rows of a converted batch with a value that does not parse, as a mask; counted."""
+        bad = np.zeros(len(checked.checks[0][1]), bool)
+        for col, ok, _ in checked.checks:
+            if not ok.all():
+                self.report.bad_columns[col] = self.report.bad_columns.get(col, 0) + int((~ok).sum())
+                bad |= ~ok
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            col, _, raw = next(c for c in checked.checks if not c[1][i])
+            self.first.append((_line_of(parsed + i, header_lines, self.skipped_lines),
+                               f"column {col}: bad value {raw[i].as_py()!r}"))
+            self.report.bad_rows += int(bad.sum())
+        self.check()
+        return bad
+
+    def check(self) -> None:
+        """With `strict`, stop at the first malformed row found so far (by line)."""
+        if self.strict and self.first:
+            line, why = min(self.first)
+            raise ValueError(f"{self.src}, line {line}: malformed row ({why})")
+
+    def finish(self) -> None:
+        if self.first:
+            self.report.first_bad_line, self.report.first_bad_reason = min(self.first)
+
+
+def _open_csv(src: str, layout, block_size: int,
+              on_invalid) -> tuple[pa.NativeFile, pcsv.CSVStreamingReader, object, int]:
+    """(stream, CSV reader of string columns, the layout bound to the file, header lines)."""
     header_lines = 0
     read_opts = dict(use_threads=False, block_size=block_size)
     if layout.header:
@@ -314,54 +344,49 @@ def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
                                         ignore_empty_lines=False, invalid_row_handler=on_invalid),
         convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in layout.column_names},
                                             strings_can_be_null=False, quoted_strings_can_be_null=False))
+    return stream, reader, layout, header_lines
+
+
+def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
+                 rows_per_file: int = 0, row_group_size: int = DEFAULT_ROW_GROUP,
+                 block_size: int = DEFAULT_BLOCK) -> FileReport:
+    """Convert one input file (see the module docstring); returns its report."""
+    out = Path(out_dir)
+    name = os.path.basename(src)
+    marker = out / f"_DONE_{name}"
+    if marker.exists():  # converted by an earlier run
+        return FileReport(**{**json.loads(marker.read_text()), "skipped": True})
+    for tmp in out.glob(f"{_stem(name)}-*.parquet.tmp"):
+        tmp.unlink()
+    if not os.path.isfile(src):
+        raise ValueError(f"input not found: {src}")
+    report = FileReport(src=src)
+    bad_rows = _BadRows(src, report, strict)
+    stream, reader, layout, header_lines = _open_csv(src, layout, block_size, bad_rows.on_invalid)
     writer = _PartWriter(out, _stem(name), layout.schema, row_group_size, rows_per_file)
     parsed = 0
-    skipped_sorted: list[int] = []
     try:
         for batch in reader:
-            if bad_lines:
-                skipped_sorted = sorted(skipped_sorted + [n for n, _ in bad_lines])
-                report.bad_rows += len(bad_lines)
-                report.bad_field_count += len(bad_lines)
-                first.append(min(bad_lines))
-                bad_lines.clear()
+            bad_rows.flush_field_count()
             checked = layout.convert(batch)
-            bad = np.zeros(batch.num_rows, bool)
-            for col, ok, _ in checked.checks:
-                if not ok.all():
-                    report.bad_columns[col] = report.bad_columns.get(col, 0) + int((~ok).sum())
-                    bad |= ~ok
+            bad = bad_rows.values(checked, parsed, header_lines)
             table = pa.table(checked.columns, schema=layout.schema)
             if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                col, _, raw = next(c for c in checked.checks if not c[1][i])
-                first.append((_line_of(parsed + i, header_lines, skipped_sorted),
-                              f"column {col}: bad value {raw[i].as_py()!r}"))
-                report.bad_rows += int(bad.sum())
                 table = table.filter(pa.array(~bad))
-            if strict and first:
-                line, why = min(first)
-                raise ValueError(f"{src}, line {line}: malformed row ({why})")
             parsed += batch.num_rows
             report.rows += table.num_rows
             writer.add(table)
-        if bad_lines:  # rows skipped in the last block, after the last batch
-            report.bad_rows += len(bad_lines)
-            report.bad_field_count += len(bad_lines)
-            first.append(min(bad_lines))
-        if strict and first:
-            line, why = min(first)
-            raise ValueError(f"{src}, line {line}: malformed row ({why})")
+        bad_rows.flush_field_count()  # rows skipped in the last block, after the last batch
+        bad_rows.check()
     except pa.ArrowInvalid as e:
         raise ValueError(f"{src}: cannot parse: {e}") from None
     finally:
         stream.close()
-    if first:
-        report.first_bad_line, report.first_bad_reason = min(first)
+    bad_rows.finish()
     report.parts = writer.finish()
     tmp = marker.with_name(marker.name + ".tmp")
     tmp.write_text(json.dumps(asdict(report)))
-    os.replace(tmp, marker)
+    os.replace(tmp, marker)  # the marker last: a killed run redoes this file
     return report
 
 
