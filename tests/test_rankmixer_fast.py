@@ -80,16 +80,19 @@ def test_tower_matches_reference(dtype, e, t, td, d, layers, k, b):
 
 def _assert_matches_reference(module, reference, inp, weight, input_name: str, tol: float) -> None:
     """module(inp) and reference(module, inp), and the gradients of sum(out * weight) with
-    respect to inp and every parameter, agree within tol."""
+    respect to inp and every parameter, agree within tol times the larger of 1 and the
+    reference's largest magnitude: rounding grows with the values (weight gradients sum
+    over the batch reach ~20 here), and the two paths sum in different orders, which also
+    change with the ATen kernel level and the thread count (make test-portability)."""
     params = [inp, *module.parameters()]
     out = module(inp)
     (out * weight).sum().backward()
     fast = _grads(params)
     expected = reference(module, inp)
     (expected * weight).sum().backward()
-    assert torch.allclose(out, expected, atol=tol, rtol=0)
-    for name, a, r in zip([input_name, *dict(module.named_parameters())], fast, _grads(params)):
-        assert torch.allclose(a, r, atol=tol, rtol=0), name
+    for name, a, r in zip(["output", input_name, *dict(module.named_parameters())], [out, *fast],
+                          [expected, *_grads(params)]):
+        assert torch.allclose(a, r, atol=tol * max(1.0, r.abs().max().item()), rtol=0), name
 
 
 def test_tower_blocks_token_major_path_equals_public_path():
