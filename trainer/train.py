@@ -97,9 +97,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
         self.stop_signal = StopSignal()
         self._stop_at: int | None = None  # the step to stop after, once every rank saw a signal
-        self.data_rows: dict[str, int] = {}  # the last complete epoch's row count (see _count_rows)
+        self.data_rows: dict[str, int] = {}  # the last complete epoch's rows (see _log_epoch_rows)
         self.restore()
-        self._epoch_rows_trained = self.reader_state["step"] * self.batch_size  # this rank's, in this epoch
 
     # ------------------------------------------------------------------ building
 
@@ -181,20 +180,16 @@ class Trainer:
                 break
         return meter
 
-    def _count_rows(self) -> None:
-        """Count the rows this step trained; at an epoch's last step, log the epoch's rows
-        trained on all ranks against the rows of the split, so no data goes missing unseen
-        (the reader leaves out fewer than world_size x batch_size rows an epoch)."""
-        self._epoch_rows_trained += self.batch_size  # training batches are always full
+    def _log_epoch_rows(self) -> None:
+        """At an epoch's last step, log the rows its steps trained on all ranks against the
+        rows of the split, so no data goes missing unseen (every training batch is full, so
+        the rows trained are the epoch's steps x batch x ranks; fewer than ranks x batch rows
+        of the split are left out, see trainer/data/reader.py)."""
         epoch, step = self.reader_state["epoch"], self.reader_state["step"]
         if step < self.train_reader.steps_in_epoch(epoch):
             return
-        trained = torch.tensor([self._epoch_rows_trained], dtype=torch.int64)
-        if self.env.world_size > 1:
-            dist.all_reduce(trained)
-        self._epoch_rows_trained = 0
-        rows = self.train_reader.epoch_rows(epoch).rows
-        self.data_rows = {"epoch": epoch, "rows": rows, "rows_trained": int(trained), "rows_dropped": rows - int(trained)}
+        rows = self.train_reader.epoch_rows(epoch)
+        self.data_rows = {"epoch": epoch, "rows": rows.rows, "rows_trained": rows.used, "rows_dropped": rows.dropped}
         self.logger.log(self.step, "data", self.data_rows)
 
     def _stopping(self, saved: bool) -> bool:
@@ -226,14 +221,14 @@ class Trainer:
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         """One whole training step on the next batch of `batches` (from `batches()`): the
         optimizer step, then the LR schedule, the step count, the data position, the
-        after-step hooks and the row count. Returns the per-task losses [K] (detached)."""
+        after-step hooks and the epoch-end row report. Returns the per-task losses [K] (detached)."""
         task_losses = self._optimizer_step(batches)
         self.scheduler.step()
         self.step += 1
         for hook in self.hooks.after_optimizer_step:
             hook(self.step)
         self.reader_state = self._reader_states.popleft()
-        self._count_rows()
+        self._log_epoch_rows()
         return task_losses
 
     def _optimizer_step(self, batches: Iterator[Batch]) -> torch.Tensor:
