@@ -1,12 +1,7 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), exact resume, retention.
 
-A checkpoint is `<dir>/step-N/`, written by DCP from a dict of named parts:
-
-    model        DMP state dict: sharded embedding tables (ShardedTensor) and dense weights
-    optim        sparse fused Adagrad and dense RMSProp states (one CombinedOptimizer)
-    trainer      step, LR scheduler, data position, world size (the same on every rank)
-    ranks        every rank's data-reader state and RNG states, gathered (DCP writes
-                 non-tensor values from the coordinator only, so per-rank ones travel as one)
+A checkpoint is `<dir>/step-N/`, written by DCP from a dict of named parts, each a
+Stateful component (the parts of a training run are listed in trainer/state.py).
 
 DCP writes `.metadata` last, after every rank's data: a folder without it is incomplete
 (killed mid-save) and is never loaded. DCP reshards on load, so a checkpoint loads into
@@ -15,7 +10,6 @@ another world size or sharding plan.
 
 from __future__ import annotations
 
-import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -25,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
 from trainer.config import CheckpointConfig
 
@@ -89,8 +85,8 @@ class CheckpointManager:
             by_time = flag[0]
         return by_steps or by_time
 
-    def save(self, step: int, state: dict[str, Any], on_done: Callable[[str], None] = print) -> None:
-        """Write `state` as step-`step` (collective), then apply retention. With async_save
+    def save(self, step: int, parts: dict[str, Any], on_done: Callable[[str], None] = print) -> None:
+        """Write `parts` as step-`step` (collective), then apply retention. With async_save
         the writing goes on in the background; the previous save is finished first."""
         self.wait()
         path = self.folder / f"{PREFIX}{step}"
@@ -101,10 +97,10 @@ class CheckpointManager:
         dist.barrier()
         self._last_save_time = time.monotonic()
         if self.cfg.async_save:  # stages a CPU copy now, writes it while training goes on
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+            future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group)
             self._pending = (path, future, on_done)
         else:
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(parts, checkpoint_id=str(path))
             self._finish(path, on_done)
 
     def wait(self) -> None:
@@ -165,18 +161,22 @@ def export_weights(path: str, out: str) -> int:
     return len(model)
 
 
-def gather_rank_states(mine: dict) -> bytes:
-    """Every rank's `mine`, in rank order, as one opaque value (a collective)."""
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return pickle.dumps(states)
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner without its fallback for checkpoints older than torch 2.4.
+    That fallback starts whenever the checkpoint holds a key this rank does not (always so on
+    several ranks: each rank's fused optimizer holds the state of its own tables only), and
+    its old flattening turns a part of plain values, like `trainer`, into one unknown key.
+    Every rankmix checkpoint is newer."""
+
+    def create_local_plan(self) -> LoadPlan:
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
 
-def rank_state(blob: bytes, rank: int) -> dict:
-    """Rank `rank`'s entry of a gathered `ranks` value."""
-    return pickle.loads(blob)[rank]
-
-
-def load(path: Path, state: dict[str, Any]) -> None:
-    """Load `state` in place from the DCP checkpoint at `path` (collective)."""
-    dcp.load(state, checkpoint_id=str(path))
+def load(path: Path, parts: dict[str, Any]) -> None:
+    """Load `parts` (state dicts, or Stateful components, see trainer/state.py) in place from
+    the DCP checkpoint at `path` (collective). A part that cannot take up its saved state
+    raises ValueError, reported here with the checkpoint's path."""
+    try:
+        dcp.load(parts, checkpoint_id=str(path), planner=LoadPlanner())
+    except ValueError as e:
+        raise ValueError(f"{path} {e}") from None

@@ -7,7 +7,6 @@ import logging
 import random
 import time
 import warnings
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +37,8 @@ from trainer.metrics import task_metrics
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import StopSignal
+from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
+                           TrainedPosition)
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
@@ -75,8 +76,7 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
         self.pipeline = self._build_pipeline()
         self.step = 0
-        self.reader_state = self.train_reader.state_dict()
-        self._reader_states: deque[dict] = deque()
+        self.position = TrainedPosition(self.train_reader, cfg.checkpoint.data_position)
         self.total_steps = cfg.train.steps or sum(
             self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
         if self.total_steps == 0:
@@ -98,6 +98,10 @@ class Trainer:
         self.stop_signal = StopSignal()
         self._stop_at: int | None = None  # the step to stop after, once every rank saw a signal
         self.data_rows: dict[str, int] = {}  # the last complete epoch's rows (see _log_epoch_rows)
+        self.checkpoint_parts = {
+            "model": ModelState(self.model), "optim": OptimizerState(self.optimizer, self.dense_optimizer),
+            "trainer": self, "ranks": PerRankState({"reader": self.position, "rng": RNGState(),
+                                                    "scheduler": LRScheduleState(self.scheduler, self.optimizer)})}
         self.restore()
 
     # ------------------------------------------------------------------ building
@@ -185,8 +189,8 @@ class Trainer:
         rows of the split, so no data goes missing unseen (every training batch is full, so
         the rows trained are the epoch's steps x batch x ranks; fewer than ranks x batch rows
         of the split are left out, see trainer/data/reader.py)."""
-        epoch, step = self.reader_state["epoch"], self.reader_state["step"]
-        if step < self.train_reader.steps_in_epoch(epoch):
+        epoch = self.position.epoch
+        if self.position.step < self.train_reader.steps_in_epoch(epoch):
             return
         rows = self.train_reader.epoch_rows(epoch)
         self.data_rows = {"epoch": epoch, "rows": rows.rows, "rows_trained": rows.used, "rows_dropped": rows.dropped}
@@ -216,7 +220,7 @@ class Trainer:
 
     def batches(self) -> Iterator[Batch]:
         """The training batches from the current position, for `train_step`."""
-        return self._tracked(iter(self.train_reader))
+        return self.position.track(iter(self.train_reader))
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         """One whole training step on the next batch of `batches` (from `batches()`): the
@@ -227,7 +231,7 @@ class Trainer:
         self.step += 1
         for hook in self.hooks.after_optimizer_step:
             hook(self.step)
-        self.reader_state = self._reader_states.popleft()
+        self.position.advance()
         self._log_epoch_rows()
         return task_losses
 
@@ -243,13 +247,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return task_losses.detach()
-
-    def _tracked(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        """Record the reader's position after each batch: the pipeline reads ahead of the
-        step being trained, and a checkpoint must hold the position of the trained one."""
-        for batch in batches:
-            self._reader_states.append(self.train_reader.state_dict())
-            yield batch
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
@@ -369,22 +366,16 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Everything a checkpoint holds, as DCP's dict of named parts (see trainer/checkpoint.py).
-        A collective: every rank's reader position and RNG are gathered into `ranks`."""
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "trainer": self._common_state(), "ranks": checkpoint.gather_rank_states(self._rank_state())}
-
-    def _common_state(self) -> dict:
-        """Identical on every rank: saved once."""
+        """The run's progress, the same on every rank (the `trainer` part of a checkpoint;
+        the other parts are `checkpoint_parts`)."""
         return {"step": self.step, "world_size": self.env.world_size,
-                "epoch": self.reader_state["epoch"], "epoch_step": self.reader_state["step"]}
+                "epoch": self.position.epoch, "epoch_step": self.position.step}
 
-    def _rank_state(self) -> dict:
-        """Differs between ranks: each holds other tables, so other sparse param groups."""
-        return {"reader": self.reader_state, "rng": rng_state(), "scheduler": self.scheduler.state_dict()}
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
 
     def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.step, self.state_dict(), on_done=self.logger.write)
+        self.checkpoints.save(self.step, self.checkpoint_parts, on_done=self.logger.write)
 
     def restore(self) -> None:
         """Resume from this run's newest complete checkpoint, else start from checkpoint.load_path."""
@@ -411,46 +402,11 @@ class Trainer:
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""
         if not full:
-            checkpoint.load(path, {"model": self.model.state_dict()})
+            checkpoint.load(path, {"model": self.checkpoint_parts["model"]})
             self.logger.write(f"initialised weights from {path}")
             return
-        common = {"trainer": self._common_state()}
-        checkpoint.load(path, common)
-        saved = common["trainer"]
-        same_world = saved["world_size"] == self.env.world_size
-        self.dense_optimizer.init_state()  # DCP loads in place: the lazy RMSProp state must exist
-        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "ranks": b""}
-        checkpoint.load(path, state)
-        self.optimizer.load_state_dict(state["optim"])
-        self.step = saved["step"]
-        if same_world:
-            mine = checkpoint.rank_state(state["ranks"], self.env.rank)
-            self.reader_state = mine["reader"]
-            set_rng_state(mine["rng"])
-            self.scheduler.load_state_dict(mine["scheduler"])
-        else:
-            self.reader_state = self._position_after_resize(saved, path)
-            self.scheduler.last_epoch = self.step - 1
-            self.scheduler.step()  # the schedule is a function of the step alone
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr  # optimizer state dicts hold no learning rate
-        self.train_reader.load_state_dict(self.reader_state)
+        checkpoint.load(path, self.checkpoint_parts)
         self.logger.write(f"resumed from {path} at step {self.step}")
-
-    def _position_after_resize(self, saved: dict, path: Path) -> dict:
-        """The data position in a different world size: an epoch boundary means the same
-        thing in any world size; a position inside an epoch does not (each rank's rows
-        change), so it is an error unless checkpoint.data_position = next_epoch."""
-        epoch, step = saved["epoch"], saved["epoch_step"]
-        if step and self.cfg.checkpoint.data_position != "next_epoch":
-            raise ValueError(
-                f"{path} was saved at world size {saved['world_size']} in the middle of epoch {epoch} "
-                f"(batch {step}); at world size {self.env.world_size} that position would replay or skip "
-                "rows. Resume at the saved world size, or set checkpoint.data_position=next_epoch to "
-                f"continue from the start of epoch {epoch + 1}")
-        position = self.train_reader.state_dict()
-        position.update(epoch=epoch + 1 if step else epoch, step=0)
-        return position
 
 
 def per_rank_batch_size(cfg: Config, world_size: int) -> int:
@@ -493,16 +449,3 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         # Deterministic mode also fills every new tensor with NaN to expose reads of
         # uninitialised memory: a debugging aid that costs a pass over each allocation.
         torch.utils.deterministic.fill_uninitialized_memory = False
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():  # this rank's device only
-        torch.cuda.set_rng_state(state["cuda"])

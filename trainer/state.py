@@ -1,0 +1,194 @@
+"""The training state as named parts that DCP saves and loads (torch.distributed.checkpoint.stateful).
+
+Each stateful component answers for itself, and `CheckpointManager` saves whatever dict of
+parts it is given; nothing is assembled by hand or depends on the order of loading:
+
+    model     ModelState: sharded tables, dense weights and buffers (the MoE's lambda)
+    optim     OptimizerState: fused sparse Adagrad and dense RMSProp (one CombinedOptimizer)
+    trainer   the Trainer: step, world size and epoch position, the same on every rank
+    ranks     PerRankState: every rank's data position, RNG and LR schedule, gathered into
+              one value, because DCP writes non-tensor values from the coordinator only
+
+A checkpoint loads into another world size: tensors reshard, and per-rank parts rebuild
+their state from the saved ranks' (`RankLocal.load_resized`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+
+from trainer.data.reader import ParquetReader
+
+
+class ModelState:
+    """The DMP model's state dict: DCP loads its tensors in place, sharded tables included."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+
+class OptimizerState:
+    """Both optimizers. RMSProp creates its state at its first step, and DCP loads in place
+    into the template this returns, so a fresh optimizer gets its state made first."""
+
+    def __init__(self, optimizer: CombinedOptimizer, lazy: KeyedOptimizer):
+        self.optimizer = optimizer
+        self.lazy = lazy
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.lazy.state:
+            # A zero-gradient step; it moves no weight that the same load does not overwrite.
+            self.lazy.init_state()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class RankLocal(Protocol):
+    """A part whose state differs between ranks, and that can rebuild it in another world size."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+    def load_resized(self, saved: list[Any]) -> None:
+        """Take up the state saved by `len(saved)` ranks (in rank order) in this world size."""
+
+
+class PerRankState:
+    """Rank-local parts, gathered from every rank into one opaque value (a collective in
+    `state_dict`); on load each rank takes its own entry, or, when the world size changed,
+    each part rebuilds its state from all the saved ones."""
+
+    def __init__(self, parts: dict[str, RankLocal]):
+        self.parts = parts
+
+    def state_dict(self) -> bytes:
+        mine = {name: part.state_dict() for name, part in self.parts.items()}
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, mine)
+        return pickle.dumps(states)
+
+    def load_state_dict(self, blob: bytes) -> None:
+        states = pickle.loads(blob)
+        if len(states) == dist.get_world_size():
+            for name, part in self.parts.items():
+                part.load_state_dict(states[dist.get_rank()][name])
+        else:
+            for name, part in self.parts.items():
+                part.load_resized([s[name] for s in states])
+
+
+class RNGState:
+    """Python's, NumPy's, torch's and this rank's CUDA generators. A run in another world
+    size keeps its own seeding: no saved rank's stream is this rank's."""
+
+    def state_dict(self) -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+    def load_resized(self, saved: list[dict]) -> None:
+        pass
+
+
+class LRScheduleState:
+    """The LR schedule, and the learning rates it set: optimizer state dicts hold none. Its
+    state differs per rank because each rank's sparse optimizer has its own param groups."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer):
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+        self._apply()
+
+    def load_resized(self, saved: list[dict]) -> None:
+        # The schedule is a function of the step alone: replay it to the saved step.
+        self.scheduler.last_epoch = saved[0]["last_epoch"] - 1
+        self.scheduler.step()
+        self._apply()
+
+    def _apply(self) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+
+
+class TrainedPosition:
+    """The reader's position after the last *trained* batch. The pipeline reads ahead of
+    the step being trained, so the position is recorded as each batch leaves the reader
+    (`track`) and taken up when its step is done (`advance`)."""
+
+    def __init__(self, reader: ParquetReader, data_position: str):
+        self.reader = reader
+        self.data_position = data_position  # checkpoint.data_position, for another world size
+        self.current = reader.state_dict()
+        self._ahead: deque[dict] = deque()
+
+    @property
+    def epoch(self) -> int:
+        return self.current["epoch"]
+
+    @property
+    def step(self) -> int:
+        """Batches of the current epoch trained on."""
+        return self.current["step"]
+
+    def track(self, batches: Iterator) -> Iterator:
+        for batch in batches:
+            self._ahead.append(self.reader.state_dict())
+            yield batch
+
+    def advance(self) -> None:
+        """The oldest batch handed out has been trained on."""
+        self.current = self._ahead.popleft()
+
+    def state_dict(self) -> dict:
+        return self.current
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reader.load_state_dict(state)
+        self.current = state
+        self._ahead.clear()
+
+    def load_resized(self, saved: list[dict]) -> None:
+        """An epoch boundary means the same thing in any world size; a position inside an
+        epoch does not (each rank's rows change), so that is an error unless
+        checkpoint.data_position = next_epoch."""
+        epoch, step = saved[0]["epoch"], saved[0]["step"]
+        if step and self.data_position != "next_epoch":
+            raise ValueError(
+                f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}); at world "
+                f"size {self.reader.world_size} that position would replay or skip rows. Resume at the saved "
+                f"world size, or set checkpoint.data_position=next_epoch to continue from the start of epoch "
+                f"{epoch + 1}")
+        position = self.reader.state_dict()
+        position.update(epoch=epoch + 1 if step else epoch, step=0)
+        self.load_state_dict(position)
