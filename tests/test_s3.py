@@ -9,11 +9,11 @@ environment variables.
 
 from __future__ import annotations
 
-import pyarrow.fs as pafs
 import pytest
 import torch
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed")
+pytest.importorskip("moto.server", reason="moto[server] not installed")
+from object_store import Server, filesystem, free_port, query, upload  # noqa: E402
 
 from trainer.config import TaskSpec  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
@@ -25,19 +25,12 @@ from trainer.data.synth import write_synthetic  # noqa: E402
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """(uri of the uploaded train folder, local train folder)."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = Server(free_port())
     try:
-        _, port = server.get_host_and_port()
         local = tmp_path_factory.mktemp("synth")
         write_synthetic(local, rows=3_000, files=3, row_group_size=250, seed=3, num_users=200, num_items=100)
-        fs = pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", access_key="x", secret_key="x",
-                               scheme="http", region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir("rankmix-test")
-        pafs.copy_files(str(local / "train"), "rankmix-test/logs/train",
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-        uri = f"s3://x:x@rankmix-test/logs/train?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-        yield uri, str(local / "train")
+        upload(filesystem(server.port), "rankmix-test", {local / "train": "logs/train"})
+        yield f"s3://x:x@rankmix-test/logs/train{query(server.port)}", str(local / "train")
     finally:
         server.stop()
 

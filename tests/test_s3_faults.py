@@ -5,19 +5,14 @@ read. A store that stays away past the retry budget, or is not there at start, g
 DataUnavailableError line naming endpoint, bucket and key; permanent errors (missing or
 corrupt files) stay ValueErrors, raised at once. No message shows the credentials.
 
-The server is moto's S3 application on werkzeug's threaded server, as in moto's
-ThreadedMotoServer, except that stopping it also cuts the connections it has open, as a
-crash would: ThreadedMotoServer.stop() only closes the listening socket, and a pooled
-keep-alive connection would go on being served, hiding the outage. moto keeps its buckets
-in process-wide state, so a server started again on the same port serves the same objects.
+The server (tests/object_store.py) drops its open connections when stopped, as a crash
+would, and serves the same objects when started again on the same port.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -28,8 +23,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed")
-from werkzeug.serving import make_server  # noqa: E402  (moto[server] brings it)
+pytest.importorskip("moto.server", reason="moto[server] not installed")
+from object_store import Server, filesystem, free_port, upload  # noqa: E402
 
 from trainer.config import FeatureSpec, TaskSpec  # noqa: E402
 from trainer.config_loader import validate_features  # noqa: E402
@@ -41,43 +36,6 @@ from trainer.errors import DataUnavailableError  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "rankmix-faults"
 SECRET = "se/cr+et"  # a '/' as in real AWS secrets: written %2F in the URI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Handler(moto_server.MotoRequestHandler):
-    """moto's request handler, remembering its open connections."""
-
-    live: set[socket.socket] = set()
-
-    def setup(self) -> None:
-        super().setup()
-        self.live.add(self.connection)
-
-    def finish(self) -> None:
-        self.live.discard(self.connection)
-        super().finish()
-
-
-class Server:
-    """moto's S3 server on 127.0.0.1:`port`, whose stop() drops every connection."""
-
-    def __init__(self, port: int):
-        app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
-        self.server = make_server("127.0.0.1", port, app, threaded=True, request_handler=_Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()  # and closes the listening socket
-        self.thread.join()
-        for connection in list(_Handler.live):
-            with contextlib.suppress(OSError):  # closed meanwhile
-                connection.shutdown(socket.SHUT_RDWR)
 
 
 def uri(port: int, key: str = "train") -> str:
@@ -97,11 +55,8 @@ def store(tmp_path_factory):
         table = pa.table({"item": ids % 50, "price": ids.astype(np.float64), "click": ids % 2, "user": ids})
         pq.write_table(table, local / f"part-{i}.parquet", row_group_size=50)
         start += n
-    fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", access_key="AKIDFAULTS", secret_key=SECRET,
-                           scheme="http", region="us-east-1", allow_bucket_creation=True)
-    fs.create_dir(BUCKET)
-    pafs.copy_files(str(local), f"{BUCKET}/train", source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=fs)
+    fs = filesystem(port, "AKIDFAULTS", SECRET)
+    upload(fs, BUCKET, {local: "train"})
     with fs.open_output_stream(f"{BUCKET}/corrupt/part-0.parquet") as f:
         f.write(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
     try:
@@ -235,8 +190,6 @@ def test_retry_options_are_checked(tmp_path):
 @pytest.fixture(scope="module")
 def runs_store(store, tmp_path_factory):
     """(config with the synthetic schema, train URI, eval URI) of synthetic logs on the store."""
-    import pyarrow.fs as fs_
-
     from trainer.config_loader import dump_toml, load_config
     from trainer.data.datasets import synth_features
     from trainer.data.synth import write_synthetic
@@ -244,11 +197,10 @@ def runs_store(store, tmp_path_factory):
     port, _, _ = store
     local = tmp_path_factory.mktemp("synth")
     write_synthetic(local, rows=3_000, files=3, row_group_size=250, seed=3, num_users=200, num_items=100)
-    s3 = fs_.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", access_key="AKIDFAULTS", secret_key=SECRET,
-                          scheme="http", region="us-east-1")
+    fs = filesystem(port, "AKIDFAULTS", SECRET)
     for split in ("train", "valid"):
-        fs_.copy_files(str(local / split), f"{BUCKET}/synth/{split}", source_filesystem=fs_.LocalFileSystem(),
-                       destination_filesystem=s3)
+        pafs.copy_files(str(local / split), f"{BUCKET}/synth/{split}", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=fs)
     cfg = load_config(str(REPO / "configs" / "debug.toml"), ["--data.dataset=parquet"])
     cfg.features = synth_features()
     config = local / "parquet.toml"

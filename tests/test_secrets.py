@@ -210,26 +210,18 @@ def test_sweep_shows_and_writes_no_credentials(tmp_path):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """({split: URI with credentials in the user-info}, {split: the same URI without})."""
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] not installed")
-    import pyarrow.fs as pafs
+    pytest.importorskip("moto.server", reason="moto[server] not installed")
+    from object_store import Server, filesystem, free_port, query, upload
 
     from trainer.data.synth import write_synthetic
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = Server(free_port())
     try:
-        _, port = server.get_host_and_port()
         local = tmp_path_factory.mktemp("synth")
         write_synthetic(local, rows=3_000, files=2, row_group_size=250, seed=5, num_users=200, num_items=100)
-        fs = pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", access_key="x", secret_key="x",
-                               scheme="http", region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir("secret-test")
-        for split in ("train", "valid"):
-            pafs.copy_files(str(local / split), f"secret-test/logs/{split}",
-                            source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-        query = f"?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-        yield ({s: f"s3://{KEY}:{SECRET}@secret-test/logs/{s}{query}" for s in ("train", "valid")},
-               {s: f"s3://secret-test/logs/{s}{query}" for s in ("train", "valid")})
+        upload(filesystem(server.port), "secret-test", {local / s: f"logs/{s}" for s in ("train", "valid")})
+        yield ({s: f"s3://{KEY}:{SECRET}@secret-test/logs/{s}{query(server.port)}" for s in ("train", "valid")},
+               {s: f"s3://secret-test/logs/{s}{query(server.port)}" for s in ("train", "valid")})
     finally:
         server.stop()
 
