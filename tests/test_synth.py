@@ -234,3 +234,22 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         write_synthetic(tmp_path, **kwargs)
     assert not list(tmp_path.iterdir()), "nothing is written for bad arguments"
+
+
+def test_a_cache_made_by_two_runs_at_once_keeps_the_first_complete_one(tmp_path):
+    """Runs sharing data.cache_dir (parallel tests, two users' jobs) may both generate the
+    same folder: the one renamed second must not replace the folder the first may be reading."""
+    from trainer.data.datasets import _prepared
+
+    folder = tmp_path / "synth-100-seed0"
+
+    def make_while_another_run_finishes_first(out: Path) -> dict:
+        out.mkdir()
+        (out / "part-0.parquet").write_text("this run's")
+        folder.mkdir()  # the other run's rename lands meanwhile
+        (folder / "_SUCCESS").write_text("the other run's")
+        return {"rows": 100}
+
+    assert _prepared(folder, make_while_another_run_finishes_first) == folder
+    assert (folder / "_SUCCESS").read_text() == "the other run's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no temporary folder left

@@ -3,6 +3,7 @@ built-in ones, the feature schema that fits them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,14 +47,17 @@ def parquet(cfg: Config) -> DatasetFiles:
 
 
 def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
-    """`folder` made once by rank 0 (into a temporary folder, renamed when complete)."""
+    """`folder` made once by rank 0, into a temporary folder renamed when complete, so
+    `folder` only ever exists whole. Runs that share a cache may make it at the same time:
+    the first rename wins, and a later one never replaces a folder another run may be reading."""
     if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "_SUCCESS").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         summary = make(tmp)
         (tmp / "_SUCCESS").write_text(json.dumps(summary, indent=1, default=str))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        with contextlib.suppress(OSError):  # ENOTEMPTY: another run's folder took the name first
+            os.replace(tmp, folder)
+        shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
     return folder
