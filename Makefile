@@ -6,6 +6,10 @@ BIN    := $(VENV)/bin
 DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(DEVICE)
 ARGS   ?=
+# pytest-xdist workers: most tests wait for a subprocess to start on one core, so two pay off
+# even on 2 cores; tests/conftest.py splits the cores' threads between them.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: setup train test test-portability bench clean
 
@@ -23,15 +27,16 @@ train: setup
 	$(BIN)/rankmix train $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(PYTEST) tests $(ARGS)
 
 # Tests of trained quantities under other kernels (ATen's dispatch level) and one thread:
 # other rounding, other summation order. `make test-portability PORTABILITY_ARGS=` runs them all.
+# One pytest process, so that runs keep the machine's thread count (workers split the cores).
 PORTABILITY_ARGS ?= -m trained
 test-portability: setup
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
-	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests $(PORTABILITY_ARGS)
+	ATEN_CPU_CAPABILITY=default $(PYTEST) -n 0 tests $(PORTABILITY_ARGS)
+	ATEN_CPU_CAPABILITY=avx2 $(PYTEST) -n 0 tests $(PORTABILITY_ARGS)
+	OMP_NUM_THREADS=1 $(PYTEST) -n 0 tests $(PORTABILITY_ARGS)
 
 bench: setup
 	$(BIN)/python bench/tower.py

@@ -2,5 +2,39 @@
 CPU determinism, and its multi-rank tests start more ranks than a host may have GPUs."""
 
 import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# `make test` runs pytest-xdist workers side by side: each one's OpenMP pool, and those of the
+# runs it starts, get their share of the cores. Pools sized for the whole machine spin
+# against each other and run several times slower (docs/design.md §4.15).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """`made_once(name, make)`: a folder that `make` fills once per test session, also when
+    pytest-xdist's workers (`make test`) share the session: the first to ask makes it under a
+    file lock, the others wait for it and reuse it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' basetemps share this parent
+
+    def get(name: str, make: Callable[[Path], None]) -> Path:
+        folder = root / name
+        with FileLock(f"{folder}.lock"):
+            if not (folder / ".made").exists():
+                shutil.rmtree(folder, ignore_errors=True)  # a failed attempt's leftovers
+                folder.mkdir()
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+    return get

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainer.checkpoint import complete_steps
 
 REPO = Path(__file__).resolve().parents[1]
+STEPS = 60  # of the shared 2-rank reference, saved every 10 steps
 
 
 def rankmix(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -33,8 +34,24 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache(made_once) -> Path:
+    return made_once("checkpoint-cache", lambda folder: None)
+
+
+@pytest.fixture(scope="module")
+def reference(cache, made_once) -> Path:
+    """An uninterrupted 2-rank run of STEPS steps with synchronous saves every 10 steps, all
+    kept: what the interrupted, resumed and async-saving runs must end bitwise equal to."""
+    def make(run: Path) -> None:
+        ok(train(2, *train_args(run, cache, STEPS, "--checkpoint.interval=10", "--checkpoint.keep=0")))
+    return made_once("checkpoint-reference", make)
+
+
+def run_from(reference: Path, run: Path, *steps: int) -> Path:
+    """A run folder holding copies of the reference's checkpoints at `steps`."""
+    for step in steps:
+        shutil.copytree(reference / "checkpoints" / f"step-{step}", run / "checkpoints" / f"step-{step}")
+    return run
 
 
 def train_args(run: Path, cache: Path, steps: int, *extra: str) -> list[str]:
@@ -99,17 +116,29 @@ def losses(run: Path) -> dict[int, float]:
     return out
 
 
-@pytest.mark.parametrize("world,mode", [(1, "sync"), (2, "sync"), (2, "async")])
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(world, mode, cache, tmp_path):
+def test_resume_on_one_rank_is_bitwise_equal_to_an_uninterrupted_run(cache, tmp_path):
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    save = f"--checkpoint.async_save={mode == 'async'}".lower()
-    ok(train(world, *train_args(whole, cache, 24, "--checkpoint.interval=12", save)))
-    ok(train(world, *train_args(halves, cache, 12, save)))
+    ok(train(1, *train_args(whole, cache, 24, "--checkpoint.interval=12")))
+    ok(train(1, *train_args(halves, cache, 12)))
     assert complete_steps(halves / "checkpoints") == [12]
-    resumed = ok(train(world, *train_args(halves, cache, 24, save)))
+    resumed = ok(train(1, *train_args(halves, cache, 24)))
     assert f"resumed from {halves / 'checkpoints' / 'step-12'} at step 12" in resumed.stdout
     assert_same_state(whole / "checkpoints" / "step-24", halves / "checkpoints" / "step-24", tmp_path)
     assert losses(halves) == losses(whole) and len(losses(whole)) == 24
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_run(mode, reference, cache, tmp_path):
+    """Asynchronous saves also end bitwise equal to the synchronously saved reference."""
+    halves, half = tmp_path / "halves", STEPS // 2
+    save = f"--checkpoint.async_save={mode == 'async'}".lower()
+    ok(train(2, *train_args(halves, cache, half, save)))
+    assert complete_steps(halves / "checkpoints") == [half]
+    resumed = ok(train(2, *train_args(halves, cache, STEPS, save)))
+    assert f"resumed from {halves / 'checkpoints' / f'step-{half}'} at step {half}" in resumed.stdout
+    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", halves / "checkpoints" / f"step-{STEPS}",
+                      tmp_path)
+    assert losses(halves) == losses(reference) and len(losses(reference)) == STEPS
 
 
 def _children(pid: int) -> list[int]:
@@ -124,16 +153,14 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(cache, tmp_path):
-    steps, args = 100, ("--checkpoint.interval=10",)
-    ok(train(2, *train_args(tmp_path / "reference", cache, steps, *args)))
+def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(reference, cache, tmp_path):
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2",
-                             "--max-restarts", "1", *train_args(run, cache, steps, *args)],
+                             "--max-restarts", "1", *train_args(run, cache, STEPS, "--checkpoint.interval=10")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "step-30" / ".metadata").exists():
+        while not (run / "checkpoints" / "step-20" / ".metadata").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "training ended before the kill"
             time.sleep(0.02)
         workers = _children(proc.pid)
@@ -144,22 +171,18 @@ def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(cache, tmp_p
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in out  # the restarted workers picked up the newest checkpoint
-    assert_same_state(tmp_path / "reference" / "checkpoints" / f"step-{steps}",
-                      run / "checkpoints" / f"step-{steps}", tmp_path)
-    assert losses(run) == losses(tmp_path / "reference")
+    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}", tmp_path)
+    assert losses(run) == losses(reference)
 
 
-def test_kill_during_save_resumes_from_previous_and_saves_again(cache, tmp_path):
-    run = tmp_path / "run"
-    ok(train(2, *train_args(run, cache, 20, "--checkpoint.interval=10")))
+def test_kill_during_save_resumes_from_previous_and_saves_again(reference, cache, tmp_path):
+    run = run_from(reference, tmp_path / "run", 10, 20)
     # What SIGKILL inside dcp.save leaves: data files written, no .metadata yet.
     (run / "checkpoints" / "step-20" / ".metadata").unlink()
     assert complete_steps(run / "checkpoints") == [10]
     resumed = ok(train(2, *train_args(run, cache, 20, "--checkpoint.interval=10"), timeout=120))
     assert f"resumed from {run / 'checkpoints' / 'step-10'} at step 10" in resumed.stdout
     assert complete_steps(run / "checkpoints") == [10, 20]  # step-20 written again, no deadlock
-    reference = tmp_path / "reference"
-    ok(train(2, *train_args(reference, cache, 20, "--checkpoint.interval=10")))
     assert_same_state(reference / "checkpoints" / "step-20", run / "checkpoints" / "step-20", tmp_path)
 
 
@@ -191,9 +214,8 @@ def test_row_wise_on_two_ranks_loads_into_table_wise_on_one(cache, tmp_path):
         assert torch.allclose(loaded[f"model.{key}"], value, atol=1e-20), key
 
 
-def test_world_size_change_mid_epoch_is_refused_unless_asked(cache, tmp_path):
-    run = tmp_path / "run"
-    ok(train(2, *train_args(run, cache, 10)))
+def test_world_size_change_mid_epoch_is_refused_unless_asked(reference, cache, tmp_path):
+    run = run_from(reference, tmp_path / "run", 10)
     refused = train(1, *train_args(run, cache, 20))
     assert refused.returncode == 2
     assert (f"{run / 'checkpoints' / 'step-10'} was saved at world size 2 in the middle of epoch 0 (batch 10); "
