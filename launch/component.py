@@ -3,18 +3,24 @@
     torchx run -s local_cwd launch/component.py:train --nproc_per_node 2 --config configs/debug.toml
     torchx run -s slurm launch/component.py:train --nnodes 4 --nproc_per_node 8 --gpu 8 \\
         --config configs/criteo_1tb.toml -- --train.steps=100000
-    torchx run -s kubernetes launch/component.py:train --image REGISTRY/rankmix:TAG --nnodes 2 ...
+    torchx run -s kubernetes launch/component.py:train --image REGISTRY/rankmix:TAG --python python3 ...
 
-Each node runs `torchrun --nnodes N --nproc_per_node M -m launch.cli train ...` with c10d
-rendezvous (torchx's own dist.ddp); the scheduler chooses the hosts.
+Each node runs `PYTHON -m torch.distributed.run --nnodes N --nproc_per_node M -m launch.cli
+train ...` with c10d rendezvous (torchx's own dist.ddp); the scheduler chooses the hosts.
+PYTHON is the interpreter that holds rankmix, so the job never depends on a `torchrun` that
+the node's PATH may not have.
 """
 
 # torchx's component linter reads annotations as written: no `from __future__ import
 # annotations`, and Optional / Dict rather than `X | None` / `dict`.
+import shlex
+import sys
 from typing import Dict, Optional
 
 import torchx.specs as specs
 from torchx.components.dist import ddp
+
+from trainer.credentials import has_credentials, redact_uri
 
 
 def train(
@@ -26,6 +32,7 @@ def train(
     gpu: int = 0,
     memMB: int = 8192,
     image: str = ".",
+    python: str = sys.executable,
     name: str = "rankmix",
     max_retries: int = 0,
     env: Optional[Dict[str, str]] = None,
@@ -42,13 +49,22 @@ def train(
         gpu: GPUs per host
         memMB: memory per host in MB
         image: container image (Slurm and local_cwd: the working directory holding the repo)
+        python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a container image, its own, e.g. python3)
         name: job name
         max_retries: times the scheduler restarts a failed job
         env: extra environment variables
         rdzv_port: c10d rendezvous port on the first host
     """
-    return ddp(
-        "train", "--config", config, *overrides,
-        m="launch.cli", image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB,
-        j=f"{nnodes}x{nproc_per_node}", env=env, max_retries=max_retries, rdzv_port=rdzv_port,
-    )
+    for option in overrides:
+        if has_credentials(option):
+            raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
+                             "spec; give them to the job as AWS_* environment variables or a secret")
+    app = ddp("train", "--config", config, *overrides,
+              m="launch.cli", image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB,
+              j=f"{nnodes}x{nproc_per_node}", env=env, max_retries=max_retries, rdzv_port=rdzv_port)
+    role = app.roles[0]
+    # ddp's command line starts with a bare `torchrun`, looked up on the node's PATH.
+    flag, command = role.args
+    assert flag == "-c" and command.startswith("torchrun "), role.args
+    role.args = [flag, f"{shlex.quote(python)} -m torch.distributed.run {command[len('torchrun '):]}"]
+    return app

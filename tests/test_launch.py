@@ -21,11 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONWARNINGS": "ignore"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+def bare_env() -> dict[str, str]:
+    """A shell's environment without the virtual environment: no .venv/bin on PATH, no
+    VIRTUAL_ENV, no torchrun variables. What a scheduler's node or a new terminal has."""
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != BIN.resolve()]
+    env = {**os.environ, "PATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
+    for var in ("VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=bare_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def last_json(text: str) -> dict:
@@ -65,6 +72,8 @@ def test_torchrun_with_uneven_files_finishes_on_every_rank(uneven, tmp_path):
 
 
 def test_torchx_local_run_with_two_processes(tmp_path):
+    """As the README types it, from a shell where the environment is not activated: the job
+    starts the interpreter that runs torchx, not a `torchrun` looked up on PATH."""
     proc = run(str(BIN / "torchx"), "run", "--workspace", "", "-s", "local_cwd", "launch/component.py:train",
                "--nproc_per_node", "2", "--config", "configs/debug.toml", "--",
                f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
@@ -86,15 +95,26 @@ def test_slurm_job_spec(tmp_path):
     assert script.count("--gpus-per-task=8") == 2 and "--mem=65536" in script and "--cpus-per-task=32" in script
     assert ("--nnodes 2 --nproc_per_node 8" in script and "--rdzv_backend c10d" in script)
     assert "-m launch.cli train --config configs/movielens.toml --train.steps=100" in script
+    assert f"{sys.executable} -m torch.distributed.run --rdzv_backend" in script and "torchrun" not in script
 
 
 def test_kubernetes_job_spec():
     proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "kubernetes",
                "launch/component.py:train", "--image", "registry.example/rankmix:1", "--nnodes", "2",
-               "--nproc_per_node", "4", "--gpu", "4")
+               "--nproc_per_node", "4", "--gpu", "4", "--python", "python3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec = proc.stdout
     assert "kind: Job" in spec and "apiVersion: batch.volcano.sh/v1alpha1" in spec
     assert spec.count("image: registry.example/rankmix:1") == 2
     assert spec.count("nvidia.com/gpu: '4'") == 4  # limits and requests of both pods
     assert "--nnodes 2 --nproc_per_node 4" in spec and "-m launch.cli train --config configs/debug.toml" in spec
+    assert "python3 -m torch.distributed.run" in spec  # the image's interpreter
+
+
+def test_credentials_never_go_into_a_job_spec():
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "slurm",
+               "launch/component.py:train", "--", "--data.train_path=s3://AKID:s3cr3t@bucket/train")
+    assert proc.returncode != 0
+    assert ("--data.train_path=s3://***@bucket/train: credentials in a URI would be written into the job spec; "
+            "give them to the job as AWS_* environment variables or a secret") in proc.stderr
+    assert "s3cr3t" not in proc.stdout + proc.stderr
