@@ -57,10 +57,17 @@ def recorded(command):
     return run
 
 
+OVERRIDES_ENV = "RANKMIX_OVERRIDES"
+
+
 def config_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(--config file, ['--section.key=value', ...]) from train-style arguments."""
+    """(--config file, ['--section.key=value', ...]) from train-style arguments, followed by
+    those in $RANKMIX_OVERRIDES, which come last and so win: a way to change every run a
+    script or a README block starts (the README test shortens them all with it)."""
+    import shlex
+
     config_path, overrides = None, []
-    it = iter(argv)
+    it = iter([*argv, *shlex.split(os.environ.get(OVERRIDES_ENV, ""))])
     for arg in it:
         if arg == "--config":
             config_path = next(it, None)
@@ -83,7 +90,8 @@ def train(argv: list[str]) -> int:
     from trainer.config_loader import describe, load_config
 
     if "-h" in argv or "--help" in argv:
-        print("rankmix train [--config F.toml] [--section.key=value ...]\n\nOptions:")
+        print("rankmix train [--config F.toml] [--section.key=value ...]\n\n"
+              f"${OVERRIDES_ENV}: more --section.key=value options, applied after these.\n\nOptions:")
         print("\n".join(describe()))
         return 0
     cfg = load_config(*config_args(argv))

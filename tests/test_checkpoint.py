@@ -224,6 +224,15 @@ def test_world_size_change_mid_epoch_is_refused_unless_asked(reference, cache, t
     assert "at step 10" in moved.stdout and complete_steps(run / "checkpoints")[-1] == 12
 
 
+def test_a_run_folder_of_another_model_is_a_one_line_error(reference, cache, tmp_path):
+    run = run_from(reference, tmp_path / "run", 10)
+    proc = train(1, *train_args(run, cache, 20, "--model.num_layers=3"))
+    assert proc.returncode == 2
+    assert (f"rankmix: error: {run / 'checkpoints' / 'step-10'} does not fit this run (Missing key in checkpoint "
+            "state_dict: model.tower.blocks.2.") in proc.stderr
+    assert "Give this run a folder of its own (--train.run_dir)" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(cache, tmp_path):
     run = tmp_path / "run"
     proc = train(2, *train_args(run, cache, 30, "--checkpoint.interval=1", "--optim.lr=1e30"))

@@ -70,7 +70,8 @@ def test_pipeline_with_evaluation_trains_exactly_like_the_plain_loop(tmp_path, c
 
 @pytest.mark.trained
 def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir):
-    common = ("--train.epochs=2", f"--data.cache_dir={cache_dir}", "--metrics.progress=false")
+    # One epoch: over seeds 0 and 1 the gaps were 0.047 and 0.068 AUC, 0.057 and 0.070 UAUC.
+    common = ("--train.epochs=1", f"--data.cache_dir={cache_dir}", "--metrics.progress=false")
     rm = summary_of(rankmix("train", *common, f"--train.run_dir={tmp_path / 'rm'}"))
     lr = summary_of(rankmix("train", *common, "--model.tower=logreg", f"--train.run_dir={tmp_path / 'lr'}"))
     assert rm["auc"] > lr["auc"] + 0.03, (rm["auc"], lr["auc"])

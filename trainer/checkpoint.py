@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
 from trainer.config import CheckpointConfig
@@ -180,3 +180,8 @@ def load(path: Path, parts: dict[str, Any]) -> None:
         dcp.load(parts, checkpoint_id=str(path), planner=LoadPlanner())
     except ValueError as e:
         raise ValueError(f"{path} {e}") from None
+    except CheckpointException as e:  # a rank's plan failed: the checkpoint is of another model
+        first = next(iter(e.failures.values()))[0]
+        raise ValueError(f"{path} does not fit this run ({str(first).strip()}): it was saved by another model or "
+                         "configuration. Give this run a folder of its own (--train.run_dir), or "
+                         "set checkpoint.resume=false to start afresh in this one") from None

@@ -1,0 +1,145 @@
+"""The README's shell blocks, run as a new user types them.
+
+Every ```sh block runs as one bash script, verbatim, in README order, from a checkout's root
+(a scratch copy whose files link to this one's, so that `runs/` and `.cache/` land in the
+scratch folder), in a shell without the virtual environment: no .venv/bin on PATH, no
+VIRTUAL_ENV. $RANKMIX_OVERRIDES (see the README) shortens every training to a few steps.
+
+A block after a `<!-- readme-test: not run here: REASON -->` line (clusters, GPUs, real
+object stores, placeholders such as DIR) is not run; each of its commands is still parsed,
+and every option it names must be one that the command's own --help lists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_launch import bare_env
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MARKER = re.compile(r"<!-- readme-test: not run here: (.+?) -->")
+# What the runnable blocks' trainings are cut to; the README names this variable.
+OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --metrics.tensorboard=false "
+             "--metrics.eval_batches=2")
+# A command a block may hold that the test leaves out, and why.
+LEFT_OUT = {"make test": "the test suite itself"}
+
+
+def blocks() -> list[tuple[int, str, str | None]]:
+    """(line, text, why not run or None) of every ```sh block."""
+    lines = README.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```sh":
+            end = lines.index("```", i + 1)
+            marker = MARKER.search(lines[i - 1]) if i else None
+            out.append((i + 1, "\n".join(lines[i + 1:end]), marker.group(1) if marker else None))
+            i = end
+        i += 1
+    return out
+
+
+def commands(text: str) -> list[list[str]]:
+    """The block's commands as argument lists: continuation lines joined, comments dropped."""
+    joined = text.replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in joined.splitlines() if shlex.split(line, comments=True)]
+
+
+@functools.cache
+def help_text(*command: str) -> str:
+    proc = subprocess.run([*command, "--help"], cwd=REPO, env=bare_env(), capture_output=True, text=True,
+                          timeout=120)
+    return proc.stdout + proc.stderr
+
+
+def option_checks(argv: list[str]) -> list[tuple[list[str], str]]:
+    """(options, the --help text that must list them) for `argv`: `rankmix launch` and
+    `torchrun -m launch.cli train` pass what they do not know on to `rankmix train`."""
+    venv = str(Path(sys.executable).parent)
+    program = Path(argv[0]).name
+    train = help_text(f"{venv}/rankmix", "train")
+    if program == "rankmix":
+        sub = argv[1:3] if argv[1] == "data" else argv[1:2]
+        own = help_text(f"{venv}/rankmix", *sub)
+        return [(options(argv), own + train if sub == ["launch"] else own)]
+    if program == "torchrun":
+        split = argv.index("-m")
+        return [(options(argv[:split]), help_text(f"{venv}/torchrun")), (options(argv[split + 1:]), train)]
+    if program == "torchx":
+        component = next(a for a in argv if a.endswith(".py:train"))
+        return [(options(argv), help_text(f"{venv}/torchx", "run")
+                 + help_text(f"{venv}/torchx", "run", "-s", "local_cwd", component))]
+    return []
+
+
+def options(argv: list[str]) -> list[str]:
+    """The `--name` options of `argv`, without their values (and without what follows `--`)."""
+    names = []
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg.startswith("--") and arg != "--help":
+            names.append(arg.split("=", 1)[0])
+    return names
+
+
+def listed(option: str, text: str) -> bool:
+    name = option.lstrip("-")
+    return re.search(rf"(^|[\s\[,]){re.escape(option)}\b", text, re.M) is not None or \
+        re.search(rf"(^|\s){re.escape(name)}\b", text, re.M) is not None  # rankmix train lists keys bare
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A scratch checkout: every tracked top-level entry and .venv linked to this one, and
+    ../shared beside it, so that relative paths resolve as they do here."""
+    root = tmp_path_factory.mktemp("readme")
+    repo = root / "rankmix"
+    repo.mkdir()
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for top in {line.split("/", 1)[0] for line in tracked.splitlines()}:
+        (repo / top).symlink_to(REPO / top)
+    (repo / ".venv").symlink_to(Path(sys.executable).parents[1])  # the environment running the tests
+    if (REPO.parent / "shared").exists():
+        (root / "shared").symlink_to(REPO.parent / "shared")
+    return repo
+
+
+def test_every_block_is_run_or_says_why_not():
+    found = blocks()
+    assert len(found) > 10 and any(why is None for _, _, why in found)
+    for line, text, why in found:
+        assert why is None or len(why) > 10, f"README.md:{line}: say why the block is not run"
+
+
+def test_options_of_blocks_not_run_exist():
+    for line, text, why in blocks():
+        if why is None:
+            continue
+        for argv in commands(text):
+            for names, text_of_help in option_checks(argv):
+                for option in names:
+                    assert listed(option, text_of_help), \
+                        f"README.md:{line}: {' '.join(argv[:3])} has no option {option}"
+
+
+@pytest.mark.slow
+def test_runnable_blocks_run_verbatim(checkout):
+    env = {**bare_env(), "RANKMIX_OVERRIDES": OVERRIDES}
+    for line, text, why in blocks():
+        if why is not None:
+            continue
+        script = "\n".join(row for row in text.splitlines()
+                           if not any(row.strip().startswith(cmd) for cmd in LEFT_OUT))
+        proc = subprocess.run(["bash", "-e", "-c", script], cwd=checkout, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, f"README.md:{line}:\n{script}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
