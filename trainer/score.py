@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dense.hooks import TrainingHooks
 from dense.model import build_model
 from embeddings.sharding import shard_model
 from trainer import checkpoint
@@ -24,6 +25,7 @@ from trainer.data.encode import RowEncoder
 from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics import task_metrics
+from trainer.state import ModelState
 
 
 def find_config(path: str) -> Path:
@@ -44,11 +46,9 @@ class Scorer:
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.tasks = [t.name for t in cfg.model.tasks]
-        model = build_model(cfg)  # scoring runs the tower in fp32
-        self.tower = model.tower
-        self.model = shard_model(model, cfg.embeddings, self.env.device)
+        self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
         source = checkpoint.resolve_load_path(checkpoint_path)
-        checkpoint.load(source, {"model": self.model.state_dict()})
+        checkpoint.load(source, {"model": ModelState(self.model)})
         self.model.eval()
 
     def score(self, data: str, out: str, batch_size: int, keep: list[str]) -> dict:
@@ -75,8 +75,8 @@ class Scorer:
         if labelled and rows:
             summary.update(task_metrics(torch.cat(logits), torch.cat(labels), torch.cat(users), self.tasks,
                                         with_uauc=bool(user)))
-        if callable(getattr(self.tower, "log_values", None)):  # the MoE's routing at inference
-            summary.update({k: v for k, v in self.tower.log_values("eval").items() if k.count("/") == 1})
+        for hook in TrainingHooks.of(self.model).metrics:  # the MoE's routing at inference
+            summary.update({k: v for k, v in hook("eval").items() if k.count("/") == 1})
         return summary
 
     @torch.no_grad()
