@@ -253,3 +253,16 @@ def test_time_interval_saves_agree_across_ranks(cache, tmp_path):
     ok(train(2, *train_args(run, cache, 8, "--checkpoint.interval_minutes=0.0001", "--checkpoint.keep=0"),
              timeout=180))
     assert len(complete_steps(run / "checkpoints")) >= 4
+
+
+@pytest.mark.parametrize("optimizer,state_shape", [("adagrad", lambda rows, dim: (rows, dim)),
+                                                   ("rowwise_adagrad", lambda rows, dim: (rows,))])
+def test_the_sparse_optimizer_is_the_one_configured(optimizer, state_shape, cache, tmp_path):
+    """FBGEMM's fused kernel really runs row-wise Adagrad when asked (configs/criteo_1tb.toml
+    does): its accumulator has one value per row, 1/dim of plain Adagrad's."""
+    run = tmp_path / "run"
+    ok(train(1, *train_args(run, cache, 2, f"--embeddings.optimizer={optimizer}")))
+    state = tensors(run / "checkpoints" / "step-2", tmp_path)
+    weight = state["model.ebc.embedding_bags.item.weight"]
+    accumulator = state["optim.state.sparse.ebc.embedding_bags.item.weight.item.momentum1"]
+    assert tuple(accumulator.shape) == state_shape(*weight.shape)
