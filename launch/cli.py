@@ -8,6 +8,8 @@ r"""`rankmix`: train, and convert or generate data.
         [--keep COLS|*] [--section.key=value ...]
     rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
+    rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
+        [--local-world-size N] [--section.key=value ...]
     rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
@@ -246,13 +248,34 @@ def data(argv: list[str]) -> int:
 
 
 
+def plan(argv: list[str]) -> int:
+    """Whether a config fits a cluster: sharding plan, per-rank memory, all-to-all bytes."""
+    parser = argparse.ArgumentParser(prog="rankmix plan", epilog="other --section.key=value options override "
+                                     "the config; nothing is allocated")
+    parser.add_argument("--world-size", type=int, required=True, help="devices (ranks) in all")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--hbm-gb", type=float, default=0.0, help="memory per GPU")
+    parser.add_argument("--ddr-gb", type=float, default=512.0, help="host memory per rank")
+    parser.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: 8, or fewer)")
+    args, rest = parser.parse_known_args(argv)
+    from launch.plan import plan_cluster
+    from trainer.config_loader import load_config
+
+    cfg = load_config(*config_args(rest), allow_redacted=True)  # plans read no data
+    local = args.local_world_size or min(args.world_size, 8)
+    result = plan_cluster(cfg, args.world_size, args.device, args.hbm_gb, args.ddr_gb, local)
+    print(result.text)
+    return 0 if result.fits else 1
+
+
 def sweep(argv: list[str]) -> int:
     """Scaling curves (launch/sweep.py, imported only when used)."""
     from launch.sweep import sweep as run_sweep
     return run_sweep(argv)
 
 
-COMMANDS = {"train": recorded(train), "launch": launch, "export": export, "score": score, "sweep": sweep, "data": data}
+COMMANDS = {"train": recorded(train), "launch": launch, "export": export, "score": score, "sweep": sweep,
+            "data": data, "plan": plan}
 
 if __name__ == "__main__":
     sys.exit(main())

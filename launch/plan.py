@@ -1,0 +1,115 @@
+"""`rankmix plan`: does a config fit a cluster? Answered before anything is submitted.
+
+TorchRec's planner shards the config's tables for `world_size` devices of the given memory,
+on the meta device (no table is allocated), with the config's sharding types and fused
+kernel. Per rank this reports the table bytes and the fused optimizer's state (Adagrad: one
+accumulator per weight; row-wise Adagrad: one per row), TorchRec's own storage estimate
+(tables, optimizer, input and output buffers), the replicated dense tower with its gradient
+and RMSProp state, and the all-to-all bytes of one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.config import Config
+
+GB = 2**30
+
+
+@dataclass
+class RankMemory:
+    """One rank's bytes."""
+
+    tables: int
+    optimizer: int
+    estimate: int  # TorchRec's storage estimate of the rank's shards (HBM + DDR)
+
+
+@dataclass
+class ClusterPlan:
+    """What `rankmix plan` prints (`text`), and the per-rank bytes behind it."""
+
+    text: str
+    memory: list[RankMemory]
+    fits: bool
+
+
+def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_gb: float,
+                 local_world_size: int) -> ClusterPlan:
+    """The plan, per-rank memory, all-to-all traffic and the verdict."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner.types import PlannerError
+
+    from dense.model import build_dense
+    from embeddings.sharding import FUSED
+    from embeddings.tables import build_embedding_bags
+
+    if world_size < 1 or world_size % local_world_size:
+        raise ValueError(f"--world-size {world_size} is not a multiple of --local-world-size {local_world_size}")
+    if device == "cuda" and not hbm_gb:
+        raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
+    if not cfg.features:
+        raise ValueError("features is empty: give the config's [[features]] schema")
+    ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device
+    holder = nn.Module()
+    holder.ebc = ebc
+    kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
+    constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
+                   for t in ebc.embedding_bag_configs()}
+    topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
+                        hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
+    batch = cfg.data.global_batch_size // world_size if cfg.data.global_batch_size else cfg.data.batch_size
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
+    try:
+        plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
+    except PlannerError as e:
+        return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
+    memory = _rank_memory(planner._best_plan, world_size, cfg.embeddings.optimizer)
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
+    # weights, gradients and RMSProp's square average (plus its momentum buffer when used), fp32
+    dense = dense_params * 4 * (3 + (cfg.optim.momentum > 0))
+    capacity = (hbm_gb if device == "cuda" else ddr_gb) * GB
+    lines = [f"{world_size} x {device} ({local_world_size} per host), "
+             + (f"HBM {hbm_gb:g} GB, " if device == "cuda" else "") + f"DDR {ddr_gb:g} GB each; "
+             f"{batch} rows per rank and step", "", str(plan), "",
+             f"{'rank':>4} {'tables GB':>10} {'optimizer GB':>13} {'dense GB':>9} {'TorchRec estimate GB':>21} "
+             f"{'free GB':>8}"]
+    for rank, m in enumerate(memory):
+        lines.append(f"{rank:>4} {m.tables / GB:>10.3f} {m.optimizer / GB:>13.3f} {dense / GB:>9.3f} "
+                     f"{m.estimate / GB:>21.3f} {(capacity - m.estimate - dense) / GB:>8.2f}")
+    pooled, ids = _all_to_all_bytes(cfg, ebc, batch, world_size)
+    lines += ["", f"all-to-all per rank and step: pooled embeddings {pooled / 2**20:.1f} MB forward and "
+              f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB",
+              f"dense tower and heads: {dense_params:,} parameters, replicated"]
+    worst = max(m.estimate for m in memory) + dense
+    lines.append(f"fits: {'yes' if worst <= capacity else 'no'} (fullest rank {worst / GB:.2f} GB of "
+                 f"{capacity / GB:g} GB)")
+    return ClusterPlan("\n".join(lines), memory, worst <= capacity)
+
+
+def _rank_memory(options: list, world_size: int, optimizer: str) -> list[RankMemory]:
+    """Bytes per rank from the planner's chosen sharding options (fp32 tables)."""
+    memory = [RankMemory(0, 0, 0) for _ in range(world_size)]
+    for option in options:
+        for shard in option.shards:
+            rows, cols = shard.size
+            m = memory[shard.rank]
+            m.tables += rows * cols * 4
+            m.optimizer += rows * 4 * (1 if optimizer == "rowwise_adagrad" else cols)
+            m.estimate += shard.storage.hbm + shard.storage.ddr
+    return memory
+
+
+def _all_to_all_bytes(cfg: Config, ebc: nn.Module, batch: int, world_size: int) -> tuple[int, int]:
+    """(pooled-embedding bytes, id bytes) a rank exchanges per step: each of its rows needs every
+    feature's pooled vector, of which the shards on other ranks hold (W-1)/W on balance."""
+    remote = (world_size - 1) / world_size
+    dims = sum(t.embedding_dim * len(t.feature_names) for t in ebc.embedding_bag_configs())
+    id_features = sum(len(t.feature_names) for t in ebc.embedding_bag_configs())
+    return int(batch * dims * 4 * remote), int(batch * id_features * 8 * remote)
+
