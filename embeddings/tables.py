@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from trainer.config import EmbeddingsConfig, FeatureSpec
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
 def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
@@ -43,7 +44,10 @@ def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
 def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingBagCollection:
     """An EmbeddingBagCollection on the meta device (DMP materialises only local shards),
     its parameters marked for the fused optimizer that runs inside the backward pass."""
-    ebc = EmbeddingBagCollection(tables=table_configs(features), device=torch.device("meta"))
+    tables = table_configs(features)
+    for table in tables:
+        table.data_type = _DATA_TYPES[cfg.data_type]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     optimizer = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[cfg.optimizer]
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})
     return ebc

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.config import Config
+from trainer.config import Config, EmbeddingsConfig
 
 GB = 2**30
 
@@ -68,7 +68,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
         plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
     except PlannerError as e:
         return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
-    memory = _rank_memory(planner._best_plan, world_size, cfg.embeddings.optimizer)
+    memory = _rank_memory(planner._best_plan, world_size, cfg.embeddings)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
     # weights, gradients and RMSProp's square average (plus its momentum buffer when used), fp32
@@ -92,15 +92,16 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     return ClusterPlan("\n".join(lines), memory, worst <= capacity)
 
 
-def _rank_memory(options: list, world_size: int, optimizer: str) -> list[RankMemory]:
-    """Bytes per rank from the planner's chosen sharding options (fp32 tables)."""
+def _rank_memory(options: list, world_size: int, cfg: EmbeddingsConfig) -> list[RankMemory]:
+    """Bytes per rank from the planner's chosen sharding options (the optimizer state is fp32)."""
+    weight_bytes = {"fp32": 4, "fp16": 2}[cfg.data_type]
     memory = [RankMemory(0, 0, 0) for _ in range(world_size)]
     for option in options:
         for shard in option.shards:
             rows, cols = shard.size
             m = memory[shard.rank]
-            m.tables += rows * cols * 4
-            m.optimizer += rows * 4 * (1 if optimizer == "rowwise_adagrad" else cols)
+            m.tables += rows * cols * weight_bytes
+            m.optimizer += rows * 4 * (1 if cfg.optimizer == "rowwise_adagrad" else cols)
             m.estimate += shard.storage.hbm + shard.storage.ddr
     return memory
 

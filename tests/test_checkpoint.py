@@ -255,14 +255,19 @@ def test_time_interval_saves_agree_across_ranks(cache, tmp_path):
     assert len(complete_steps(run / "checkpoints")) >= 4
 
 
-@pytest.mark.parametrize("optimizer,state_shape", [("adagrad", lambda rows, dim: (rows, dim)),
-                                                   ("rowwise_adagrad", lambda rows, dim: (rows,))])
-def test_the_sparse_optimizer_is_the_one_configured(optimizer, state_shape, cache, tmp_path):
+@pytest.mark.parametrize("optimizer,data_type", [("adagrad", "fp32"), ("rowwise_adagrad", "fp32"),
+                                                 ("adagrad", "fp16")])
+def test_the_sparse_optimizer_and_table_type_are_the_ones_configured(optimizer, data_type, cache, tmp_path):
     """FBGEMM's fused kernel really runs row-wise Adagrad when asked (configs/criteo_1tb.toml
-    does): its accumulator has one value per row, 1/dim of plain Adagrad's."""
+    does): its accumulator has one value per row, 1/dim of plain Adagrad's. fp16 tables hold
+    half-precision weights; the accumulator stays fp32."""
     run = tmp_path / "run"
-    ok(train(1, *train_args(run, cache, 2, f"--embeddings.optimizer={optimizer}")))
+    ok(train(1, *train_args(run, cache, 2, f"--embeddings.optimizer={optimizer}",
+                            f"--embeddings.data_type={data_type}")))
     state = tensors(run / "checkpoints" / "step-2", tmp_path)
     weight = state["model.ebc.embedding_bags.item.weight"]
     accumulator = state["optim.state.sparse.ebc.embedding_bags.item.weight.item.momentum1"]
-    assert tuple(accumulator.shape) == state_shape(*weight.shape)
+    rows, dim = weight.shape
+    assert tuple(accumulator.shape) == ((rows,) if optimizer == "rowwise_adagrad" else (rows, dim))
+    assert weight.dtype == {"fp32": torch.float32, "fp16": torch.float16}[data_type]
+    assert accumulator.dtype == torch.float32

@@ -16,10 +16,11 @@ from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
-def small_config(optimizer: str):
+def small_config(optimizer: str, data_type: str = "fp32"):
     """The synthetic schema with two tables big enough that the planner's input and output
     buffers (batch x dims) are a small part of its estimate."""
-    cfg = load_config(None, [f"--embeddings.optimizer={optimizer}", "--data.batch_size=32"])
+    cfg = load_config(None, [f"--embeddings.optimizer={optimizer}", f"--embeddings.data_type={data_type}",
+                             "--data.batch_size=32"])
     cfg.features = synth_features()
     for feature in cfg.features:
         if feature.table in ("user_id", "item"):
@@ -27,7 +28,7 @@ def small_config(optimizer: str):
     return cfg
 
 
-def _measure(rank: int, port: int, optimizer: str, out: str) -> None:
+def _measure(rank: int, port: int, optimizer: str, data_type: str, out: str) -> None:
     """This rank's bytes of sharded tables and of the fused optimizer's state."""
     import torch
     import torch.distributed as dist
@@ -37,7 +38,7 @@ def _measure(rank: int, port: int, optimizer: str, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    cfg = small_config(optimizer)
+    cfg = small_config(optimizer, data_type)
     model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
     tables = sum(t.numel() * t.element_size() for key, value in model.state_dict().items()
                  if ".embedding_bags." in key for t, _ in local_shards(value))
@@ -48,12 +49,13 @@ def _measure(rank: int, port: int, optimizer: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
-def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, tmp_path):
-    mp.spawn(_measure, args=(free_port(), optimizer, str(tmp_path)), nprocs=2)
+@pytest.mark.parametrize("optimizer,data_type", [("adagrad", "fp32"), ("rowwise_adagrad", "fp32"),
+                                                 ("rowwise_adagrad", "fp16")])
+def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, data_type, tmp_path):
+    mp.spawn(_measure, args=(free_port(), optimizer, data_type, str(tmp_path)), nprocs=2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     tables, optim = (sum(m[k] for m in measured) for k in ("tables", "optimizer"))
-    plan = plan_cluster(small_config(optimizer), 2, "cpu", 0.0, 24.0, 2)
+    plan = plan_cluster(small_config(optimizer, data_type), 2, "cpu", 0.0, 24.0, 2)
     assert sum(m.tables for m in plan.memory) == tables
     assert sum(m.optimizer for m in plan.memory) == optim
     estimate = sum(m.estimate for m in plan.memory)

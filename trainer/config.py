@@ -124,6 +124,8 @@ class EmbeddingsConfig:
     """Sparse learning rate."""
     eps: float = 1e-8
     """Adagrad epsilon."""
+    data_type: str = "fp32"
+    """Table weights: fp32 | fp16 (half the memory; the optimizer state stays fp32)."""
     plan: str = "auto"
     """Registered sharding plan builder (auto: TorchRec's planner)."""
     sharding_types: list[str] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))

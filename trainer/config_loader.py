@@ -243,6 +243,7 @@ def validate(cfg: Config) -> None:
         if kind not in SPARSE_SHARDING_TYPES:
             raise ValueError(f"embeddings.table_sharding.{table}={kind!r}; choose from {SPARSE_SHARDING_TYPES}")
     _check_choice(cfg, "embeddings.optimizer", ("adagrad", "rowwise_adagrad"))
+    _check_choice(cfg, "embeddings.data_type", ("fp32", "fp16"))
     bad = [t for t in cfg.embeddings.sharding_types if t not in SPARSE_SHARDING_TYPES]
     if bad or not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types: {bad or 'empty'}; choose from {SPARSE_SHARDING_TYPES}")
