@@ -89,8 +89,15 @@ def single(data_dir, tmp_path_factory) -> dict:
     return train(1, [f"--data.batch_size={2 * ROWS_PER_GROUP}", *EXTRA], data_dir, out)
 
 
+@pytest.fixture(scope="module")
+def initial(data_dir, tmp_path_factory) -> dict:
+    """The weights before any step (1 rank, table-wise)."""
+    out = tmp_path_factory.mktemp("initial") / "w.pt"
+    return train(1, [f"--data.batch_size={2 * ROWS_PER_GROUP}", *EXTRA], data_dir, out, steps=0)
+
+
 @pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise"])
-def test_two_ranks_match_one_rank_with_twice_the_batch(plan, data_dir, single, tmp_path):
+def test_two_ranks_match_one_rank_with_twice_the_batch(plan, data_dir, single, initial, tmp_path):
     two = train(2, [f"--data.global_batch_size={2 * ROWS_PER_GROUP}", f"--embeddings.plan={plan}", *EXTRA],
                 data_dir, tmp_path / "w.pt")
     assert plan in two["plan"]
@@ -101,12 +108,11 @@ def test_two_ranks_match_one_rank_with_twice_the_batch(plan, data_dir, single, t
         assert torch.allclose(two["weights"][key], value, atol=1e-5), key
     # and training moved the weights: the comparison is not between two initial states
     table = "ebc.embedding_bags.user_id.weight"
-    initial = train(1, [f"--data.batch_size={2 * ROWS_PER_GROUP}", *EXTRA], data_dir, tmp_path / "init.pt", steps=0)
     assert not torch.allclose(single["weights"][table], initial["weights"][table])
 
 
-def test_initial_embeddings_do_not_depend_on_the_plan(data_dir, tmp_path):
-    one = train(1, ["--embeddings.plan=table_wise", "--data.batch_size=32"], data_dir, tmp_path / "a.pt", steps=0)
+def test_initial_embeddings_do_not_depend_on_the_plan(data_dir, initial, tmp_path):
+    one = initial  # table-wise on one rank
     two = train(2, ["--embeddings.plan=row_wise", "--embeddings.table_sharding.item=column_wise",
                     "--data.batch_size=32"], data_dir,
                 tmp_path / "b.pt", steps=0)
