@@ -10,6 +10,9 @@ and RMSProp state, and the all-to-all bytes of one step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
@@ -60,14 +63,19 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
     constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
                    for t in ebc.embedding_bag_configs()}
-    topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
-                        hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
     batch = cfg.data.global_batch_size // world_size if cfg.data.global_batch_size else cfg.data.batch_size
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
     try:
-        plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
+        with _quiet_torchrec():
+            topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
+                                hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
+            planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
+            plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
     except PlannerError as e:
         return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
+    for sharding in plan.plan["ebc"].values():
+        # a table kept whole on one rank is table-wise, whatever label cost ties gave it
+        if len(set(sharding.ranks or [])) == 1:
+            sharding.sharding_type = "table_wise"
     memory = _rank_memory(planner._best_plan, world_size, cfg.embeddings)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
@@ -114,3 +122,17 @@ def _all_to_all_bytes(cfg: Config, ebc: nn.Module, batch: int, world_size: int) 
     id_features = sum(len(t.feature_names) for t in ebc.embedding_bag_configs())
     return int(batch * dims * 4 * remote), int(batch * id_features * 8 * remote)
 
+
+@contextlib.contextmanager
+def _quiet_torchrec():
+    """The planner's advice to its own developers (TopologyFactory, the storage reservation's
+    dry-run caveats) is not the user's to act on; the training path silences it the same way."""
+    logger = logging.getLogger("torchrec")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
