@@ -50,6 +50,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     from dense.model import build_dense
     from embeddings.sharding import FUSED
     from embeddings.tables import build_embedding_bags
+    from trainer.train import per_rank_batch_size
 
     if world_size < 1 or world_size % local_world_size:
         raise ValueError(f"--world-size {world_size} is not a multiple of --local-world-size {local_world_size}")
@@ -63,7 +64,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
     constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
                    for t in ebc.embedding_bag_configs()}
-    batch = cfg.data.global_batch_size // world_size if cfg.data.global_batch_size else cfg.data.batch_size
+    batch = per_rank_batch_size(cfg, world_size)
     try:
         with _quiet_torchrec():
             topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
