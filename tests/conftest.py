@@ -38,3 +38,9 @@ def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]
                 (folder / ".made").touch()
         return folder
     return get
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest tests (marked slow) first: pytest-xdist's workers then finish together,
+    instead of one of them starting the README's two minutes last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -16,16 +16,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from cli import rankmix
 from trainer.checkpoint import complete_steps
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # of the shared 2-rank reference, saved every 10 steps
-
-
-def rankmix(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**env, "PYTHONWARNINGS": "ignore"})
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

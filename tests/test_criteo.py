@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cli import rankmix
 from trainer.config_loader import load_config
 from trainer.data.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
 from trainer.data.csvlog import convert_csv, stable_hash
@@ -216,8 +215,7 @@ def test_csv_numeric_and_malformed(tmp_path):
 
 
 def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return rankmix(*args, cwd=ROOT, timeout=timeout)
 
 
 def test_cli_subcommands(tmp_path):

@@ -8,7 +8,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch

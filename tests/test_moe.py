@@ -3,10 +3,7 @@ per-expert loop, sparse inference against dense inference, its FLOPs, and a trai
 whose activation ratio tracks the budget while the inference router stays alive."""
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from cli import rankmix
 from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
@@ -160,13 +158,10 @@ def test_expert_width_splits_the_dense_ffn_or_is_an_error():
 
 @pytest.mark.trained
 def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
-                           "--model.tower=rankmixer_moe", "--model.moe_budget=0.25", "--train.steps=150",
-                           "--metrics.log_every=10", f"--train.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/d",
-                           "--metrics.progress=false", "--checkpoint.enabled=false"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = rankmix("train", "--config", "configs/debug.toml", "--model.tower=rankmixer_moe",
+                   "--model.moe_budget=0.25", "--train.steps=150", "--metrics.log_every=10",
+                   f"--train.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/d", "--metrics.progress=false",
+                   "--checkpoint.enabled=false", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -191,13 +186,10 @@ def test_pipelined_training_adapts_lambda_exactly_like_the_plain_loop(tmp_path):
     its own code: the aux terms and lambda's steps must come out the same."""
     def records(pipeline: str) -> list[tuple]:
         run = tmp_path / pipeline
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        env.pop("RANK", None)
-        proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
-                               "--model.tower=rankmixer_moe", f"--train.pipeline={pipeline}", "--metrics.log_every=10",
-                               "--metrics.eval_every=20", f"--train.run_dir={run}", f"--data.cache_dir={tmp_path}/d",
-                               "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.enabled=false"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        proc = rankmix("train", "--config", "configs/debug.toml", "--model.tower=rankmixer_moe",
+                       f"--train.pipeline={pipeline}", "--metrics.log_every=10", "--metrics.eval_every=20",
+                       f"--train.run_dir={run}", f"--data.cache_dir={tmp_path}/d", "--metrics.progress=false",
+                       "--metrics.tensorboard=false", "--checkpoint.enabled=false", timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [(r["kind"], r.get("loss", r.get("auc")), r["moe/l1_coef"], r["moe/active_ratio"]) for r in lines]

@@ -3,14 +3,13 @@ sharded tables and their fused optimizer state take on two gloo ranks."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
 from launch.plan import GB, plan_cluster
+from cli import rankmix
 from test_distributed import free_port
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
@@ -75,8 +74,7 @@ def test_criteo_1tb_fits_on_80_gb_gpus(gpus):
 
 
 def test_a_config_that_does_not_fit_says_so_and_exits_1():
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "plan", "--config", "configs/criteo_1tb.toml",
-                           "--world-size", "2", "--device", "cuda", "--hbm-gb", "16"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = rankmix("plan", "--config", "configs/criteo_1tb.toml", "--world-size", "2", "--device", "cuda",
+                   "--hbm-gb", "16")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.startswith("fits: no (TorchRec's planner found no plan)")

@@ -13,7 +13,6 @@ and every option it names must be one that the command's own --help lists.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import shlex
 import subprocess

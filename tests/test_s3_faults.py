@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("moto.server", reason="moto[server] not installed")
 from object_store import Server, filesystem, free_port, upload  # noqa: E402
+from cli import rankmix, run_env  # noqa: E402
 
 from trainer.config import FeatureSpec, TaskSpec  # noqa: E402
 from trainer.config_loader import validate_features  # noqa: E402
@@ -260,18 +261,12 @@ def test_training_rides_out_a_store_restart_bitwise(world, store, runs_store, tm
 def test_unreachable_store_stops_the_run_with_exit_code_4(runs_store, tmp_path):
     """`rankmix train` against a store that is not there: one line naming endpoint, bucket,
     key and the budget spent, exit code 4 (trainer/errors.py), no traceback, no secret."""
-    import os
-    import subprocess
-    import sys
-
     config, _, _ = runs_store
     port = free_port()  # nothing listens there
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "train", "--config", str(config), f"--data.train_path={uri(port)}",
-         f"--data.eval_path={uri(port)}", "--data.retry_seconds=1", "--data.retry_attempts=1",
-         f"--train.run_dir={tmp_path / 'run'}", "--metrics.progress=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-        env={**{k: v for k, v in os.environ.items() if k != "RANK"}, "AWS_EC2_METADATA_DISABLED": "true"})
+    proc = rankmix("train", "--config", str(config), f"--data.train_path={uri(port)}",
+                   f"--data.eval_path={uri(port)}", "--data.retry_seconds=1", "--data.retry_attempts=1",
+                   f"--train.run_dir={tmp_path / 'run'}", "--metrics.progress=false",
+                   env=run_env(AWS_EC2_METADATA_DISABLED="true"), timeout=120)
     assert proc.returncode == 4, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(rf"rankmix: stopped: s3 endpoint 127\.0\.0\.1:{port}, {BUCKET}/train: unreachable for "

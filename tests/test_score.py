@@ -2,22 +2,13 @@
 evaluation, the MoE's inference router, and clear errors."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from cli import rankmix
 REPO = Path(__file__).resolve().parents[1]
-
-
-def rankmix(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

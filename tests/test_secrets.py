@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import cli
+from cli import run_env
 from trainer.config import Config, DataConfig
 from trainer.config_loader import dump_toml, load_config, to_dict
 from trainer.credentials import (has_credentials, is_redacted, malformed_userinfo, redact_config, redact_uri,
@@ -227,10 +228,9 @@ def store(tmp_path_factory):
 
 
 def rankmix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "RANK"}
-    base.update(PYTHONWARNINGS="ignore", AWS_EC2_METADATA_DISABLED="true", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env=base,
-                          capture_output=True, text=True, timeout=300)
+    base = {k: v for k, v in run_env(AWS_EC2_METADATA_DISABLED="true").items() if not k.startswith("AWS_")
+            or k == "AWS_EC2_METADATA_DISABLED"}
+    return cli.rankmix(*args, env={**base, **(env or {})})
 
 
 def leaks(folder: Path, *texts: str) -> list[str]:

@@ -2,14 +2,12 @@
 one, FLOPs by torch's counter), and a short CLI run that reports both in its summary."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli import rankmix
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
 from dense.layout import InputLayout
 from dense.model import TaskHeads, build_dense
@@ -52,13 +50,9 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("tower", NAMES)
 def test_towers_train_through_the_cli_and_report_their_cost(tmp_path, cache_dir, tower):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("RANK", None)  # each run is its own world of one
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
-                           f"--model.tower={tower}", "--train.steps=5", f"--train.run_dir={tmp_path}",
-                           f"--data.cache_dir={cache_dir}", "--metrics.progress=false", "--metrics.peak_tflops=0.5",
-                           "--checkpoint.enabled=false", "--metrics.tensorboard=false"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = rankmix("train", "--config", "configs/debug.toml", f"--model.tower={tower}", "--train.steps=5",
+                   f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache_dir}", "--metrics.progress=false",
+                   "--metrics.peak_tflops=0.5", "--checkpoint.enabled=false", "--metrics.tensorboard=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 5 and 0 < summary["auc"] < 1

@@ -1,26 +1,18 @@
 """End-to-end training through the real CLI: TorchRec DMP, fused Adagrad, RMSProp, Parquet."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli import rankmix
 from trainer.config_loader import load_config, validate_features
 from dense.towers import TOWERS
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 MOVIELENS = REPO.parent / "shared" / "data" / "movielens-100k"
-
-
-def rankmix(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("RANK", None)  # each run is its own world of one
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def summary_of(proc: subprocess.CompletedProcess) -> dict:

@@ -2,15 +2,13 @@
 Sinkhorn constraint, the temperature schedule, analytic costs and CLI training."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import cli
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
@@ -137,11 +135,8 @@ def test_set_step_moves_the_temperature():
 
 
 def rankmix(*args: str) -> tuple[dict, str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--config", "configs/debug.toml",
-                           "--metrics.progress=false", "--metrics.tensorboard=false", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli.rankmix("train", "--config", "configs/debug.toml", "--metrics.progress=false",
+                       "--metrics.tensorboard=false", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 

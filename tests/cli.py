@@ -1,0 +1,86 @@
+"""`rankmix` commands for the tests, each in a process of its own, as a user runs them.
+
+A fresh interpreter spends seconds of CPU importing torch, torchrec and torchmetrics before
+the command starts, and the suite runs well over a hundred commands. So each command is a
+child forked from a server process that imported the training stack once (multiprocessing's
+forkserver, with preloading): still a process of its own, with its own working folder,
+environment, distributed state, signal handlers, exit code and output, without the import.
+
+What a fork cannot show, a test that needs it starts a real interpreter instead: a clean
+interpreter exit (`tests/test_distributed.py`), signals through torchrun
+(`tests/test_lifecycle.py`), and everything under `rankmix launch`, whose ranks torchrun starts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# What the server imports once; the children find it loaded.
+_PRELOAD = ["launch.cli", "trainer.train", "trainer.score", "launch.sweep", "launch.plan"]
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def _server() -> multiprocessing.context.ForkServerContext:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a command of its own: no torchrun rank variables (each
+    command is a world of its own), Python warnings off (stderr holds only the command's
+    messages), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def rankmix(*args: str, cwd: Path | str = REPO, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """`rankmix ARGS` in `cwd` with `env` (default `run_env()`): its exit code, stdout and stderr."""
+    env = run_env() if env is None else env
+    with tempfile.TemporaryDirectory(prefix="rankmix-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        child = _server().Process(target=_command, args=(list(args), str(cwd), env, str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(["rankmix", *args], timeout, _text(out), _text(err))
+        return subprocess.CompletedProcess(["rankmix", *args], child.exitcode, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    """What the child wrote to `path`; nothing if it died before it opened it."""
+    return path.read_text() if path.exists() else ""
+
+
+def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """In the child: become `rankmix ARGV` started in `cwd` with `env`, output to files."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("PYTHONWARNINGS") == "ignore":  # read at start-up only, which the fork skipped
+        warnings.simplefilter("ignore")
+    for fd, path in ((1, out), (2, err)):  # file descriptors too: C++ libraries write there
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = [str(Path(sys.executable).parent / "rankmix"), *argv]
+    from launch.cli import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
