@@ -1,12 +1,13 @@
-"""AUC, UAUC and logloss against brute-force references."""
+"""AUC, UAUC, logloss, NE and calibration against brute-force references."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import auc, logloss, task_metrics, uauc
+from trainer.metrics import auc, calibration, logloss, normalized_entropy, task_metrics, uauc
 
 
 def _pairwise_auc(scores, labels):
@@ -68,3 +69,19 @@ def test_logloss_and_task_metrics():
     assert logloss(p, y) == pytest.approx(expected)
     assert m["auc"] == m["click/auc"] == pytest.approx(_pairwise_auc(logits[:, 0].tolist(), labels[:, 0].tolist()))
     assert set(m) >= {"auc", "uauc", "logloss", "like/auc", "like/uauc"}
+
+
+def test_normalized_entropy_and_calibration_by_their_definitions():
+    p = torch.tensor([0.9, 0.2, 0.6, 0.1, 0.3], dtype=torch.float64)
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    loss = -sum(math.log(q) if t else math.log(1 - q) for q, t in zip(p.tolist(), y.tolist())) / 5
+    base = -(0.4 * math.log(0.4) + 0.6 * math.log(0.6))  # 2 clicks in 5
+    assert normalized_entropy(p, y) == pytest.approx(loss / base)
+    assert calibration(p, y) == pytest.approx(2.1 / 2)
+    # the base rate itself scores NE 1 and is calibrated
+    rate = torch.full((5,), 0.4, dtype=torch.float64)
+    assert normalized_entropy(rate, y) == pytest.approx(1.0) and calibration(rate, y) == pytest.approx(1.0)
+    assert math.isnan(normalized_entropy(p, torch.zeros(5))) and math.isnan(calibration(p, torch.zeros(5)))
+    m = task_metrics(torch.logit(p)[:, None], y[:, None], torch.zeros(5), ["click"], with_uauc=False)
+    assert m["ne"] == m["click/ne"] == pytest.approx(loss / base)
+    assert m["calibration"] == pytest.approx(2.1 / 2)

@@ -1,4 +1,5 @@
-"""Ranking metrics over a whole evaluation split: AUC, UAUC and logloss per task."""
+"""Ranking metrics over a whole evaluation split, per task: AUC, UAUC, logloss, normalized
+entropy (NE) and calibration."""
 
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def logloss(probs: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean binary cross-entropy of probabilities."""
     return float(torch.nn.functional.binary_cross_entropy(probs.double(), labels.double()))
+
+
+def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Logloss over the entropy of the split's base rate (He et al., 2014): below 1 means
+    the model knows more than the click rate; NaN when only one class is present."""
+    rate = float(labels.double().mean())
+    if rate in (0.0, 1.0):
+        return float("nan")
+    entropy = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
+    return logloss(probs, labels) / entropy
+
+
+def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Predicted over observed positive rate: 1 is calibrated, above 1 over-predicts."""
+    positives = float(labels.double().sum())
+    return float(probs.double().sum()) / positives if positives else float("nan")
 
 
 def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
@@ -48,18 +65,20 @@ def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
 
 def task_metrics(logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor,
                  task_names: list[str], with_uauc: bool = True) -> dict[str, float]:
-    """logits, labels: [N, K]; users: [N] -> {'auc', 'uauc', 'logloss'} of the first task
-    plus '<task>/<metric>' for every task."""
+    """logits, labels: [N, K]; users: [N] -> {'auc', 'uauc', 'logloss', 'ne', 'calibration'}
+    of the first task plus '<task>/<metric>' for every task."""
     out: dict[str, float] = {}
     probs = torch.sigmoid(logits.double())
     for k, name in enumerate(task_names):
         y = labels[:, k]
         out[f"{name}/auc"] = auc(logits[:, k].double(), y)
         out[f"{name}/logloss"] = logloss(probs[:, k], y)
+        out[f"{name}/ne"] = normalized_entropy(probs[:, k], y)
+        out[f"{name}/calibration"] = calibration(probs[:, k], y)
         if with_uauc:
             out[f"{name}/uauc"] = uauc(logits[:, k].double().numpy(), y.numpy(), users.numpy())
     first = task_names[0]
-    for metric in ("auc", "uauc", "logloss"):
+    for metric in ("auc", "uauc", "logloss", "ne", "calibration"):
         if f"{first}/{metric}" in out:
             out[metric] = out[f"{first}/{metric}"]
     return out
