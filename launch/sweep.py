@@ -11,7 +11,9 @@ Every point is a real `rankmix train` run in OUT/<tower>/<point>; its result is 
 summary.json, and a point whose summary exists is not trained again, so an interrupted
 sweep continues where it stopped. dAUC is AUC minus a baseline: a `logreg` tower trained
 by the sweep on the same data (OUT/baseline/<tower>), or a number. Outputs: OUT/sweep.csv,
-OUT/fit.json, OUT/sweep.png.
+OUT/fit.json, OUT/sweep.png, and where the runs validate (data.valid_fraction or
+data.valid_path), their validation curves in OUT/curves.json and OUT/curves.png. With
+early stopping a run's AUC is the test split's at its best validation (trainer/selection.py).
 
 Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) reach the runs as
 given, but everything the sweep writes or prints (folder names, labels, train.log's
@@ -323,6 +325,8 @@ def rows_of(points: list[Point], baseline_auc: float) -> list[dict]:
     for (tower, label), runs in groups.items():
         aucs = [r["auc"] for _, r in runs]
         uaucs = [r.get("uauc", float("nan")) for _, r in runs]
+        # Epochs to the point whose weights were tested: the best validation's, or the end.
+        epochs = [r.get("best/epochs", r.get("epochs", float("nan"))) for _, r in runs]
         auc, uauc = float(np.mean(aucs)), float(np.mean(uaucs))
         # Spread over seeds: the sample standard deviation (0 for one seed).
         auc_std, uauc_std = (float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for v in (aucs, uaucs))
@@ -330,6 +334,8 @@ def rows_of(points: list[Point], baseline_auc: float) -> list[dict]:
         rows.append({"tower": tower, "point": label, "params": int(first["dense_params"]),
                      "flops": int(first["flops_per_sample"]), "auc": auc, "uauc": uauc,
                      "auc_std": auc_std, "uauc_std": uauc_std, "dauc": auc - baseline_auc, "seeds": len(runs),
+                     "epochs": float(np.mean(epochs)),
+                     "logloss": float(np.mean([r["logloss"] for _, r in runs])),
                      "overrides": redact_uri(" ".join(f"--{k}={v}" for k, v in runs[0][0].settings.items()))})
     return rows
 
@@ -359,24 +365,56 @@ def fits_of(rows: list[dict]) -> dict[str, dict[str, dict[str, float] | None]]:
 def write_csv(rows: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, ["tower", "point", "overrides", "params", "flops", "auc", "auc_std", "uauc",
-                                    "uauc_std", "dauc", "seeds"])
+                                    "uauc_std", "logloss", "dauc", "epochs", "seeds"])
         writer.writeheader()
         writer.writerows(rows)
 
 
 def format_table(rows: list[dict], fits: dict, baseline_auc: float, baseline_name: str) -> str:
     lines = [f"baseline AUC {baseline_auc:.4f} ({baseline_name})",
-             f"{'tower':<17}{'point':<34}{'params':>11}{'FLOPs':>12}{'AUC':>17}{'UAUC':>17}{'dAUC':>9}"
+             f"{'tower':<17}{'point':<34}{'params':>11}{'FLOPs':>12}{'AUC':>17}{'UAUC':>17}{'dAUC':>9}{'epochs':>8}"
              "  (mean ± sample std over seeds)"]
     for r in rows:
         lines.append(f"{r['tower']:<17}{r['point']:<34}{r['params']:>11,}{r['flops']:>12,}"
-                     f"{r['auc']:>8.4f} ± {r['auc_std']:.4f}{r['uauc']:>8.4f} ± {r['uauc_std']:.4f}{r['dauc']:>9.4f}")
+                     f"{r['auc']:>8.4f} ± {r['auc_std']:.4f}{r['uauc']:>8.4f} ± {r['uauc_std']:.4f}{r['dauc']:>9.4f}"
+                     f"{r['epochs']:>8.2f}")
     lines.append(f"\n{'tower':<17}{'x':<8}{'a':>11}{'b':>9}{'r^2':>7}{'n':>4}   dAUC = a * x^b")
     for tower, by_axis in fits.items():
         for axis, fit in by_axis.items():
             lines.append(f"{tower:<17}{axis:<8}" + ("   (no fit)" if fit is None else
                          f"{fit['a']:>11.4g}{fit['b']:>9.4f}{fit['r2']:>7.3f}{fit['n']:>4}"))
     return "\n".join(lines)
+
+
+def validation_curves(points: list[Point]) -> dict[str, list[tuple[float, float]]]:
+    """Per (tower, point): validation AUC by epochs trained, averaged over the seeds that
+    reached each validation (from the runs' metrics.jsonl); runs without validation add nothing."""
+    curves: dict[str, dict[float, list[float]]] = {}
+    for p in points:
+        log = p.run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        for r in records:
+            if r.get("kind") == "valid":
+                curves.setdefault(f"{p.tower} {p.label}", {}).setdefault(r["epochs"], []).append(r["auc"])
+    return {name: sorted((e, float(np.mean(v))) for e, v in by_epoch.items()) for name, by_epoch in curves.items()}
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    """Validation AUC against epochs, one line per (tower, point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    for name, curve in curves.items():
+        ax.plot([e for e, _ in curve], [a for _, a in curve], "o-", markersize=3, label=name)
+    ax.set_xlabel("epochs")
+    ax.set_ylabel("validation AUC (mean over seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best", framealpha=0.6)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(rows: list[dict], fits: dict, baseline_auc: float, path: Path, title: str = "") -> None:
@@ -471,8 +509,13 @@ def sweep(argv: list[str]) -> int:
         indent=1))
     if rows:
         plot(rows, fits, baseline_auc, out / "sweep.png", title=f"{Path(args.config).name if args.config else 'defaults'}: AUC against size, 1 point per run")
+    curves = validation_curves(done)
+    if curves:
+        (out / "curves.json").write_text(json.dumps(curves, indent=1))
+        plot_curves(curves, out / "curves.png")
     print(format_table(rows, fits, baseline_auc, baseline_name))
-    print(f"wrote {out / 'sweep.csv'}, {out / 'fit.json'}, {out / 'sweep.png'}")
+    print(f"wrote {out / 'sweep.csv'}, {out / 'fit.json'}, {out / 'sweep.png'}"
+          + (f", {out / 'curves.json'}, {out / 'curves.png'}" if curves else ""))
     return 1 if failures else 0
 
 

@@ -87,7 +87,7 @@ def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--grid", "model.hidden_dim=16,32",
             "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.synth_rows=2000",
             "--set", "train.steps=3", "--set", "metrics.progress=false", "--set", "metrics.tensorboard=false",
-            "--set", "checkpoint.enabled=false"]
+            "--set", "checkpoint.enabled=false", "--set", "data.valid_fraction=0.2", "--set", "metrics.valid_every=1"]
     assert sweep(argv) == 0
     printed = capsys.readouterr().out
     assert "launched 3 run(s)" in printed and "baseline AUC" in printed
@@ -98,10 +98,19 @@ def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_
         summary = json.loads((out / "rankmixer" / r["point"].replace("=", "-") / "summary.json").read_text())
         assert float(r["auc"]) == pytest.approx(summary["auc"])
         assert float(r["dauc"]) == pytest.approx(summary["auc"] - baseline)
+        assert float(r["epochs"]) == pytest.approx(summary["best/epochs"])
     assert int(rows[0]["params"]) < int(rows[1]["params"]) and int(rows[0]["flops"]) < int(rows[1]["flops"])
     fits = json.loads((out / "fit.json").read_text())
     assert fits["baseline_auc"] == pytest.approx(baseline) and set(fits["fits"]["rankmixer"]) == {"params", "flops"}
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # validation after each of the 3 steps: each point's curve, from its metrics.jsonl
+    curves = json.loads((out / "curves.json").read_text())
+    assert list(curves) == ["rankmixer hidden_dim=16", "rankmixer hidden_dim=32"]
+    for name, curve in curves.items():
+        run = out / "rankmixer" / name.split()[1].replace("=", "-")
+        valid = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert curve == [[r["epochs"], r["auc"]] for r in valid if r["kind"] == "valid"] and len(curve) == 3
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Again: every summary exists, so nothing trains; a summary without the cost keys
     # (older trainers) gets them computed from the run's config, to the same numbers.

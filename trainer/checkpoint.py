@@ -145,6 +145,21 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def save_weights(path: Path, parts: dict[str, Any]) -> None:
+    """Write `parts` to `path` in place of what is there, synchronously (collective): into
+    a sibling folder first, renamed when complete, so `path` only ever holds a whole save."""
+    tmp = path.with_name(path.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(parts, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    dist.barrier()
+
+
 def export_weights(path: str, out: str) -> int:
     """The model weights of checkpoint `path` as one torch.save file of whole tensors
     (no process group needed); returns the number of tensors."""

@@ -89,7 +89,11 @@ class DataConfig:
     train_path: str = ""
     """Training Parquet files: a file, directory or glob, local or a pyarrow filesystem URI."""
     eval_path: str = ""
-    """Held-out Parquet files, same forms as train_path."""
+    """Held-out (test) Parquet files, same forms as train_path: the final metrics."""
+    valid_path: str = ""
+    """Validation Parquet files that pick the best point and stop early ('' : none, or valid_fraction)."""
+    valid_fraction: float = 0.0
+    """Share of every training row group held out as the validation split when valid_path is unset (0: none)."""
     batch_size: int = 512
     """Rows per step on each rank; the global batch is batch_size x world size."""
     global_batch_size: int = 0
@@ -152,6 +156,10 @@ class ModelConfig:
     """L, RankMixer blocks."""
     ffn_ratio: int = 4
     """k, per-token FFN hidden width is k x D."""
+    norm: str = "post"
+    """RankMixer blocks: post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
+    pooling: str = "mean"
+    """RankMixer output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
     block_size: int = 0
     """UniMixer block size over the flattened T x D tokens (0: D, one block per token)."""
     tau_start: float = 1.0
@@ -210,6 +218,8 @@ class OptimConfig:
     """L2 penalty on dense weights."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over this many steps."""
+    dense_warmup_steps: int = 0
+    """Linear warm-up of the dense learning rate only (RMSProp's first steps move ~10x lr: its average starts at 0)."""
     grad_clip_norm: float = 0.0
     """Clip the dense gradient norm to this value (0 disables)."""
 
@@ -234,6 +244,12 @@ class TrainConfig:
     """auto (sparse_dist on CUDA, none on CPU) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
     mixed_precision: str = "none"
     """none | bf16: autocast the dense tower to bfloat16 on CUDA (fp32 master weights)."""
+    select_metric: str = "auc"
+    """Validation metric that ranks the points of a run: auc (higher is better) | logloss (lower is better)."""
+    early_stopping_patience: int = 0
+    """Stop after this many validations without a better select_metric (0: train to the end)."""
+    restore_best: bool = True
+    """With a validation split: end on the weights of the best validation, the test metrics measured there."""
 
 
 @dataclass
@@ -272,6 +288,8 @@ class MetricsConfig:
 
     eval_every: int = 0
     """Evaluate every N steps (0: only at the end)."""
+    valid_every: int = 0
+    """With a validation split: validate every N steps (0: at the end of every epoch)."""
     eval_batches: int = 0
     """Evaluation batches per rank (0: the whole held-out split)."""
     log_every: int = 20

@@ -228,7 +228,8 @@ def validate(cfg: Config) -> None:
                        "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
                        "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
-                       "checkpoint.signal_grace_steps")
+                       "checkpoint.signal_grace_steps", "metrics.valid_every", "train.early_stopping_patience",
+                       "optim.dense_warmup_steps")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))
@@ -237,6 +238,16 @@ def validate(cfg: Config) -> None:
     _check_choice(cfg, "checkpoint.data_position", ("exact", "next_epoch"))
     _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
     _check_choice(cfg, "model.moe_inference", ("sparse", "dense"))
+    _check_choice(cfg, "train.select_metric", ("auc", "logloss"))
+    _check_choice(cfg, "model.norm", ("post", "pre"))
+    _check_choice(cfg, "model.pooling", ("mean", "flatten"))
+    if not 0 <= cfg.data.valid_fraction < 1:
+        raise ValueError(f"data.valid_fraction={cfg.data.valid_fraction} must be a share of the rows in [0, 1)")
+    if cfg.data.valid_fraction and cfg.data.valid_path:
+        raise ValueError("data.valid_path and data.valid_fraction are both set: give the validation split one way")
+    if cfg.train.early_stopping_patience and not (cfg.data.valid_path or cfg.data.valid_fraction):
+        raise ValueError("train.early_stopping_patience needs a validation split: set data.valid_path or "
+                         "data.valid_fraction")
     if not 0 < cfg.model.moe_budget <= 1:
         raise ValueError(f"model.moe_budget={cfg.model.moe_budget} must be a fraction of the experts in (0, 1]")
     for table, kind in cfg.embeddings.table_sharding.items():

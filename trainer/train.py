@@ -1,4 +1,4 @@
-"""The training loop: fetch, forward, finiteness check, backward, step, log, evaluate."""
+"""The training loop: fetch, forward, finiteness check, backward, step, log, validate, evaluate."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ from trainer.metrics import task_metrics
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import StopSignal
+from trainer.selection import BestPoint
 from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
 warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
+warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
 logging.getLogger("torchrec").setLevel(logging.ERROR)
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
@@ -65,15 +67,20 @@ class Trainer:
         self.train_reader = ParquetReader(
             files.train_path, self.encoder, batch_size=self.batch_size, shuffle=cfg.data.shuffle,
             shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
-            rank=self.env.rank, world_size=self.env.world_size, **self._retries())
+            rank=self.env.rank, world_size=self.env.world_size, holdout_fraction=cfg.data.valid_fraction,
+            **self._retries())
+        # The validation split: its own files, or the tail of every training row group.
+        self.valid_split = ((cfg.data.valid_path, {}) if cfg.data.valid_path else
+                            (files.train_path, {"holdout_fraction": cfg.data.valid_fraction, "holdout": True})
+                            if cfg.data.valid_fraction else None)
+        self.best = BestPoint(cfg.train.select_metric, cfg.train.early_stopping_patience)
+        self._restored = False  # whether the run ended on the best validation's weights
         self.model = self._build_model()
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
         self.optimizer = self._build_optimizer()
-        warmup = max(cfg.optim.warmup_steps, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._warmups())
         self.pipeline = self._build_pipeline()
         self.step = 0
         self.position = TrainedPosition(self.train_reader, cfg.checkpoint.data_position)
@@ -102,6 +109,8 @@ class Trainer:
             "model": ModelState(self.model), "optim": OptimizerState(self.optimizer, self.dense_optimizer),
             "trainer": self, "ranks": PerRankState({"reader": self.position, "rng": RNGState(),
                                                     "scheduler": LRScheduleState(self.scheduler, self.optimizer)})}
+        if self.valid_split:
+            self.checkpoint_parts["best"] = self.best
         self.restore()
 
     # ------------------------------------------------------------------ building
@@ -126,6 +135,16 @@ class Trainer:
             params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay))
         # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
         return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", self.dense_optimizer)])
+
+    def _warmups(self) -> list:
+        """The LR factor of every parameter group after `step` steps (sparse groups first):
+        optim.warmup_steps ramps both learning rates, optim.dense_warmup_steps the dense one."""
+        def ramp(steps: int):
+            return lambda step: min(1.0, (step + 1) / max(steps, 1))
+        both, dense = ramp(self.cfg.optim.warmup_steps), ramp(self.cfg.optim.dense_warmup_steps)
+        sparse_groups = len(self.model.fused_optimizer.param_groups)
+        return [both if i < sparse_groups else (lambda step: both(step) * dense(step))
+                for i in range(len(self.optimizer.param_groups))]
 
     def _build_pipeline(self) -> CheckedSparseDistPipeline | None:
         """train.pipeline; auto pipelines where there is communication to hide."""
@@ -152,6 +171,7 @@ class Trainer:
         if self._stop_at is not None and self.step < self.total_steps:
             raise Interrupted(f"stopped by {self.stop_signal.name} after step {self.step}" +
                               (f"; resume from {self.checkpoints.latest()}" if self.checkpoints.latest() else ""))
+        self.restore_best()
         return self.finish(self.evaluate(), meter.examples_per_sec)
 
     def close(self, ok: bool = True) -> None:
@@ -168,16 +188,18 @@ class Trainer:
     def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
         meter = StepMeter(len(self.task_names), self.env.device)
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.best.exhausted:
             tic = time.perf_counter()
             task_losses = self.train_step(batches)
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
             if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
                 self.log_train(*meter.flush())
+            if self.valid_split and self._validation_due():
+                self.validate()
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
-            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps)
+            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps or self.best.exhausted)
             if saved:
                 self.save_checkpoint()
             if self._stopping(saved):
@@ -189,12 +211,26 @@ class Trainer:
         rows of the split, so no data goes missing unseen (every training batch is full, so
         the rows trained are the epoch's steps x batch x ranks; fewer than ranks x batch rows
         of the split are left out, see trainer/data/reader.py)."""
-        epoch = self.position.epoch
-        if self.position.step < self.train_reader.steps_in_epoch(epoch):
+        if not self._epoch_ended():
             return
+        epoch = self.position.epoch
         rows = self.train_reader.epoch_rows(epoch)
         self.data_rows = {"epoch": epoch, "rows": rows.rows, "rows_trained": rows.used, "rows_dropped": rows.dropped}
         self.logger.log(self.step, "data", self.data_rows)
+
+    def _epoch_ended(self) -> bool:
+        """The step just trained was its epoch's last."""
+        return self.position.step >= self.train_reader.steps_in_epoch(self.position.epoch)
+
+    def _validation_due(self) -> bool:
+        """Every metrics.valid_every steps, else at every epoch's end, and after the last step."""
+        every = self.cfg.metrics.valid_every
+        return (self._due(every) if every else self._epoch_ended()) or self.step == self.total_steps
+
+    def epochs_trained(self) -> float:
+        """Passes over the training split so far, in fractions of an epoch."""
+        epoch, step = self.position.epoch, self.position.step
+        return epoch + step / max(self.train_reader.steps_in_epoch(epoch), 1)
 
     def _stopping(self, saved: bool) -> bool:
         """After a signal that every rank has seen: stop now, saving first unless this step
@@ -254,17 +290,27 @@ class Trainer:
     def finish(self, metrics: dict[str, float], examples_per_sec: float) -> dict:
         """The run's summary: final metrics and throughput, also saved as summary.json."""
         summary = {"auc": metrics["auc"], "uauc": metrics.get("uauc", float("nan")),
-                   "logloss": metrics["logloss"], "steps": self.step, "examples_per_sec": examples_per_sec,
+                   "logloss": metrics["logloss"], "ne": metrics["ne"], "calibration": metrics["calibration"],
+                   "steps": self.step, "epochs": self.epochs_trained(), "examples_per_sec": examples_per_sec,
                    "dense_params": self.cost.params, "flops_per_sample": self.cost.flops,
                    self.mfu_name: self.mfu(examples_per_sec), "peak_tflops": self.peak_flops / 1e12,
                    "run_dir": str(self.run_dir),
                    **{f"data/{k}": v for k, v in self.data_rows.items()},
+                   **self._selection_summary(),
                    # per-task and top-level tower metrics, not per layer
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    def _selection_summary(self) -> dict:
+        """Where the validation split put the run: the best point and its metrics."""
+        if not self.valid_split:
+            return {}
+        return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self._restored,
+                "stopped_early": self.best.exhausted,
+                **{f"valid/{k}": v for k, v in self.best.metrics.items() if "/" not in k}}
 
     def fetch(self, batches) -> Batch:
         """Next training batch, on the device."""
@@ -332,15 +378,49 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Metrics over the whole held-out split, gathered from every rank."""
+        """Metrics over the whole held-out (test) split, logged as `eval`."""
+        metrics = self._metrics_on(self.eval_path)
+        self.logger.log(self.step, "eval", metrics)
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Metrics over the validation split, logged as `valid`; the best so far keeps its
+        weights in <run_dir>/best (train.restore_best)."""
+        path, split = self.valid_split
+        metrics = self._metrics_on(path, **split)
+        epochs = self.epochs_trained()
+        self.logger.log(self.step, "valid", {**metrics, "epochs": epochs})
+        if self.best.update({k: v for k, v in metrics.items() if "/" not in k}, self.step, epochs) \
+                and self.cfg.train.restore_best:
+            self.checkpoints.wait()
+            checkpoint.save_weights(self.best_dir, {"model": self.checkpoint_parts["model"]})
+        return metrics
+
+    @property
+    def best_dir(self) -> Path:
+        return self.run_dir / "best"
+
+    def restore_best(self) -> None:
+        """End on the best validation's weights (train.restore_best), unless they are the last."""
+        self._restored = False
+        if not self.valid_split or not self.cfg.train.restore_best or self.best.step in (0, self.step):
+            return
+        checkpoint.load(self.best_dir, {"model": self.checkpoint_parts["model"]})
+        self._restored = True
+        self.logger.write(f"restored the weights of step {self.best.step}, the best validation "
+                          f"({self.best.metric} {self.best.value:.5f})")
+
+    @torch.no_grad()
+    def _metrics_on(self, path: str, **split) -> dict[str, float]:
+        """Metrics over the whole of the files at `path` (`split`: a holdout of them),
+        gathered from every rank."""
         if self.pipeline is not None:
             self.pipeline.detach()  # the original forward; the next progress() re-attaches
         self.model.eval()
-        reader = ParquetReader(self.eval_path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
+        reader = ParquetReader(path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
                                shuffle=False, drop_last=False, rank=self.env.rank,
-                               world_size=self.env.world_size, **self._retries())
+                               world_size=self.env.world_size, **split, **self._retries())
         logits, labels, users, weights = [], [], [], []
         for i, batch in enumerate(reader):
             if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
@@ -357,7 +437,6 @@ class Trainer:
         metrics["examples"] = int(keep.sum())
         for hook in self.hooks.metrics:
             metrics.update(hook("eval"))
-        self.logger.log(self.step, "eval", metrics)
         # Back to training mode now: the pipeline decides whether to zero gradients from
         # the mode the model is in when its next step begins.
         self.model.train()

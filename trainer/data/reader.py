@@ -85,6 +85,7 @@ class RowGroup:
     path: str
     index: int
     num_rows: int
+    first: int = 0  # the row group's row this range starts at (a validation share is its tail)
 
 
 @dataclass(frozen=True)
@@ -263,12 +264,15 @@ class ParquetReader:
     the rank once; all ranks still yield the same number of equally sized batches, the
     padding rows carrying weight 0. `retry_seconds` and `retry_attempts`: how long a
     failing object store is retried (module docstring); 0 seconds gives up at once.
+    `holdout_fraction` > 0 splits every row group: `holdout=True` reads only the last share of
+    its rows (a validation split carved from training files), `holdout=False` only the rest.
     """
 
     def __init__(self, paths: str, encoder: RowEncoder, *, batch_size: int, shuffle_buffer: int = 0,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int = 0, world_size: int = 1, num_epochs: int = 0,
-                 retry_seconds: float = 300.0, retry_attempts: int = 3):
+                 retry_seconds: float = 300.0, retry_attempts: int = 3, holdout_fraction: float = 0.0,
+                 holdout: bool = False):
         self.encoder = encoder
         self.batch_size = batch_size
         self.shuffle_buffer = shuffle_buffer
@@ -282,7 +286,8 @@ class ParquetReader:
         self.source = redact_uri(paths)
         self.store, self.files = _resolve(paths, retry_seconds, retry_attempts)
         self.fs = self.store.fs
-        self.row_groups = self._discover()
+        self.holdout_fraction, self.holdout = holdout_fraction, holdout
+        self.row_groups = self._split(self._discover())
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self.epoch, self.step = 0, 0
         self._filler: Rows | None = None
@@ -300,6 +305,24 @@ class ParquetReader:
             self.encoder.check_schema(schema, path)
             groups += [RowGroup(path, rg.id, rg.num_rows) for rg in infos if rg.num_rows]
         return groups
+
+    def _split(self, groups: list[RowGroup]) -> list[RowGroup]:
+        """With `holdout_fraction`: the last share of every row group's rows (`holdout`), or
+        the rest. Every row group gives its tail, so the held-out rows spread over the files
+        as the training rows do, and no row is in both."""
+        if not self.holdout_fraction:
+            return groups
+        out = []
+        for g in groups:
+            held = int(g.num_rows * self.holdout_fraction)
+            kept = RowGroup(g.path, g.index, held, g.num_rows - held) if self.holdout else \
+                RowGroup(g.path, g.index, g.num_rows - held)
+            if kept.num_rows:
+                out.append(kept)
+        if not out:
+            raise ValueError(f"{self.source}: a holdout of {self.holdout_fraction} of every row group leaves "
+                             f"no {'held-out' if self.holdout else 'training'} rows")
+        return out
 
     def _spans(self, rank: int) -> Iterator[tuple[int, int]]:
         """`rank`'s rows as [start, stop) positions in an epoch's sequence of rows."""
@@ -440,7 +463,7 @@ class ParquetReader:
         g = p.group
         where = f"{g.path}, row group {g.index}"
         # the encoder numbers rows from the piece's first row
-        shown = f"{where} from row {p.start}" if p.start else where
+        shown = f"{where} from row {g.first + p.start}" if g.first + p.start else where
         own = files is None
         files = _LastFile(self.fs) if own else files
         try:
@@ -516,7 +539,7 @@ class _LastFile:
         table = self.table
         if piece.stop == g.num_rows:  # the rank's last piece of this row group
             self.group = self.table = None
-        return table.slice(piece.start, piece.num_rows)
+        return table.slice(g.first + piece.start, piece.num_rows)
 
     def _open(self, path: str) -> pq.ParquetFile:
         if path != self.path:

@@ -1,0 +1,59 @@
+"""Model selection on a validation split: which validation was best, and when to stop.
+
+The protocol of CTR benchmarks (BARS, FuxiCTR): validate every epoch (or every N steps),
+keep the weights of the best validation, stop once `patience` validations in a row brought
+no improvement, and report the test split measured on the best weights. A fixed number of
+epochs would compare towers at different points of their learning curves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HIGHER_IS_BETTER = {"auc": True, "logloss": False}
+
+
+@dataclass
+class BestPoint:
+    """The best validation so far and the validations since (a checkpoint part)."""
+
+    metric: str
+    """The validation metric compared: a key of HIGHER_IS_BETTER."""
+    patience: int
+    """Validations without improvement that end training (0: never)."""
+    value: float = math.nan
+    """The best validation's metric."""
+    step: int = 0
+    """The step of the best validation."""
+    epochs: float = 0.0
+    """Epochs trained at the best validation."""
+    since: int = 0
+    """Validations since the best one."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Every metric of the best validation."""
+
+    def update(self, metrics: dict[str, float], step: int, epochs: float) -> bool:
+        """Record a validation's metrics; True when it is the best so far (NaN never is)."""
+        value = metrics[self.metric]
+        better = value > self.value if HIGHER_IS_BETTER[self.metric] else value < self.value
+        if math.isnan(self.value) and not math.isnan(value) or better:
+            self.value, self.step, self.epochs, self.since = value, step, epochs, 0
+            self.metrics = dict(metrics)
+            return True
+        self.since += 1
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        """Patience ran out: stop training."""
+        return self.patience > 0 and self.since >= self.patience
+
+    def state_dict(self) -> dict:
+        """What was seen (the metric and patience come from this run's config)."""
+        return {"value": self.value, "step": self.step, "epochs": self.epochs, "since": self.since,
+                "metrics": dict(self.metrics)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.step, self.epochs = float(state["value"]), int(state["step"]), float(state["epochs"])
+        self.since, self.metrics = int(state["since"]), dict(state["metrics"])
