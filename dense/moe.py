@@ -177,8 +177,9 @@ class RankMixerMoETower(RankMixerTower, HookProvider):
         hooks.after_optimizer_step.append(self.set_step)
         hooks.metrics.append(self.log_values)
 
-    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, moe: Callable[[], PerTokenMoE]):
-        super().__init__(tokenizer, num_layers, dim, ffn=moe)
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, moe: Callable[[], PerTokenMoE],
+                 norm: str = "post", pooling: str = "mean"):
+        super().__init__(tokenizer, num_layers, dim, ffn=moe, norm=norm, pooling=pooling)
 
     @property
     def moes(self) -> list[PerTokenMoE]:

@@ -29,16 +29,18 @@ def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(b, t, num_heads, d // num_heads).transpose(1, 2).reshape(b, num_heads, t * d // num_heads)
 
 
-def token_mixing_residual_tm(x: torch.Tensor) -> torch.Tensor:
-    """TokenMixing(X) + X with H = T heads, token-major: [T, B, D] -> [T, B, D].
+def token_mixing_residual_tm(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    """TokenMixing(Y) + X with H = T heads, token-major: [T, B, D] -> [T, B, D] (Y = X
+    unless given: the pre-norm block mixes LN(X)).
 
-    out[h, b, t*q + r] = x[t, b, h*q + r] + x[h, b, t*q + r]; the permuted view and the
+    out[h, b, t*q + r] = y[t, b, h*q + r] + x[h, b, t*q + r]; the permuted view and the
     residual are summed by a single elementwise kernel, no intermediate copy; the result
     has x's layout (contiguous when x is).
     """
     t, b, d = x.shape
     x4 = x.reshape(t, b, t, d // t)
-    return torch.add(x4, x4.permute(2, 1, 0, 3)).reshape(t, b, d)  # x4 first: output takes its layout
+    y4 = x4 if y is None else y.reshape(t, b, t, d // t)
+    return torch.add(x4, y4.permute(2, 1, 0, 3)).reshape(t, b, d)  # x4 first: output takes its layout
 
 
 class PerTokenFFN(nn.Module):
@@ -117,24 +119,37 @@ def check_mixing_width(dim: int, num_tokens: int) -> None:
                          f"tokens {num_tokens} (token mixing uses H = T heads)")
 
 
-class RankMixerBlock(nn.Module):
-    """Post-norm block (eq. 1): S = LN(TokenMixing(X) + X); X' = LN(FFN(S) + S).
+NORMS = ("post", "pre")
+POOLINGS = ("mean", "flatten")
 
-    The per-token FFN is pluggable: any module with `residual_tm(s)` (token-major
-    s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters, FLOPs per sample). The
-    default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE (dense/moe.py) is another.
+
+class RankMixerBlock(nn.Module):
+    """Post-norm block (eq. 1, the default): S = LN(TokenMixing(X) + X); X' = LN(FFN(S) + S).
+    Pre-norm (`norm="pre"`): S = X + TokenMixing(LN(X)); X' = S + FFN(LN(S)), the residual
+    stream left unnormalised (the tower normalises once before pooling).
+
+    The per-token FFN is pluggable: any module with `forward_tm(s)` and `residual_tm(s)`
+    (token-major FFN(s) and s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters,
+    FLOPs per sample). The default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE
+    (dense/moe.py) is another.
     """
 
-    def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None):
+    def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None,
+                 norm: str = "post"):
         super().__init__()
         check_mixing_width(dim, num_tokens)
-        self.num_tokens = num_tokens
+        if norm not in NORMS:
+            raise ValueError(f"model.norm must be one of {NORMS}, got {norm!r}")
+        self.num_tokens, self.pre_norm = num_tokens, norm == "pre"
         self.norm1 = nn.LayerNorm(dim)
         self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ratio)
         self.norm2 = nn.LayerNorm(dim)
 
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> [T, B, D]."""
+        if self.pre_norm:
+            s = token_mixing_residual_tm(x, self.norm1(x))
+            return s + self.ffn.forward_tm(self.norm2(s))
         s = self.norm1(token_mixing_residual_tm(x))
         return self.norm2(self.ffn.residual_tm(s))
 
@@ -144,24 +159,34 @@ class RankMixerBlock(nn.Module):
 
 
 class RankMixerTower(nn.Module):
-    """Tokenizer -> L RankMixer blocks -> mean over tokens: e_input [B, E] -> [B, D].
+    """Tokenizer -> L RankMixer blocks -> pooling: e_input [B, E] -> [B, D] (mean over
+    tokens, the paper's) or [B, T*D] (`pooling="flatten"`: every token into the heads).
 
-    `ffn` makes each block's per-token FFN (default: `PerTokenFFN(T, D, ratio)`)."""
+    `ffn` makes each block's per-token FFN (default: `PerTokenFFN(T, D, ratio)`); `norm`
+    places the blocks' LayerNorms (`RankMixerBlock`)."""
 
     def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ratio: int = 2,
-                 ffn: Callable[[], nn.Module] | None = None):
+                 ffn: Callable[[], nn.Module] | None = None, norm: str = "post", pooling: str = "mean"):
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"model.pooling must be one of {POOLINGS}, got {pooling!r}")
         self.tokenizer = tokenizer
         t = tokenizer.num_tokens
         # Each FFN is made before its block, as the RNG draws have always been ordered.
-        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ratio, ffn() if ffn else PerTokenFFN(t, dim, ratio))
-                                      for _ in range(num_layers)))
-        self.out_dim = dim
+        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ratio, ffn() if ffn else PerTokenFFN(t, dim, ratio),
+                                                     norm=norm) for _ in range(num_layers)))
+        # Pre-norm leaves the residual stream unnormalised: one LayerNorm before the pooling.
+        self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()
+        self.flatten = pooling == "flatten"
+        self.out_dim = dim * t if self.flatten else dim
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         x = self.tokenizer.forward_tm(e_input)  # [T, B, D] from here to the pooling
         for block in self.blocks:
             x = block.forward_tm(x)
+        x = self.final_norm(x)
+        if self.flatten:
+            return x.transpose(0, 1).reshape(x.shape[1], -1)
         return x.mean(dim=0)
 
     def cost(self) -> tuple[int, int]:
@@ -172,4 +197,4 @@ class RankMixerTower(nn.Module):
             ffn_params, ffn_flops = block.ffn.cost()
             params += ffn_params + sum(p.numel() for n in (block.norm1, block.norm2) for p in n.parameters())
             flops += ffn_flops
-        return params, flops
+        return params + sum(p.numel() for p in self.final_norm.parameters()), flops

@@ -27,7 +27,7 @@ def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 @TOWERS.register("rankmixer")
 def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     tokenizer = build_tokenizer(cfg, layout.group_widths)
-    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio)
+    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio, norm=cfg.norm, pooling=cfg.pooling)
 
 
 @TOWERS.register("rankmixer_moe")
@@ -40,7 +40,7 @@ def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
         return PerTokenMoE(t, d, cfg.num_experts, hidden, budget=cfg.moe_budget, l1_init=cfg.moe_l1_init,
                            l1_rate=cfg.moe_l1_rate, consistency=cfg.moe_consistency,
                            sparse_inference=cfg.moe_inference == "sparse")
-    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe)
+    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe, norm=cfg.norm, pooling=cfg.pooling)
 
 
 class Passthrough(nn.Module):

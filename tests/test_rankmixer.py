@@ -143,3 +143,23 @@ def test_tower_output_is_mean_over_tokens():
     tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2)
     e = torch.randn(3, 12)
     assert torch.allclose(tower(e), tower.blocks(tower.tokenizer(e)).mean(dim=1))
+
+
+def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
+    """norm="pre": S = X + TokenMixing(LN1(X)), X' = S + FFN(LN2(S)), one LN before pooling;
+    pooling="flatten": the T x D tokens concatenated, token by token."""
+    torch.manual_seed(0)
+    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm="pre", pooling="flatten").double()
+    for p in tower.parameters():  # LayerNorms away from gamma 1, beta 0, so that a misplaced one shows
+        torch.nn.init.normal_(p, std=0.5)
+    e = torch.randn(3, 12, dtype=torch.float64)
+    x = tower.tokenizer(e)
+    for block in tower.blocks:
+        s = x + token_mixing(block.norm1(x), 4)
+        x = s + block.ffn(block.norm2(s))
+    assert tower.out_dim == 32
+    assert torch.allclose(tower(e), tower.final_norm(x).reshape(3, 32), atol=1e-12)
+    extra = sum(p.numel() for p in tower.final_norm.parameters())
+    assert tower.cost()[0] == sum(p.numel() for p in tower.parameters()) and extra == 16
+    with pytest.raises(ValueError, match="model.pooling must be one of \\('mean', 'flatten'\\), got 'max'"):
+        RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, pooling="max")
