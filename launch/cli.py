@@ -10,7 +10,7 @@ r"""`rankmix`: train, and convert or generate data.
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
     rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
         [--local-world-size N] [--section.key=value ...]
-    rankmix data synth --out DIR [--rows N] [--files N] [--seed N]
+    rankmix data synth --out DIR [--rows N] [--files N] [--seed N] [--teacher default|capacity]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
         [--row-group-size N]
@@ -204,6 +204,9 @@ def data(argv: list[str]) -> int:
     s.add_argument("--rows", type=int, default=200_000)
     s.add_argument("--files", type=int, default=4)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--teacher", choices=("default", "capacity"), default="default",
+                   help="capacity: high-order crosses over 16 Zipf fields and a behaviour sequence "
+                        "(trainer/data/capacity.py), streamed in bounded memory")
     m = sub.add_parser("movielens", help="MovieLens-100K (RecBole layout) to Parquet")
     m.add_argument("--src", required=True)
     m.add_argument("--out", required=True)
@@ -238,8 +241,8 @@ def data(argv: list[str]) -> int:
                                   numeric=cols(args.numeric), drop=cols(args.drop), delimiter=args.delimiter,
                                   **common)
     elif args.kind == "synth":
-        from trainer.data.synth import write_synthetic
-        summary = write_synthetic(args.out, rows=args.rows, files=args.files, seed=args.seed)
+        from trainer.data.datasets import SYNTH_TEACHERS
+        summary = SYNTH_TEACHERS[args.teacher][0](args.out, rows=args.rows, files=args.files, seed=args.seed)
     else:
         from trainer.data.movielens import convert_movielens
         summary = convert_movielens(args.src, args.out)

@@ -203,9 +203,9 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
 
     features = cfg.features
     if not features and cfg.data.dataset == "synth":
-        from trainer.data.datasets import synth_features
+        from trainer.data.datasets import SYNTH_TEACHERS
 
-        features = synth_features()
+        features = SYNTH_TEACHERS[cfg.data.synth_teacher][1]()
     if not features:
         TOWERS.get(cfg.model.tower)
         return None

@@ -108,6 +108,8 @@ class DataConfig:
     """Column that identifies the user for UAUC ('' disables UAUC)."""
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
+    synth_teacher: str = "default"
+    """synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf fields and a sequence)."""
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"

@@ -63,15 +63,36 @@ def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
     return folder
 
 
-@DATASETS.register("synth")
-def synth(cfg: Config) -> DatasetFiles:
-    """Synthetic logs with a hidden teacher (trainer/data/synth.py), generated on first use."""
+def _write_default(out, **kwargs) -> dict:
     from trainer.data.synth import write_synthetic
 
+    return write_synthetic(out, **kwargs)
+
+
+def _write_capacity(out, **kwargs) -> dict:
+    from trainer.data.capacity import write_capacity
+
+    return write_capacity(out, **kwargs)
+
+
+SYNTH_TEACHERS: dict[str, tuple[Callable[..., dict], Callable[[], list[FeatureSpec]], str]] = {
+    "default": (_write_default, lambda: synth_features(), "synth"),  # defined below
+    "capacity": (_write_capacity, lambda: capacity_features(), "synth-capacity"),
+}
+"""data.synth_teacher -> (writer(out, rows=, files=, seed=), schema, cache folder prefix)."""
+
+
+@DATASETS.register("synth")
+def synth(cfg: Config) -> DatasetFiles:
+    """Synthetic logs with a hidden teacher (data.synth_teacher: trainer/data/synth.py or
+    trainer/data/capacity.py), generated on first use."""
+    if cfg.data.synth_teacher not in SYNTH_TEACHERS:
+        raise ValueError(f"data.synth_teacher must be one of {tuple(SYNTH_TEACHERS)}, got {cfg.data.synth_teacher!r}")
+    write, schema, prefix = SYNTH_TEACHERS[cfg.data.synth_teacher]
     rows, seed = cfg.data.synth_rows, cfg.train.seed
-    folder = _prepared(Path(cfg.data.cache_dir) / f"synth-{rows}-seed{seed}",
-                       lambda out: write_synthetic(out, rows=rows, seed=seed))
-    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or synth_features())
+    folder = _prepared(Path(cfg.data.cache_dir) / f"{prefix}-{rows}-seed{seed}",
+                       lambda out: write(out, rows=rows, seed=seed))
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or schema())
 
 
 @DATASETS.register("movielens")
@@ -111,6 +132,23 @@ def synth_features() -> list[FeatureSpec]:
         f(name="device", num_embeddings=s.NUM_DEVICES + 1, embedding_dim=4, group="context"),
         f(name="hist_items", kind="sequence", table="item", num_embeddings=s.NUM_ITEMS + 1, embedding_dim=16,
           hashing="none", pooling="mean", max_len=s.MAX_HIST, group="behaviour"),
+    ]
+    validate_features(features)
+    return features
+
+
+def capacity_features() -> list[FeatureSpec]:
+    """The schema of `write_capacity`'s columns: its 16 fields in four groups of four, the
+    target item, and the behaviour sequence sharing the item's table."""
+    from trainer.data import capacity as c
+
+    features = [FeatureSpec(name=name, num_embeddings=vocab + 1, embedding_dim=16, hashing="none",
+                            group=f"fields{i // 4}")
+                for i, (name, vocab) in enumerate(zip(c.field_names(), c.FIELD_VOCAB))]
+    features += [
+        FeatureSpec(name="item", num_embeddings=c.NUM_ITEMS + 1, embedding_dim=16, hashing="none", group="item"),
+        FeatureSpec(name="hist", kind="sequence", table="item", num_embeddings=c.NUM_ITEMS + 1, embedding_dim=16,
+                    hashing="none", pooling="mean", max_len=c.MAX_HIST, group="behaviour"),
     ]
     validate_features(features)
     return features
