@@ -20,7 +20,7 @@ class SliceTokenizer(nn.Module):
     since features would be dropped.
     """
 
-    def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int):
+    def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = "uniform"):
         super().__init__()
         self.input_dim, self.num_tokens = input_dim, num_tokens
         self.token_dim = token_dim or math.ceil(input_dim / num_tokens)
@@ -30,6 +30,8 @@ class SliceTokenizer(nn.Module):
         bound = 1 / math.sqrt(self.token_dim)
         self.weight = nn.Parameter(torch.empty(num_tokens, self.token_dim, hidden_dim).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(num_tokens, hidden_dim).uniform_(-bound, bound))
+        if bias_init == "zero":  # drawn all the same, so that the weights' draws do not move
+            nn.init.zeros_(self.bias)
 
     def forward_tm(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> token-major [T, B, D]: one batched product, bias included."""
@@ -51,10 +53,13 @@ class SliceTokenizer(nn.Module):
 class GroupTokenizer(nn.Module):
     """One token per semantic group, each projected by its own Linear(E_g, D)."""
 
-    def __init__(self, group_widths: list[int], hidden_dim: int):
+    def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "uniform"):
         super().__init__()
         self.group_widths = list(group_widths)
         self.proj = nn.ModuleList(nn.Linear(w, hidden_dim) for w in group_widths)
+        if bias_init == "zero":
+            for p in self.proj:
+                nn.init.zeros_(p.bias)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +85,7 @@ def build_tokenizer(cfg: ModelConfig, group_widths: list[int]) -> nn.Module:
     """`model.tokenizer` over e_input's semantic groups: slice (eq. 2: model.num_tokens
     slices of model.token_dim) or group (one token per group), each projected to model.hidden_dim."""
     if cfg.tokenizer == "slice":
-        return SliceTokenizer(sum(group_widths), cfg.num_tokens, cfg.token_dim, cfg.hidden_dim)
+        return SliceTokenizer(sum(group_widths), cfg.num_tokens, cfg.token_dim, cfg.hidden_dim, cfg.tokenizer_bias)
     if cfg.tokenizer == "group":
-        return GroupTokenizer(group_widths, cfg.hidden_dim)
+        return GroupTokenizer(group_widths, cfg.hidden_dim, cfg.tokenizer_bias)
     raise ValueError(f"model.tokenizer must be slice or group, got {cfg.tokenizer!r}")

@@ -163,3 +163,14 @@ def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
     assert tower.cost()[0] == sum(p.numel() for p in tower.parameters()) and extra == 16
     with pytest.raises(ValueError, match="model.pooling must be one of \\('mean', 'flatten'\\), got 'max'"):
         RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, pooling="max")
+
+
+def test_zero_tokenizer_bias_changes_nothing_else():
+    torch.manual_seed(0)
+    uniform = SliceTokenizer(12, 4, 0, 8)
+    torch.manual_seed(0)
+    zero = SliceTokenizer(12, 4, 0, 8, bias_init="zero")
+    assert torch.equal(zero.weight, uniform.weight) and not zero.bias.any() and uniform.bias.abs().min() > 0
+    torch.manual_seed(0)
+    group = GroupTokenizer([3, 5], 4, bias_init="zero")
+    assert all(not p.bias.any() for p in group.proj)

@@ -150,6 +150,8 @@ class ModelConfig:
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
     """T, tokens for the slice tokenizer (the group tokenizer uses the number of groups)."""
+    tokenizer_bias: str = "uniform"
+    """Initial tokenizer biases: uniform (nn.Linear's +-1/sqrt(fan-in)) | zero (tokens start from the embeddings alone)."""
     token_dim: int = 0
     """d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
     hidden_dim: int = 64

@@ -240,6 +240,7 @@ def validate(cfg: Config) -> None:
     _check_choice(cfg, "model.moe_inference", ("sparse", "dense"))
     _check_choice(cfg, "train.select_metric", ("auc", "logloss"))
     _check_choice(cfg, "model.norm", ("post", "pre"))
+    _check_choice(cfg, "model.tokenizer_bias", ("uniform", "zero"))
     _check_choice(cfg, "data.synth_teacher", ("default", "capacity"))
     _check_choice(cfg, "model.pooling", ("mean", "flatten"))
     if not 0 <= cfg.data.valid_fraction < 1:
