@@ -335,7 +335,7 @@ def rows_of(points: list[Point], baseline_auc: float) -> list[dict]:
                      "flops": int(first["flops_per_sample"]), "auc": auc, "uauc": uauc,
                      "auc_std": auc_std, "uauc_std": uauc_std, "dauc": auc - baseline_auc, "seeds": len(runs),
                      "epochs": float(np.mean(epochs)),
-                     "logloss": float(np.mean([r["logloss"] for _, r in runs])),
+                     "logloss": float(np.mean([r.get("logloss", float("nan")) for _, r in runs])),
                      "overrides": redact_uri(" ".join(f"--{k}={v}" for k, v in runs[0][0].settings.items()))})
     return rows
 
