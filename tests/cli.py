@@ -6,6 +6,9 @@ child forked from a server process that imported the training stack once (multip
 forkserver, with preloading): still a process of its own, with its own working folder,
 environment, distributed state, signal handlers, exit code and output, without the import.
 
+`spawn` starts the ranks of an in-process multi-rank test the same way (what
+`torch.multiprocessing.spawn` does, from the preloaded server instead of fresh interpreters).
+
 What a fork cannot show, a test that needs it starts a real interpreter instead: a clean
 interpreter exit (`tests/test_distributed.py`), signals through torchrun
 (`tests/test_lifecycle.py`), and everything under `rankmix launch`, whose ranks torchrun starts.
@@ -33,6 +36,14 @@ def _server() -> multiprocessing.context.ForkServerContext:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
     return _context
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """`fn(rank, *args)` in `nprocs` processes forked from the server; raises if one fails."""
+    import torch.multiprocessing as mp
+
+    _server()  # the preloading forkserver, started before any other use of it
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def run_env(**extra: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cli import spawn
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.data.synth import write_synthetic
@@ -78,7 +79,7 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
 
 def train(world: int, overrides: list[str], data: Path, out: Path, steps: int = STEPS) -> dict:
     """Losses, gathered weights and plan of `steps` steps on `world` processes."""
-    mp.spawn(_train_worker, args=(world, free_port(), overrides, str(data), str(out), steps), nprocs=world)
+    spawn(_train_worker, (world, free_port(), overrides, str(data), str(out), steps), world)
     return torch.load(out, weights_only=False)
 
 

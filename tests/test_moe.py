@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from cli import rankmix
+from cli import rankmix, spawn
 from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
@@ -139,7 +138,7 @@ def test_every_rank_adapts_lambda_with_the_activity_averaged_over_ranks(tmp_path
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_lambda_worker, args=(port, str(tmp_path)), nprocs=2)
+    spawn(_lambda_worker, (port, str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert ranks[0]["active"] != ranks[1]["active"]
     for layer in range(2):

@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from launch.plan import GB, plan_cluster
-from cli import rankmix
+from cli import rankmix, spawn
 from test_distributed import free_port
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
@@ -51,7 +50,7 @@ def _measure(rank: int, port: int, optimizer: str, data_type: str, out: str) -> 
 @pytest.mark.parametrize("optimizer,data_type", [("adagrad", "fp32"), ("rowwise_adagrad", "fp32"),
                                                  ("rowwise_adagrad", "fp16")])
 def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, data_type, tmp_path):
-    mp.spawn(_measure, args=(free_port(), optimizer, data_type, str(tmp_path)), nprocs=2)
+    spawn(_measure, (free_port(), optimizer, data_type, str(tmp_path)), 2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     tables, optim = (sum(m[k] for m in measured) for k in ("tables", "optimizer"))
     plan = plan_cluster(small_config(optimizer, data_type), 2, "cpu", 0.0, 24.0, 2)
