@@ -33,11 +33,10 @@ from trainer import checkpoint
 from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.pipeline import CheckedSparseDistPipeline
-from trainer.metrics import task_metrics
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import StopSignal
-from trainer.selection import BestPoint
+from trainer.evaluation import Evaluator, ModelSelection
 from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
 
@@ -73,10 +72,10 @@ class Trainer:
         self.valid_split = ((cfg.data.valid_path, {}) if cfg.data.valid_path else
                             (files.train_path, {"holdout_fraction": cfg.data.valid_fraction, "holdout": True})
                             if cfg.data.valid_fraction else None)
-        self.best = BestPoint(cfg.train.select_metric, cfg.train.early_stopping_patience)
-        self._restored = False  # whether the run ended on the best validation's weights
+        self.selection = ModelSelection(cfg, Path(cfg.train.run_dir))
         self.model = self._build_model()
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
+        self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks)
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
         self.optimizer = self._build_optimizer()
@@ -110,7 +109,7 @@ class Trainer:
             "trainer": self, "ranks": PerRankState({"reader": self.position, "rng": RNGState(),
                                                     "scheduler": LRScheduleState(self.scheduler, self.optimizer)})}
         if self.valid_split:
-            self.checkpoint_parts["best"] = self.best
+            self.checkpoint_parts["best"] = self.selection.best
         self.restore()
 
     # ------------------------------------------------------------------ building
@@ -188,7 +187,7 @@ class Trainer:
     def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
         meter = StepMeter(len(self.task_names), self.env.device)
-        while self.step < self.total_steps and not self.best.exhausted:
+        while self.step < self.total_steps and not self.selection.best.exhausted:
             tic = time.perf_counter()
             task_losses = self.train_step(batches)
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
@@ -199,7 +198,7 @@ class Trainer:
                 self.validate()
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
-            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps or self.best.exhausted)
+            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps or self.selection.best.exhausted)
             if saved:
                 self.save_checkpoint()
             if self._stopping(saved):
@@ -296,21 +295,13 @@ class Trainer:
                    self.mfu_name: self.mfu(examples_per_sec), "peak_tflops": self.peak_flops / 1e12,
                    "run_dir": str(self.run_dir),
                    **{f"data/{k}": v for k, v in self.data_rows.items()},
-                   **self._selection_summary(),
+                   **(self.selection.summary() if self.valid_split else {}),
                    # per-task and top-level tower metrics, not per layer
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
-
-    def _selection_summary(self) -> dict:
-        """Where the validation split put the run: the best point and its metrics."""
-        if not self.valid_split:
-            return {}
-        return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self._restored,
-                "stopped_early": self.best.exhausted,
-                **{f"valid/{k}": v for k, v in self.best.metrics.items() if "/" not in k}}
 
     def fetch(self, batches) -> Batch:
         """Next training batch, on the device."""
@@ -386,57 +377,28 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Metrics over the validation split, logged as `valid`; the best so far keeps its
-        weights in <run_dir>/best (train.restore_best)."""
+        weights in <run_dir>/best (trainer/evaluation.py::ModelSelection)."""
         path, split = self.valid_split
         metrics = self._metrics_on(path, **split)
         epochs = self.epochs_trained()
         self.logger.log(self.step, "valid", {**metrics, "epochs": epochs})
-        if self.best.update({k: v for k, v in metrics.items() if "/" not in k}, self.step, epochs) \
-                and self.cfg.train.restore_best:
-            self.checkpoints.wait()
-            checkpoint.save_weights(self.best_dir, {"model": self.checkpoint_parts["model"]})
+        self.checkpoints.wait()  # one save at a time
+        self.selection.record(metrics, self.step, epochs, {"model": self.checkpoint_parts["model"]})
         return metrics
-
-    @property
-    def best_dir(self) -> Path:
-        return self.run_dir / "best"
 
     def restore_best(self) -> None:
         """End on the best validation's weights (train.restore_best), unless they are the last."""
-        self._restored = False
-        if not self.valid_split or not self.cfg.train.restore_best or self.best.step in (0, self.step):
-            return
-        checkpoint.load(self.best_dir, {"model": self.checkpoint_parts["model"]})
-        self._restored = True
-        self.logger.write(f"restored the weights of step {self.best.step}, the best validation "
-                          f"({self.best.metric} {self.best.value:.5f})")
+        if self.valid_split:
+            done = self.selection.restore({"model": self.checkpoint_parts["model"]}, self.step)
+            if done:
+                self.logger.write(done)
 
-    @torch.no_grad()
     def _metrics_on(self, path: str, **split) -> dict[str, float]:
-        """Metrics over the whole of the files at `path` (`split`: a holdout of them),
-        gathered from every rank."""
+        """The model's metrics over the files at `path` (`split`: a holdout of them)."""
         if self.pipeline is not None:
             self.pipeline.detach()  # the original forward; the next progress() re-attaches
         self.model.eval()
-        reader = ParquetReader(path, self.encoder, batch_size=self.cfg.data.eval_batch_size,
-                               shuffle=False, drop_last=False, rank=self.env.rank,
-                               world_size=self.env.world_size, **split, **self._retries())
-        logits, labels, users, weights = [], [], [], []
-        for i, batch in enumerate(reader):
-            if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
-                break
-            batch = batch.to(self.env.device)
-            logits.append(self.model(batch).float())
-            labels.append(batch.labels)
-            users.append(batch.users)
-            weights.append(batch.weights)
-        gathered = [_gather(torch.cat(t)) for t in (logits, labels, users, weights)]
-        keep = gathered[3] > 0
-        metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
-                               with_uauc=bool(self.cfg.data.user_column))
-        metrics["examples"] = int(keep.sum())
-        for hook in self.hooks.metrics:
-            metrics.update(hook("eval"))
+        metrics = self.evaluator(path, **split)
         # Back to training mode now: the pipeline decides whether to zero gradients from
         # the mode the model is in when its next step begins.
         self.model.train()
@@ -506,15 +468,6 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
         raise ValueError(f"train.mixed_precision={mixed_precision!r} needs a CUDA device, this run is on "
                          f"{device.type}")
     return torch.bfloat16
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate `t` from every rank on the CPU (every rank holds equally many rows)."""
-    if dist.get_world_size() == 1:
-        return t.cpu()
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out).cpu()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -1,0 +1,98 @@
+"""Metrics of the model over a whole split, and the validation split's part in a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dense.hooks import TrainingHooks
+from trainer import checkpoint
+from trainer.config import Config
+from trainer.data.encode import RowEncoder
+from trainer.data.reader import ParquetReader
+from trainer.dist import DistEnv
+from trainer.metrics import task_metrics
+from trainer.selection import BestPoint
+
+
+class Evaluator:
+    """Scores whole splits: every rank reads its share of the rows, the logits, labels,
+    users and weights of all ranks are gathered, and `task_metrics` runs over all of them
+    (never an average of per-rank figures). The caller puts the model in eval mode."""
+
+    def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks):
+        self.model, self.encoder, self.cfg, self.env, self.hooks = model, encoder, cfg, env, hooks
+        self.task_names = [t.name for t in cfg.model.tasks]
+
+    @torch.no_grad()
+    def __call__(self, path: str, **split) -> dict[str, float]:
+        """Metrics over the files at `path` (`split`: ParquetReader's holdout arguments),
+        the first metrics.eval_batches batches per rank when that is set."""
+        data = self.cfg.data
+        reader = ParquetReader(path, self.encoder, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
+                               rank=self.env.rank, world_size=self.env.world_size, retry_seconds=data.retry_seconds,
+                               retry_attempts=data.retry_attempts, **split)
+        logits, labels, users, weights = [], [], [], []
+        for i, batch in enumerate(reader):
+            if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
+                break
+            batch = batch.to(self.env.device)
+            logits.append(self.model(batch).float())
+            labels.append(batch.labels)
+            users.append(batch.users)
+            weights.append(batch.weights)
+        gathered = [_gather(torch.cat(t)) for t in (logits, labels, users, weights)]
+        keep = gathered[3] > 0
+        metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
+                               with_uauc=bool(data.user_column))
+        metrics["examples"] = int(keep.sum())
+        for hook in self.hooks.metrics:
+            metrics.update(hook("eval"))
+        return metrics
+
+
+class ModelSelection:
+    """What a validation split does for a run (docs/design.md §2.6): it tracks the best
+    validation (`best`, a checkpoint part), keeps that validation's weights in `folder`
+    (train.restore_best), and puts them back at the end."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        t = cfg.train
+        self.best = BestPoint(t.select_metric, t.early_stopping_patience)
+        self.folder = run_dir / "best"
+        self.keep_weights = t.restore_best
+        self.restored = False
+
+    def record(self, metrics: dict[str, float], step: int, epochs: float, weights: dict) -> bool:
+        """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
+        improved = self.best.update({k: v for k, v in metrics.items() if "/" not in k}, step, epochs)
+        if improved and self.keep_weights:
+            checkpoint.save_weights(self.folder, weights)
+        return improved
+
+    def restore(self, weights: dict, step: int) -> str | None:
+        """Load the best validation's weights unless they are those of `step`; what was done."""
+        if not self.keep_weights or self.best.step in (0, step):
+            return None
+        checkpoint.load(self.folder, weights)
+        self.restored = True
+        return (f"restored the weights of step {self.best.step}, the best validation "
+                f"({self.best.metric} {self.best.value:.5f})")
+
+    def summary(self) -> dict:
+        """The best point and its validation metrics, for summary.json."""
+        return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self.restored,
+                "stopped_early": self.best.exhausted,
+                **{f"valid/{k}": v for k, v in self.best.metrics.items()}}
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate `t` from every rank on the CPU (every rank holds equally many rows)."""
+    if dist.get_world_size() == 1:
+        return t.cpu()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out).cpu()
