@@ -178,8 +178,8 @@ class RankMixerMoETower(RankMixerTower, HookProvider):
         hooks.metrics.append(self.log_values)
 
     def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, moe: Callable[[], PerTokenMoE],
-                 norm: str = "post", pooling: str = "mean"):
-        super().__init__(tokenizer, num_layers, dim, ffn=moe, norm=norm, pooling=pooling)
+                 norm: str = "post", pooling: str = "mean", dropout: float = 0.0):
+        super().__init__(tokenizer, num_layers, dim, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
 
     @property
     def moes(self) -> list[PerTokenMoE]:

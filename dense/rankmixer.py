@@ -131,11 +131,11 @@ class RankMixerBlock(nn.Module):
     The per-token FFN is pluggable: any module with `forward_tm(s)` and `residual_tm(s)`
     (token-major FFN(s) and s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters,
     FLOPs per sample). The default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE
-    (dense/moe.py) is another.
+    (dense/moe.py) is another. `dropout` drops FFN outputs before the residual add.
     """
 
     def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None,
-                 norm: str = "post"):
+                 norm: str = "post", dropout: float = 0.0):
         super().__init__()
         check_mixing_width(dim, num_tokens)
         if norm not in NORMS:
@@ -144,14 +144,20 @@ class RankMixerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ratio)
         self.norm2 = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(dropout) if dropout else None
 
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> [T, B, D]."""
         if self.pre_norm:
             s = token_mixing_residual_tm(x, self.norm1(x))
-            return s + self.ffn.forward_tm(self.norm2(s))
+            return s + self._dropped(self.ffn.forward_tm(self.norm2(s)))
         s = self.norm1(token_mixing_residual_tm(x))
-        return self.norm2(self.ffn.residual_tm(s))
+        if self.dropout is None:  # the fused residual
+            return self.norm2(self.ffn.residual_tm(s))
+        return self.norm2(s + self.dropout(self.ffn.forward_tm(s)))
+
+    def _dropped(self, v: torch.Tensor) -> torch.Tensor:
+        return v if self.dropout is None else self.dropout(v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, D] -> [B, T, D]."""
@@ -166,7 +172,8 @@ class RankMixerTower(nn.Module):
     places the blocks' LayerNorms (`RankMixerBlock`)."""
 
     def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ratio: int = 2,
-                 ffn: Callable[[], nn.Module] | None = None, norm: str = "post", pooling: str = "mean"):
+                 ffn: Callable[[], nn.Module] | None = None, norm: str = "post", pooling: str = "mean",
+                 dropout: float = 0.0):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"model.pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -174,7 +181,7 @@ class RankMixerTower(nn.Module):
         t = tokenizer.num_tokens
         # Each FFN is made before its block, as the RNG draws have always been ordered.
         self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ratio, ffn() if ffn else PerTokenFFN(t, dim, ratio),
-                                                     norm=norm) for _ in range(num_layers)))
+                                                     norm=norm, dropout=dropout) for _ in range(num_layers)))
         # Pre-norm leaves the residual stream unnormalised: one LayerNorm before the pooling.
         self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()
         self.flatten = pooling == "flatten"

@@ -27,7 +27,8 @@ def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 @TOWERS.register("rankmixer")
 def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     tokenizer = build_tokenizer(cfg, layout.group_widths)
-    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio, norm=cfg.norm, pooling=cfg.pooling)
+    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio, norm=cfg.norm, pooling=cfg.pooling,
+                          dropout=cfg.dropout)
 
 
 @TOWERS.register("rankmixer_moe")
@@ -40,7 +41,7 @@ def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
         return PerTokenMoE(t, d, cfg.num_experts, hidden, budget=cfg.moe_budget, l1_init=cfg.moe_l1_init,
                            l1_rate=cfg.moe_l1_rate, consistency=cfg.moe_consistency,
                            sparse_inference=cfg.moe_inference == "sparse")
-    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe, norm=cfg.norm, pooling=cfg.pooling)
+    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe, norm=cfg.norm, pooling=cfg.pooling, dropout=cfg.dropout)
 
 
 class Passthrough(nn.Module):

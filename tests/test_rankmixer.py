@@ -7,6 +7,7 @@ import torch
 
 from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import GroupTokenizer, SliceTokenizer
+from trainer.config_loader import load_config
 
 
 @pytest.mark.parametrize("b,t,d,h", [(3, 4, 8, 4), (2, 16, 32, 16), (5, 3, 12, 3), (2, 4, 8, 2), (1, 6, 12, 4)])
@@ -174,3 +175,16 @@ def test_zero_tokenizer_bias_changes_nothing_else():
     torch.manual_seed(0)
     group = GroupTokenizer([3, 5], 4, bias_init="zero")
     assert all(not p.bias.any() for p in group.proj)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_dropout_acts_in_training_only(norm):
+    torch.manual_seed(0)
+    plain = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm=norm).double()
+    torch.manual_seed(0)
+    dropped = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm=norm, dropout=0.5).double()
+    e = torch.randn(5, 12, dtype=torch.float64)
+    assert torch.allclose(dropped.eval()(e), plain.eval()(e), atol=1e-12)  # same weights, no dropout in eval
+    assert not torch.allclose(dropped.train()(e), plain.train()(e))
+    with pytest.raises(ValueError, match=r"model.dropout=1.0 must be a probability in \[0, 1\)"):
+        load_config(None, ["--model.dropout=1.0"])

@@ -162,6 +162,8 @@ class ModelConfig:
     """k, per-token FFN hidden width is k x D."""
     norm: str = "post"
     """RankMixer blocks: post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
+    dropout: float = 0.0
+    """RankMixer blocks: dropout on the per-token FFN's output before its residual add (0: none)."""
     pooling: str = "mean"
     """RankMixer output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
     block_size: int = 0

@@ -241,6 +241,8 @@ def validate(cfg: Config) -> None:
     _check_choice(cfg, "train.select_metric", ("auc", "logloss"))
     _check_choice(cfg, "model.norm", ("post", "pre"))
     _check_choice(cfg, "model.tokenizer_bias", ("uniform", "zero"))
+    if not 0 <= cfg.model.dropout < 1:
+        raise ValueError(f"model.dropout={cfg.model.dropout} must be a probability in [0, 1)")
     _check_choice(cfg, "data.synth_teacher", ("default", "capacity"))
     _check_choice(cfg, "model.pooling", ("mean", "flatten"))
     if not 0 <= cfg.data.valid_fraction < 1:
