@@ -164,13 +164,14 @@ def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    # Margins from the spread over seeds 0-2 x ATen kernels (default, avx2, native; 2
-    # threads): final active ratio 0.266-0.303 (layers 0.237-0.307), in evaluation
-    # 0.257-0.312, dead experts 1-5 of 32, every token's least active 0.02 or more. The
-    # first two hold for this seed (0) on every kernel: 0.357 at step 10, lambda x65-67.
+    # Margins from the spread over seeds 0-2 x ATen kernels (default, avx2, native) x 1 and
+    # 2 threads (18 runs): final active ratio 0.266-0.303, per layer 0.236-0.361 (layer 1
+    # of seed 0 on the default kernel is still coming down at step 150), in evaluation
+    # 0.259-0.312, dead experts 1-5 of 32, every token's least active 0.02 or more, AUC
+    # 0.611-0.655. For this seed (0) on every kernel: 0.357 at step 10, lambda x58-67.
     assert train[0]["moe/active_ratio"] > 0.3  # ReLU routers start with about half the gates open
     assert abs(train[-1]["moe/active_ratio"] - 0.25) < 0.08
-    assert all(abs(train[-1][f"moe/layer{i}/active_ratio"] - 0.25) < 0.1 for i in range(2))
+    assert all(0.2 < train[-1][f"moe/layer{i}/active_ratio"] < 0.4 for i in range(2))
     assert train[-1]["moe/l1_coef"] > 10 * train[0]["moe/l1_coef"]
     final = records[-1]
     assert final["kind"] == "eval"
