@@ -2,10 +2,10 @@
 `data.synth_teacher = "capacity"`). It is NOT real data: every label comes from the hidden
 teacher below, built so that a first-order model is far from the best possible AUC.
 
-Columns: NUM_FIELDS categorical fields `f00`..`f15` (vocabularies of 100 to 100,000 ids),
-a target `item` (20,000 ids) and `hist`, the 1 to 20 items the user saw before; every id is
+Columns: NUM_FIELDS categorical fields `f00`..`f15` (vocabularies of 10 to 7,000 ids),
+a target `item` (2,000 ids) and `hist`, the 1 to 20 items the user saw before; every id is
 drawn from a Zipf law (exponent 1.1) over a random order of its vocabulary, so a few ids are
-frequent and most are rare. `user_id` repeats field USER_FIELD (100,000 ids) for UAUC.
+frequent and most are rare. `user_id` repeats field USER_FIELD (5,000 ids) for UAUC.
 Labels: `click`.
 
 Teacher. Every id v of field f has a latent vector u_f[v] of LATENT_DIM N(0, 1) values and
@@ -14,6 +14,7 @@ a scalar bias. The click logit is
          + sum over PAIRS random field pairs      <u_a, u_b>
          + sum over TRIPLES random field triples  sum_k u_a[k] u_b[k] u_c[k]
          + sum over QUADS random field quadruples sum_k u_a[k] u_b[k] u_c[k] u_d[k]
+           (the fields of pairs, triples and quadruples drawn among the CROSSED smallest)
          + <mean of u_item over hist, u_item[item]>   (the behaviour sequence)
 each order scaled to the standard deviation in ORDER_STD. The interaction terms have mean
 zero for every single id, so no first-order model can use them.
@@ -34,14 +35,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 NUM_FIELDS = 16
-FIELD_VOCAB = [100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000,
-               300, 3_000, 30_000, 700, 7_000, 70_000]
-NUM_ITEMS = 20_000
+# Vocabularies small enough that a few hundred thousand rows teach every frequent id its
+# embedding: what separates the towers is then how well they learn the crosses.
+FIELD_VOCAB = [10, 20, 50, 100, 200, 500, 1_000, 2_000, 30, 5_000, 300, 3_000, 40, 700, 70, 7_000]
+NUM_ITEMS = 2_000
 MAX_HIST = 20
 LATENT_DIM = 4
 ZIPF_EXPONENT = 1.1
 USER_FIELD = 9  # its ids double as user ids
 PAIRS, TRIPLES, QUADS = 8, 16, 8
+# Crosses are drawn among the CROSSED fields of fewest ids (10 to 200): every combination of
+# a triple recurs often enough to be learnt; the larger fields add first-order signal and noise.
+CROSSED = 8
 ORDER_STD = {"first": 0.4, "pairs": 0.7, "triples": 1.2, "quads": 0.8, "sequence": 0.7}
 BIAS = -1.6
 CHUNK_ROWS = 65_536
@@ -67,15 +72,16 @@ class _Teacher:
 def _teacher(seed: int) -> _Teacher:
     rng = np.random.default_rng([seed, 1])
     vocab = [*FIELD_VOCAB, NUM_ITEMS]
+    crossed = np.argsort(FIELD_VOCAB, kind="stable")[:CROSSED]  # the fields of fewest ids
     ranks = [np.arange(1, n + 1, dtype=np.float64) ** -ZIPF_EXPONENT for n in vocab]
     return _Teacher(
         cdfs=[np.cumsum(w) / w.sum() for w in ranks],
         orders=[rng.permutation(n) + 1 for n in vocab],
         biases=[np.r_[0.0, rng.normal(size=n)] for n in vocab],
         latents=[np.vstack([np.zeros(LATENT_DIM), rng.normal(size=(n, LATENT_DIM))]) for n in vocab],
-        pairs=np.array([rng.choice(NUM_FIELDS, 2, replace=False) for _ in range(PAIRS)]),
-        triples=np.array([rng.choice(NUM_FIELDS, 3, replace=False) for _ in range(TRIPLES)]),
-        quads=np.array([rng.choice(NUM_FIELDS, 4, replace=False) for _ in range(QUADS)]))
+        pairs=crossed[np.array([rng.choice(CROSSED, 2, replace=False) for _ in range(PAIRS)])],
+        triples=crossed[np.array([rng.choice(CROSSED, 3, replace=False) for _ in range(TRIPLES)])],
+        quads=crossed[np.array([rng.choice(CROSSED, 4, replace=False) for _ in range(QUADS)])])
 
 
 def _draw(teacher: _Teacher, which: int, rng: np.random.Generator, n: int) -> np.ndarray:
