@@ -42,6 +42,7 @@ from trainer.credentials import redact_config, redact_uri
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
 MIN_FIT_POINTS = 3  # fit.json keys: x = dense parameters, x = forward FLOPs per sample
+MIN_FIT_SPAN = 2.0  # the largest x over the smallest a fit needs
 
 
 @dataclass
@@ -309,6 +310,8 @@ def fit_power_law(x: list[float], y: list[float]) -> dict[str, float]:
     lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
     if len(np.unique(lx)) < MIN_FIT_POINTS:  # through two points any line fits, r^2 = 1
         raise ValueError(f"a power law needs at least {MIN_FIT_POINTS} distinct x values, got {list(x)}")
+    if lx.max() - lx.min() < np.log(MIN_FIT_SPAN):  # a slope over sizes this close is noise, and overflows
+        raise ValueError(f"a power law needs sizes spanning at least {MIN_FIT_SPAN}x, got {min(x)} to {max(x)}")
     b, log_a = np.polyfit(lx, ly, 1)
     residual = ly - (log_a + b * lx)
     total = float(((ly - ly.mean()) ** 2).sum())

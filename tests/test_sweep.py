@@ -25,6 +25,8 @@ def test_power_law_fit_recovers_a_and_b():
     assert 0.25 < noisy["b"] < 0.37 and noisy["r2"] < 1.0
     with pytest.raises(ValueError, match="at least 3 distinct x"):
         fit_power_law([10, 10, 100], [0.1, 0.2, 0.3])  # two points: any line fits
+    with pytest.raises(ValueError, match="sizes spanning at least 2.0x, got 536641 to 537217"):
+        fit_power_law([536641, 536769, 537089, 537217], [0.01, 0.02, 0.012, 0.015])  # a grid at equal size
 
 
 def test_grid_expansion_and_per_tower_grids(tmp_path):
