@@ -120,3 +120,21 @@ def test_the_test_metrics_are_those_of_the_best_weights(stopped, tmp_path):
     scored = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("auc", "logloss", "ne", "calibration", "like/auc"):
         assert scored[key] == pytest.approx(summary[key], abs=1e-6), key
+
+
+def test_a_resumed_run_keeps_its_best_point_and_ends_as_an_uninterrupted_one(tmp_path):
+    """The best validation, its weights and the patience count survive a restart: the run
+    stopped after epoch 1 and resumed ends bitwise where the uninterrupted one does."""
+    def train(run, *extra):
+        proc = rankmix("train", "--config", "configs/debug.toml", "--train.steps=0", "--train.epochs=3",
+                       "--data.valid_fraction=0.1", "--train.early_stopping_patience=5", f"--train.run_dir={run}",
+                       f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.progress=false",
+                       "--metrics.tensorboard=false", "--checkpoint.interval=63", *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((run / "summary.json").read_text())
+    whole = train(tmp_path / "whole")
+    assert whole["steps"] == 3 * 63  # 63 steps an epoch: the interval saves at each epoch's end
+    train(tmp_path / "resumed", "--train.steps=63")  # stops after epoch 1, with a checkpoint and best/
+    resumed = train(tmp_path / "resumed")
+    keys = ("auc", "logloss", "best/step", "best/epochs", "best/restored", "valid/auc", "valid/logloss", "steps")
+    assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}

@@ -8,6 +8,7 @@ epochs would compare towers at different points of their learning curves.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -50,10 +51,12 @@ class BestPoint:
         return self.patience > 0 and self.since >= self.patience
 
     def state_dict(self) -> dict:
-        """What was seen (the metric and patience come from this run's config)."""
+        """What was seen (the metric and patience come from this run's config). The metrics
+        travel as one JSON text: DCP loads only the keys its template has, and a fresh
+        run's template cannot know which metrics the saved run had."""
         return {"value": self.value, "step": self.step, "epochs": self.epochs, "since": self.since,
-                "metrics": dict(self.metrics)}
+                "metrics": json.dumps(self.metrics)}
 
     def load_state_dict(self, state: dict) -> None:
         self.value, self.step, self.epochs = float(state["value"]), int(state["step"]), float(state["epochs"])
-        self.since, self.metrics = int(state["since"]), dict(state["metrics"])
+        self.since, self.metrics = int(state["since"]), json.loads(state["metrics"])
