@@ -138,3 +138,21 @@ def test_a_resumed_run_keeps_its_best_point_and_ends_as_an_uninterrupted_one(tmp
     resumed = train(tmp_path / "resumed")
     keys = ("auc", "logloss", "best/step", "best/epochs", "best/restored", "valid/auc", "valid/logloss", "steps")
     assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
+
+
+def test_two_ranks_validate_every_held_out_row_once_and_restore_the_best(tmp_path):
+    run = tmp_path / "run"
+    proc = rankmix("launch", "--nproc-per-node", "2", "--config", "configs/debug.toml", "--train.steps=0",
+                   "--train.epochs=2", "--data.valid_fraction=0.1", f"--train.run_dir={run}",
+                   f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.progress=false",
+                   "--metrics.tensorboard=false", "--checkpoint.enabled=false", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    valid = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "valid"]
+    # every held-out row once per validation: int(n / 10) of each training row group of n rows
+    groups = [g.num_rows for f in (next((tmp_path / "cache").glob("synth-*")) / "train").glob("*.parquet")
+              for g in (pq.ParquetFile(f).metadata.row_group(i) for i in range(pq.ParquetFile(f).num_row_groups))]
+    assert [r["examples"] for r in valid] == [sum(n // 10 for n in groups)] * 2
+    summary = json.loads((run / "summary.json").read_text())
+    best = max(valid, key=lambda r: r["auc"])
+    assert summary["best/step"] == best["step"] and summary["valid/auc"] == best["auc"]
+    assert summary["best/restored"] == (best is valid[0])
