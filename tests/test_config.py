@@ -399,3 +399,13 @@ def test_every_field_has_a_one_line_docstring(cls):
     for name in names:
         assert docs[name].strip(), f"{cls.__name__}.{name} has an empty docstring"
         assert "\n" not in docs[name], f"{cls.__name__}.{name} docstring spans several lines"
+
+
+def test_the_spelled_out_synth_schema_is_the_built_in_one():
+    from trainer.data.datasets import synth_features
+
+    synth = str(Path(__file__).resolve().parents[1] / "configs" / "synth.toml")
+    cfg = load_config(synth, ["--features.user_id.embedding_dim=32"])
+    assert [f.name for f in cfg.features] == [f.name for f in synth_features()]
+    assert cfg.features[0].embedding_dim == 32
+    assert load_config(synth).features == synth_features()
