@@ -90,7 +90,7 @@ def _draw(teacher: _Teacher, which: int, rng: np.random.Generator, n: int) -> np
     return teacher.orders[which][np.minimum(rank, len(teacher.orders[which]) - 1)]
 
 
-def _orders(teacher: _Teacher, u: list[np.ndarray]) -> dict[str, np.ndarray]:
+def _crosses(teacher: _Teacher, u: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The interaction terms of every order from the rows' latent vectors [n, LATENT_DIM]."""
     def product(fields: np.ndarray) -> np.ndarray:
         out = np.ones_like(u[0])
@@ -115,7 +115,7 @@ def _chunk(teacher: _Teacher, seed: int, index: int, n: int) -> tuple[pa.Table, 
     item_latent = teacher.latents[NUM_FIELDS]
     hist_mean = np.add.reduceat(item_latent[hist], offsets[:-1], axis=0) / lengths[:, None]
     first = sum(teacher.biases[f][ids[f]] for f in range(NUM_FIELDS)) + teacher.biases[NUM_FIELDS][item]
-    terms = _orders(teacher, [teacher.latents[f][ids[f]] for f in range(NUM_FIELDS)])
+    terms = _crosses(teacher, [teacher.latents[f][ids[f]] for f in range(NUM_FIELDS)])
     terms["first"] = first / np.sqrt(NUM_FIELDS + 1)
     terms["sequence"] = (hist_mean * item_latent[item]).sum(axis=1) * np.sqrt(MAX_HIST / (2 * LATENT_DIM))
     logit = BIAS + sum(ORDER_STD[k] * v for k, v in terms.items())
