@@ -59,6 +59,8 @@ def test_holdout_is_the_tail_of_every_row_group_and_disjoint_from_training(tmp_p
                 out += ids[batch.weights > 0].tolist()
         return sorted(out)
 
+    with pytest.raises(ValueError, match=r"a holdout of 0.005 of every row group leaves no held-out rows"):
+        ParquetReader(path, encoder, batch_size=7, holdout_fraction=0.005, holdout=True)  # int(100 * 0.005) = 0
     held, trained = rows(True), rows(False)
     # int(n * 0.25) rows at the end of each row group: 25 of 100, 9 of 37, 16 of 64
     assert held == [*range(75, 100), *range(128, 137), *range(185, 201)]
@@ -156,3 +158,13 @@ def test_two_ranks_validate_every_held_out_row_once_and_restore_the_best(tmp_pat
     best = max(valid, key=lambda r: r["auc"])
     assert summary["best/step"] == best["step"] and summary["valid/auc"] == best["auc"]
     assert summary["best/restored"] == (best is valid[0])
+
+
+def test_a_validation_split_without_rows_is_an_error_before_training(tmp_path):
+    proc = rankmix("train", "--config", "configs/debug.toml", "--data.valid_fraction=0.00001",
+                   f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}",
+                   "--metrics.progress=false")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "train: a holdout of 1e-05 of every row group leaves no held-out rows")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -72,6 +72,9 @@ class Trainer:
         self.valid_split = ((cfg.data.valid_path, {}) if cfg.data.valid_path else
                             (files.train_path, {"holdout_fraction": cfg.data.valid_fraction, "holdout": True})
                             if cfg.data.valid_fraction else None)
+        if self.valid_split:  # its files' schema and its rows checked now, not after an epoch
+            ParquetReader(self.valid_split[0], self.encoder, batch_size=1, drop_last=False,
+                          **self.valid_split[1], **self._retries())
         self.selection = ModelSelection(cfg, Path(cfg.train.run_dir))
         self.model = self._build_model()
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
