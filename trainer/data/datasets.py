@@ -75,9 +75,11 @@ def _write_capacity(out, **kwargs) -> dict:
     return write_capacity(out, **kwargs)
 
 
+# The cache folder names each teacher's version: bump it whenever a writer's rows change,
+# or runs would go on reading the rows the old code generated into data.cache_dir.
 SYNTH_TEACHERS: dict[str, tuple[Callable[..., dict], Callable[[], list[FeatureSpec]], str]] = {
-    "default": (_write_default, lambda: synth_features(), "synth"),  # defined below
-    "capacity": (_write_capacity, lambda: capacity_features(), "synth-capacity"),
+    "default": (_write_default, lambda: synth_features(), "synth-v1"),  # defined below
+    "capacity": (_write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
 }
 """data.synth_teacher -> (writer(out, rows=, files=, seed=), schema, cache folder prefix)."""
 
