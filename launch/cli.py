@@ -242,7 +242,7 @@ def data(argv: list[str]) -> int:
                                   **common)
     elif args.kind == "synth":
         from trainer.data.datasets import SYNTH_TEACHERS
-        summary = SYNTH_TEACHERS[args.teacher][0](args.out, rows=args.rows, files=args.files, seed=args.seed)
+        summary = SYNTH_TEACHERS[args.teacher].write(args.out, rows=args.rows, files=args.files, seed=args.seed)
     else:
         from trainer.data.movielens import convert_movielens
         summary = convert_movielens(args.src, args.out)

@@ -206,7 +206,7 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     if not features and cfg.data.dataset == "synth":
         from trainer.data.datasets import SYNTH_TEACHERS
 
-        features = SYNTH_TEACHERS[cfg.data.synth_teacher][1]()
+        features = SYNTH_TEACHERS[cfg.data.synth_teacher].features()
     if not features:
         TOWERS.get(cfg.model.tower)
         return None

@@ -23,8 +23,6 @@ class BestPoint:
     """The validation metric compared: a key of HIGHER_IS_BETTER."""
     patience: int
     """Validations without improvement that end training (0: never)."""
-    value: float = math.nan
-    """The best validation's metric."""
     step: int = 0
     """The step of the best validation."""
     epochs: float = 0.0
@@ -34,13 +32,17 @@ class BestPoint:
     metrics: dict[str, float] = field(default_factory=dict)
     """Every metric of the best validation."""
 
+    @property
+    def value(self) -> float:
+        """The best validation's metric (NaN before the first)."""
+        return self.metrics.get(self.metric, math.nan)
+
     def update(self, metrics: dict[str, float], step: int, epochs: float) -> bool:
         """Record a validation's metrics; True when it is the best so far (NaN never is)."""
         value = metrics[self.metric]
         better = value > self.value if HIGHER_IS_BETTER[self.metric] else value < self.value
         if math.isnan(self.value) and not math.isnan(value) or better:
-            self.value, self.step, self.epochs, self.since = value, step, epochs, 0
-            self.metrics = dict(metrics)
+            self.metrics, self.step, self.epochs, self.since = dict(metrics), step, epochs, 0
             return True
         self.since += 1
         return False
@@ -54,9 +56,8 @@ class BestPoint:
         """What was seen (the metric and patience come from this run's config). The metrics
         travel as one JSON text: DCP loads only the keys its template has, and a fresh
         run's template cannot know which metrics the saved run had."""
-        return {"value": self.value, "step": self.step, "epochs": self.epochs, "since": self.since,
-                "metrics": json.dumps(self.metrics)}
+        return {"step": self.step, "epochs": self.epochs, "since": self.since, "metrics": json.dumps(self.metrics)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value, self.step, self.epochs = float(state["value"]), int(state["step"]), float(state["epochs"])
-        self.since, self.metrics = int(state["since"]), json.loads(state["metrics"])
+        self.step, self.epochs, self.since = int(state["step"]), float(state["epochs"]), int(state["since"])
+        self.metrics = json.loads(state["metrics"])

@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -77,11 +78,19 @@ def _write_capacity(out, **kwargs) -> dict:
 
 # The cache folder names each teacher's version: bump it whenever a writer's rows change,
 # or runs would go on reading the rows the old code generated into data.cache_dir.
-SYNTH_TEACHERS: dict[str, tuple[Callable[..., dict], Callable[[], list[FeatureSpec]], str]] = {
-    "default": (_write_default, lambda: synth_features(), "synth-v1"),  # defined below
-    "capacity": (_write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
+class SynthTeacher(NamedTuple):
+    """One `data.synth_teacher`: how its rows are written, their schema, its cache folder."""
+
+    write: Callable[..., dict]
+    """write(out, rows=, files=, seed=) -> summary."""
+    features: Callable[[], list[FeatureSpec]]
+    cache_prefix: str
+
+
+SYNTH_TEACHERS: dict[str, SynthTeacher] = {
+    "default": SynthTeacher(_write_default, lambda: synth_features(), "synth-v1"),  # defined below
+    "capacity": SynthTeacher(_write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
 }
-"""data.synth_teacher -> (writer(out, rows=, files=, seed=), schema, cache folder prefix)."""
 
 
 @DATASETS.register("synth")
@@ -90,11 +99,11 @@ def synth(cfg: Config) -> DatasetFiles:
     trainer/data/capacity.py), generated on first use."""
     if cfg.data.synth_teacher not in SYNTH_TEACHERS:
         raise ValueError(f"data.synth_teacher must be one of {tuple(SYNTH_TEACHERS)}, got {cfg.data.synth_teacher!r}")
-    write, schema, prefix = SYNTH_TEACHERS[cfg.data.synth_teacher]
+    teacher = SYNTH_TEACHERS[cfg.data.synth_teacher]
     rows, seed = cfg.data.synth_rows, cfg.train.seed
-    folder = _prepared(Path(cfg.data.cache_dir) / f"{prefix}-{rows}-seed{seed}",
-                       lambda out: write(out, rows=rows, seed=seed))
-    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or schema())
+    folder = _prepared(Path(cfg.data.cache_dir) / f"{teacher.cache_prefix}-{rows}-seed{seed}",
+                       lambda out: teacher.write(out, rows=rows, seed=seed))
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or teacher.features())
 
 
 @DATASETS.register("movielens")
