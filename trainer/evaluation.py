@@ -21,10 +21,13 @@ from trainer.selection import BestPoint
 class Evaluator:
     """Scores whole splits: every rank reads its share of the rows, the logits, labels,
     users and weights of all ranks are gathered, and `task_metrics` runs over all of them
-    (never an average of per-rank figures). The caller puts the model in eval mode."""
+    (never an average of per-rank figures). The caller puts the model in eval mode.
+    `retries`: the readers' object-store retry arguments, as the trainer's own reader has them."""
 
-    def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks):
+    def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks,
+                 retries: dict):
         self.model, self.encoder, self.cfg, self.env, self.hooks = model, encoder, cfg, env, hooks
+        self.retries = retries
         self.task_names = [t.name for t in cfg.model.tasks]
 
     @torch.no_grad()
@@ -33,8 +36,7 @@ class Evaluator:
         the first metrics.eval_batches batches per rank when that is set."""
         data = self.cfg.data
         reader = ParquetReader(path, self.encoder, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                               rank=self.env.rank, world_size=self.env.world_size, retry_seconds=data.retry_seconds,
-                               retry_attempts=data.retry_attempts, **split)
+                               rank=self.env.rank, world_size=self.env.world_size, **self.retries, **split)
         logits, labels, users, weights = [], [], [], []
         for i, batch in enumerate(reader):
             if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:

@@ -78,7 +78,7 @@ class Trainer:
         self.selection = ModelSelection(cfg, Path(cfg.train.run_dir))
         self.model = self._build_model()
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
-        self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks)
+        self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks, self._retries())
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
         self.optimizer = self._build_optimizer()
