@@ -133,8 +133,11 @@ class Trainer:
         o = self.cfg.optim
         dense = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_params = list(dense.values())
+        # foreach on every device (torch picks it only on CUDA): one kernel per stage for all
+        # tensors instead of a Python loop over them, a tenth of a small model's CPU step.
         self.dense_optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
-            params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay))
+            params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay,
+            foreach=True))
         # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
         return CombinedOptimizer([("sparse", self.model.fused_optimizer), ("dense", self.dense_optimizer)])
 
