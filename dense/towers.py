@@ -61,14 +61,13 @@ class Passthrough(nn.Module):
 
 @TOWERS.register("unimixer")
 def unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
-    return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters))
+    return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(length, block, cfg.hidden_dim))
 
 
 @TOWERS.register("unimixer_lite")
 def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
-        length, block, cfg.hidden_dim, cfg.sinkhorn_iters, cfg.num_basis, cfg.global_rank))
+        length, block, cfg.hidden_dim, cfg.num_basis, cfg.global_rank))
 
 
 def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
@@ -76,7 +75,8 @@ def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> 
     tokenizer = build_tokenizer(cfg, layout.group_widths)
     length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
     blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
-    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps)
+    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps,
+                         cfg.sinkhorn_iters, cfg.sinkhorn_tol)
 
 
 @TOWERS.register("logreg")

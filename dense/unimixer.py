@@ -18,32 +18,61 @@ from dense.hooks import HookProvider, TrainingHooks
 from dense.rankmixer import uniform_init
 
 
-def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp, then alternate row and column normalisation: [..., n, n] -> doubly stochastic.
+def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0) -> tuple[torch.Tensor, int]:
+    """exp, then alternate row and column normalisation: [..., n, n] -> (doubly stochastic
+    [..., n, n], iterations run).
 
+    With `tol` > 0 it stops once every row's log-sum is within `tol` of 0 (each
+    iteration ends on the columns, which are then exact): at tau = 1 that takes about
+    10 iterations instead of the configured maximum, and backward unrolls only those.
     In log space and float32 even under autocast: at tau = 0.05 the logits are 20x the
     weights, and exp of that overflows bf16 while bf16 row sums drift by ~1e-2.
     """
     with torch.autocast(logits.device.type, enabled=False):
         log_p = logits.float()
-        for _ in range(iters):
-            log_p = log_p - log_p.logsumexp(dim=-1, keepdim=True)
+        for i in range(iters):
+            rows = log_p.logsumexp(dim=-1, keepdim=True)
+            if tol and i and float(rows.detach().abs().amax()) <= tol:  # one sync; the loop is CPU-driven anyway
+                return log_p.exp(), i
+            log_p = log_p - rows
             log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
-        return log_p.exp()
+        return log_p.exp(), iters
 
 
-def constrain(weight: torch.Tensor, tau: torch.Tensor | float, iters: int) -> torch.Tensor:
-    """Eq. 15: symmetrise, divide by tau, Sinkhorn-Knopp: [..., n, n] -> [..., n, n] float32.
+def constrain_all(weights: list[torch.Tensor], tau: torch.Tensor | float, iters: int,
+                  tol: float = 0.0) -> tuple[list[torch.Tensor], int]:
+    """Eq. 15 for many matrices at once: symmetrise, divide by tau, Sinkhorn-Knopp.
+    weights: [..., n, n] each, any n -> (the constrained float32 matrices in order, the
+    most iterations a batch ran).
 
+    Matrices of one size (every layer's local blocks, every layer's global matrix) run as
+    one batched Sinkhorn: a tower's whole constraint is then one or two sequences of
+    kernels instead of one per matrix, which at small sizes is what the step costs.
     The result is averaged with its transpose once more: a finite number of iterations
     leaves it symmetric only to the iteration's tolerance, and the mean of a doubly
     stochastic matrix and its transpose is still doubly stochastic (the paper's text also
     puts the symmetrisation last).
     """
-    with torch.autocast(weight.device.type, enabled=False):
-        w = weight.float()
-        p = sinkhorn((w + w.mT) / (2 * tau), iters)
-        return (p + p.mT) / 2
+    by_size: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        by_size.setdefault(w.shape[-1], []).append(i)
+    out: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
+    most = 0
+    with torch.autocast(weights[0].device.type, enabled=False):
+        for n, members in by_size.items():
+            w = torch.cat([weights[i].float().reshape(-1, n, n) for i in members])
+            p, used = sinkhorn((w + w.mT) / (2 * tau), iters, tol)
+            p = (p + p.mT) / 2
+            counts = [weights[i].numel() // (n * n) for i in members]
+            for i, part in zip(members, p.split(counts)):
+                out[i] = part.view(weights[i].shape)
+            most = max(most, used)
+    return out, most
+
+
+def constrain(weight: torch.Tensor, tau: torch.Tensor | float, iters: int, tol: float = 0.0) -> torch.Tensor:
+    """Eq. 15 for one matrix (or a batch of one size): [..., n, n] -> [..., n, n] float32."""
+    return constrain_all([weight], tau, iters, tol)[0][0]
 
 
 def temperature(step: int, tau_start: float, tau_end: float, anneal_steps: int) -> float:
@@ -54,19 +83,26 @@ def temperature(step: int, tau_start: float, tau_end: float, anneal_steps: int) 
 
 
 class BlockMixing(nn.Module):
-    """Eq. 14 on top of `weights(tau)`, which the two variants define; residual + RMSNorm (eq. 16)."""
+    """Eq. 14 with constrained weights from `logits()`, which the two variants define;
+    residual + RMSNorm (eq. 16). The tower constrains every layer's logits in one batch
+    (`constrain_all`) and passes each layer its pair."""
 
-    def __init__(self, length: int, block: int, dim: int, iters: int):
+    def __init__(self, length: int, block: int, dim: int):
         super().__init__()
         if length % block:
             raise ValueError(f"model.block_size={block} must divide the flattened token length "
                              f"T*D = {length}")
-        self.block, self.num_blocks, self.iters = block, length // block, iters
+        self.block, self.num_blocks = block, length // block
         self.norm = nn.RMSNorm(dim)
 
-    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_G [n, n], W_B [n, blk, blk]), constrained."""
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_G [n, n], W_B [n, blk, blk]) before the constraint of eq. 15."""
         raise NotImplementedError
+
+    def weights(self, tau: torch.Tensor | float, iters: int, tol: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_G [n, n], W_B [n, blk, blk]), constrained (float32)."""
+        w_global, w_local = constrain_all(list(self.logits()), tau, iters, tol)[0]
+        return w_global, w_local
 
     def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
         """Eq. 14 with the matrices given (no constraint): [B, T, D] -> [B, T, D].
@@ -79,22 +115,22 @@ class BlockMixing(nn.Module):
         h = torch.einsum("bnk,njk->bnj", blocks, w_local.to(x.dtype))
         return torch.einsum("mn,bnj->bmj", w_global.to(x.dtype), h).reshape(b, t, d)
 
-    def forward(self, x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] -> RMSNorm(X + UniMixing(X)) [B, T, D]."""
-        return self.norm(x + self.mix(x, *self.weights(tau)))
+    def forward(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] and the constrained weights -> RMSNorm(X + UniMixing(X)) [B, T, D]."""
+        return self.norm(x + self.mix(x, w_global, w_local))
 
 
 class UniMixing(BlockMixing):
     """Free W_G [n, n] and one W_B^i [blk, blk] per block (eq. 11-16)."""
 
-    def __init__(self, length: int, block: int, dim: int, iters: int):
-        super().__init__(length, block, dim, iters)
+    def __init__(self, length: int, block: int, dim: int):
+        super().__init__(length, block, dim)
         # Unit-variance logits: clearly non-uniform at tau = 1, near-permutations at tau = 0.05.
         self.w_global = nn.Parameter(torch.randn(self.num_blocks, self.num_blocks))
         self.w_local = nn.Parameter(torch.randn(self.num_blocks, block, block))
 
-    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return constrain(self.w_global, tau, self.iters), constrain(self.w_local, tau, self.iters)
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w_global, self.w_local
 
 
 class UniMixingLite(BlockMixing):
@@ -102,8 +138,8 @@ class UniMixingLite(BlockMixing):
     of rank r. The same symmetrise-and-temperature constraint as UniMixing (the paper's
     figure 5 anneals Lite too)."""
 
-    def __init__(self, length: int, block: int, dim: int, iters: int, num_basis: int, rank: int):
-        super().__init__(length, block, dim, iters)
+    def __init__(self, length: int, block: int, dim: int, num_basis: int, rank: int):
+        super().__init__(length, block, dim)
         n = self.num_blocks
         self.basis = nn.Parameter(torch.randn(num_basis, block, block))
         self.omega = nn.Parameter(torch.randn(n, num_basis) / math.sqrt(num_basis))  # unit-variance mix
@@ -111,10 +147,8 @@ class UniMixingLite(BlockMixing):
         self.a_global = nn.Parameter(torch.randn(n, rank) * scale)
         self.b_global = nn.Parameter(torch.randn(rank, n) * scale)
 
-    def weights(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local = torch.einsum("nl,ljk->njk", self.omega, self.basis)
-        return (constrain(self.a_global @ self.b_global, tau, self.iters),
-                constrain(local, tau, self.iters))
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a_global @ self.b_global, torch.einsum("nl,ljk->njk", self.omega, self.basis)
 
 
 class PerTokenSwiGLU(nn.Module):
@@ -144,8 +178,9 @@ class UniMixerBlock(nn.Module):
         self.mixing = mixing
         self.ffn = PerTokenSwiGLU(mixing.num_blocks, mixing.block, ratio)
 
-    def forward(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        s = self.mixing(z, tau)
+    def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[B, T, D] and the layer's constrained (W_G, W_B) -> [B, T, D]."""
+        s = self.mixing(z, *weights)
         return self.ffn(s.reshape(s.shape[0], -1, self.mixing.block)).reshape(s.shape)
 
 
@@ -158,9 +193,10 @@ class SiameseLayer(nn.Module):
         self.norm_y = nn.RMSNorm(dim)
         self.norm_x = nn.RMSNorm(dim)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, T, D], [B, T, D]) -> ([B, T, D], [B, T, D])."""
-        o = self.block(x + self.norm_y(y), tau)
+    def forward(self, x: torch.Tensor, y: torch.Tensor,
+                weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, D], [B, T, D]) and the layer's constrained (W_G, W_B) -> ([B, T, D], [B, T, D])."""
+        o = self.block(x + self.norm_y(y), weights)
         return self.norm_x(x + o), y + o
 
 
@@ -168,34 +204,56 @@ class UniMixerTower(nn.Module, HookProvider):
     """Tokenizer -> M Siamese UniMixer layers -> X_M + RMSNorm(Y_M) (eq. 20) -> mean over
     tokens: e_input [B, E] -> [B, D].
 
+    Every layer's mixing weights are constrained together at the start of the forward
+    (`constrain_all`, at most `sinkhorn_iters` iterations, fewer once within `sinkhorn_tol`).
     The temperature is a non-persistent buffer set by `set_step`: a pure function of the
     optimizer step, so checkpoints need no extra state, and a buffer (not a float) so that
     traced forwards read the current value.
     """
 
     def __init__(self, tokenizer: nn.Module, blocks: list[UniMixerBlock], dim: int,
-                 tau_start: float, tau_end: float, anneal_steps: int):
+                 tau_start: float, tau_end: float, anneal_steps: int, sinkhorn_iters: int = 50,
+                 sinkhorn_tol: float = 0.0):
         super().__init__()
         self.tokenizer = tokenizer
         self.layers = nn.ModuleList(SiameseLayer(b, dim) for b in blocks)
         self.norm_out = nn.RMSNorm(dim)
         self.out_dim = dim
         self.schedule = (tau_start, tau_end, anneal_steps)
+        self.sinkhorn = (sinkhorn_iters, sinkhorn_tol)
         self.register_buffer("tau", torch.tensor(tau_start), persistent=False)
+        self._iters = [0, 0]  # Sinkhorn iterations run, training forwards: since the last log
 
     def register_hooks(self, hooks: TrainingHooks) -> None:
         hooks.after_optimizer_step.append(self.set_step)
         hooks.after_restore.append(self.set_step)
+        hooks.metrics.append(self.log_values)
 
     def set_step(self, step: int) -> None:
         """The temperature of `step` (after every optimizer step and after a restore)."""
         self.tau.fill_(temperature(step, *self.schedule))
 
+    def mixing_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's constrained (W_G [n, n], W_B [n, blk, blk]), in one batched constraint."""
+        logits = [w for layer in self.layers for w in layer.block.mixing.logits()]
+        weights, used = constrain_all(logits, self.tau, *self.sinkhorn)
+        if self.training:
+            self._iters[0] += used
+            self._iters[1] += 1
+        return list(zip(weights[0::2], weights[1::2]))
+
+    def log_values(self, kind: str) -> dict[str, float]:
+        """Mean Sinkhorn iterations per training forward since the last training log."""
+        if kind != "train" or not self._iters[1]:
+            return {}
+        iters, self._iters = self._iters[0] / self._iters[1], [0, 0]
+        return {"unimixer/sinkhorn_iters": iters}
+
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         x = self.tokenizer(e_input)
         y = x
-        for layer in self.layers:
-            x, y = layer(x, y, self.tau)
+        for layer, weights in zip(self.layers, self.mixing_weights()):
+            x, y = layer(x, y, weights)
         return (x + self.norm_out(y)).mean(dim=1)
 
     def cost(self) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import cli
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.unimixer import UniMixing, UniMixingLite, constrain, temperature
+from dense.unimixer import UniMixing, UniMixingLite, constrain, constrain_all, temperature
 from trainer.config import ModelConfig
 from trainer.data.datasets import synth_features
 
@@ -50,7 +50,7 @@ def test_appendix_a_example_and_kronecker_factorisation():
 def test_unimixing_at_the_permutation_is_token_mixing(num_tokens, dim):
     q = dim // num_tokens
     length = num_tokens * dim
-    mixing = UniMixing(length, q, dim, iters=1)
+    mixing = UniMixing(length, q, dim)
     x = torch.randn(5, num_tokens, dim)
     local = torch.eye(q).expand(length // q, q, q)
     out = mixing.mix(x, block_permutation(num_tokens, num_tokens), local)
@@ -63,7 +63,7 @@ def test_fast_path_equals_the_explicit_kronecker_product():
     torch.manual_seed(0)
     num_tokens, dim, block = 3, 10, 5  # no H = T restriction: 6 blocks of 5
     length, n = num_tokens * dim, num_tokens * dim // block
-    mixing = UniMixing(length, block, dim, iters=1)
+    mixing = UniMixing(length, block, dim)
     w_global, w_local = torch.randn(n, n, dtype=torch.float64), torch.randn(n, block, block, dtype=torch.float64)
     # eq. 11 / 26: block (i, j) of the L x L matrix is W_G[i, j] W_B^j
     big = torch.cat([torch.cat([w_global[i, j] * w_local[j] for j in range(n)], dim=1) for i in range(n)])
@@ -85,11 +85,71 @@ def test_sinkhorn_is_symmetric_doubly_stochastic_float32_under_autocast(tau):
     assert torch.equal(p, p.mT)
 
 
+def reference_constraint(weight: torch.Tensor, tau: float, iters: int) -> torch.Tensor:
+    """Eq. 15 as written, one matrix at a time, in probabilities and float64."""
+    w = weight.double()
+    p = torch.exp((w + w.mT) / (2 * tau))
+    for _ in range(iters):
+        p = p / p.sum(-1, keepdim=True)
+        p = p / p.sum(-2, keepdim=True)
+    return (p + p.mT) / 2
+
+
+def test_batched_constraint_of_mixed_sizes_equals_each_matrix_alone():
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 8), torch.randn(8, 16, 16), torch.randn(8, 8), torch.randn(8, 16, 16)]
+    out, used = constrain_all(weights, 0.5, iters=30)
+    assert used == 30
+    for w, p in zip(weights, out):
+        assert p.shape == w.shape
+        torch.testing.assert_close(p.double(), reference_constraint(w, 0.5, 30), atol=1e-6, rtol=1e-5)
+    # and the gradient through the batch is each matrix's own
+    leaves = [w.clone().requires_grad_() for w in weights]
+    cotangents = [torch.randn_like(w) for w in weights]
+    sum((p * c).sum() for p, c in zip(constrain_all(leaves, 0.5, iters=30)[0], cotangents)).backward()
+    for leaf, c in zip(leaves, cotangents):
+        alone = leaf.detach().clone().requires_grad_()
+        (constrain(alone, 0.5, iters=30) * c).sum().backward()
+        torch.testing.assert_close(leaf.grad, alone.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tau,stops_early", [(1.0, True), (0.05, False)])
+def test_sinkhorn_stops_at_its_tolerance(tau, stops_early):
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 8), torch.randn(8, 16, 16)]
+    out, used = constrain_all(weights, tau, iters=50, tol=1e-5)
+    if not stops_early:  # not converged within the limit: exactly the fixed-iteration result
+        assert used == 50
+        for p, fixed in zip(out, constrain_all(weights, tau, iters=50)[0]):
+            assert torch.equal(p, fixed)
+        return
+    assert used < 50
+    for w, p in zip(weights, out):  # doubly stochastic within the tolerance, and the full run agrees
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]), atol=2e-5, rtol=0)
+        torch.testing.assert_close(p.sum(-2), torch.ones(p.shape[:-1]), atol=2e-5, rtol=0)
+        torch.testing.assert_close(p.double(), reference_constraint(w, tau, 50), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tower", ["unimixer", "unimixer_lite"])
+def test_tower_constrains_every_layer_as_each_layer_alone_would(tower):
+    """The tower's one batched constraint gives the forward of layer-by-layer constraints."""
+    cfg = ModelConfig(tower=tower, num_tokens=4, hidden_dim=8, num_layers=3, block_size=4, sinkhorn_tol=0.0)
+    model = build_tower(cfg, InputLayout(synth_features()))
+    e_input = torch.randn(5, InputLayout(synth_features()).width)
+    x = model.tokenizer(e_input)
+    y = x
+    for layer in model.layers:
+        x, y = layer(x, y, layer.block.mixing.weights(model.tau, cfg.sinkhorn_iters))
+    torch.testing.assert_close(model(e_input), (x + model.norm_out(y)).mean(dim=1), atol=1e-6, rtol=1e-5)
+    assert model.log_values("train") == {"unimixer/sinkhorn_iters": cfg.sinkhorn_iters}
+    assert model.log_values("train") == {}  # reset by the log
+
+
 def test_mixing_weights_stay_float32_inside_a_bf16_tower():
-    for mixing in (UniMixing(32, 4, 8, iters=5), UniMixingLite(32, 4, 8, iters=5, num_basis=3, rank=2)):
+    for mixing in (UniMixing(32, 4, 8), UniMixingLite(32, 4, 8, num_basis=3, rank=2)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            w_global, w_local = mixing.weights(torch.tensor(0.05))
-            out = mixing(torch.randn(2, 4, 8), torch.tensor(0.05))
+            w_global, w_local = mixing.weights(torch.tensor(0.05), iters=5)
+            out = mixing(torch.randn(2, 4, 8), w_global, w_local)
         assert w_global.dtype == w_local.dtype == torch.float32
         assert w_global.shape == (8, 8) and w_local.shape == (8, 4, 4)
         assert out.shape == (2, 4, 8) and torch.isfinite(out).all()

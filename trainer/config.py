@@ -175,7 +175,9 @@ class ModelConfig:
     tau_anneal_steps: int = 0
     """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
     sinkhorn_iters: int = 50
-    """Sinkhorn-Knopp iterations (row and column normalisation each) for the UniMixer weights."""
+    """Most Sinkhorn-Knopp iterations (row and column normalisation each) for the UniMixer weights."""
+    sinkhorn_tol: float = 1e-5
+    """Sinkhorn stops early once every row's log-sum is within this of 0 (0: always sinkhorn_iters)."""
     num_basis: int = 4
     """b, shared basis matrices of the local weights (unimixer_lite)."""
     global_rank: int = 8

@@ -225,8 +225,9 @@ def validate(cfg: Config) -> None:
                     "model.global_rank", "model.num_experts", "model.moe_l1_init", "data.retry_attempts")  # lambda adapts multiplicatively
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
                        "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
-                       "model.moe_consistency", "model.tau_anneal_steps", "optim.warmup_steps", "optim.grad_clip_norm",
-                       "metrics.eval_every", "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops",
+                       "model.moe_consistency", "model.tau_anneal_steps", "model.sinkhorn_tol", "optim.warmup_steps",
+                       "optim.grad_clip_norm", "metrics.eval_every", "metrics.eval_batches", "metrics.log_every",
+                       "metrics.peak_tflops",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
                        "checkpoint.signal_grace_steps", "metrics.valid_every", "train.early_stopping_patience",
                        "optim.dense_warmup_steps")
