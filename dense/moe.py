@@ -43,10 +43,16 @@ class PerTokenMoE(nn.Module):
         self.num_experts, self.hidden = e, hidden
         self.budget, self.l1_rate, self.l1_init, self.consistency = budget, l1_rate, l1_init, consistency
         self.sparse_inference = sparse_inference
-        self.w1 = nn.Parameter(uniform_init((t, e, dim, hidden), dim))
-        self.b1 = nn.Parameter(uniform_init((t, e, 1, hidden), dim))
-        self.w2 = nn.Parameter(uniform_init((t, e, hidden, dim), hidden))
-        self.b2 = nn.Parameter(uniform_init((t, e, 1, dim), hidden))
+        # Token t's experts side by side: w1[t] is [D, E h] (expert j's columns j h .. (j+1) h),
+        # w2[t] is [E h, D] (its rows), so that every expert of every token runs in the
+        # dense FFN's two batched products (`expert` gives one expert's weights).
+        # Drawn expert by expert ([T, E, ...]) and then laid side by side: the same values
+        # for the same seed as experts stored one by one.
+        side_by_side = (0, 2, 1, 3)  # [T, E, rows, h] -> [T, rows, E, h]
+        self.w1 = nn.Parameter(uniform_init((t, e, dim, hidden), dim).permute(side_by_side).reshape(t, dim, e * hidden))
+        self.b1 = nn.Parameter(uniform_init((t, e, 1, hidden), dim).permute(side_by_side).reshape(t, 1, e * hidden))
+        self.w2 = nn.Parameter(uniform_init((t, e, hidden, dim), hidden).reshape(t, e * hidden, dim))
+        self.b2 = nn.Parameter(uniform_init((t, e, 1, dim), hidden).reshape(t, e, dim))
         self.router_train = nn.Parameter(uniform_init((t, dim, e), dim))
         self.router_train_bias = nn.Parameter(uniform_init((t, 1, e), dim))
         self.router_infer = nn.Parameter(uniform_init((t, dim, e), dim))
@@ -67,15 +73,25 @@ class PerTokenMoE(nn.Module):
             self.router_infer, self.router_infer_bias)
         return F.relu(torch.baddbmm(b, s, w))
 
+    def expert(self, token: int, j: int) -> tuple[torch.Tensor, ...]:
+        """Expert j of `token`: (W1 [D, h], b1 [h], W2 [h, D], b2 [D]), views of the weights."""
+        cols = slice(j * self.hidden, (j + 1) * self.hidden)
+        return self.w1[token, :, cols], self.b1[token, 0, cols], self.w2[token, cols], self.b2[token, j]
+
     def experts(self, s: torch.Tensor) -> torch.Tensor:
-        """Every expert on every row: [T, B, D] -> [T, E, B, D]."""
-        hidden = F.gelu(torch.matmul(s.unsqueeze(1), self.w1) + self.b1)  # [T, E, B, h]
-        return torch.matmul(hidden, self.w2) + self.b2
+        """Every expert on every row: [T, B, D] -> e [T, E, B, D]."""
+        return _expert_outputs(s, self.w1, self.b1, self.w2, self.b2)[0]
 
     @staticmethod
     def combine(gates: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-        """v_t = sum_j G_tj e_tj (eq. 11): ([T, B, E], [T, E, B, D]) -> [T, B, D]."""
-        return torch.einsum("tbe,tebd->tbd", gates, outputs)
+        """v_t = sum_j G_tj e_tj (eq. 11): ([T, B, E], [T, E, B, D]) -> [T, B, D], one
+        multiply-add per expert into one output (an einsum would copy e into a bmm
+        layout, a product then a sum would write and read a [T, E, B, D] temporary)."""
+        g = gates.transpose(1, 2).contiguous().unsqueeze(-1)  # [T, E, B, 1]
+        out = outputs[:, 0] * g[:, 0]
+        for j in range(1, outputs.shape[1]):
+            out = out.addcmul(outputs[:, j], g[:, j])
+        return out
 
     # ---------------------------------------------------------------- forward
 
@@ -87,26 +103,38 @@ class PerTokenMoE(nn.Module):
             return self.combine(self.gates(s, "train"), self.experts(s))
         outputs = self.experts(s)
         v = self.combine(self.gates(s, "train"), outputs)
-        # The inference router's terms train it alone: through s they would also push
-        # the layers below to shrink their activations for the L1's sake.
+        self._train_inference_router(s, outputs, v)
+        return v
+
+    def residual_tm(self, s: torch.Tensor) -> torch.Tensor:
+        """s + MoE(s), token-major [T, B, D] -> [T, B, D]: the FFN slot of a RankMixerBlock.
+        A training step runs whole in `_MoETrainingStep` (the same numbers as forward_tm
+        and its pending loss, with a hand-written backward)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return s + self.forward_tm(s)
+        out, self.pending_loss, self._pending = _MoETrainingStep.apply(
+            s, self.w1, self.b1, self.w2, self.b2, self.router_train, self.router_train_bias,
+            self.router_infer, self.router_infer_bias, self.l1_coef, self.consistency)
+        return out
+
+    def _train_inference_router(self, s: torch.Tensor, outputs: torch.Tensor, v: torch.Tensor) -> None:
+        """The inference router's L1 and consistency terms (`pending_loss`) for a training
+        forward of input s [T, B, D], expert outputs [T, E, B, D] and output v [T, B, D].
+        They train that router alone: through s they would also push the layers below to
+        shrink their activations for the L1's sake."""
         g_infer = self.gates(s.detach(), "infer")
         v_infer = self.combine(g_infer, outputs.detach())
         if torch.is_grad_enabled():  # a real training step, not a FLOP count or a probe
             l1 = g_infer.sum(dim=(0, 2)).mean()
             self.pending_loss = self.l1_coef * l1 + self.consistency * (v_infer - v.detach()).pow(2).mean()
             self._pending = (g_infer.detach() > 0).float().mean(dim=1)
-        return v
-
-    def residual_tm(self, s: torch.Tensor) -> torch.Tensor:
-        """s + MoE(s), token-major [T, B, D] -> [T, B, D]: the FFN slot of a RankMixerBlock."""
-        return s + self.forward_tm(s)
 
     def cost(self) -> tuple[int, int]:
-        """(parameters, FLOPs per sample) of the training forward: every expert, both
-        routers and both combinations."""
-        t, e, d, h = self.w1.shape
-        return (t * e * (2 * d * h + h + d) + 2 * t * (d * e + e),
-                4 * t * e * d * h + 2 * (2 * t * d * e) + 2 * (2 * t * e * d))
+        """(parameters, forward matmul FLOPs per sample) of training: every expert and both
+        routers (the gated sums are elementwise)."""
+        t, d, eh = self.w1.shape
+        e = self.num_experts
+        return t * (2 * d * eh + eh) + t * e * d + 2 * t * (d * e + e), 4 * t * d * eh + 2 * (2 * t * d * e)
 
     def sparse_forward(self, s: torch.Tensor) -> torch.Tensor:
         """Inference by h_infer alone, computing expert (t, j) only on the rows whose gate
@@ -118,12 +146,11 @@ class PerTokenMoE(nn.Module):
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=t * self.num_experts).tolist()
         source = (token * b + row)[order]  # row of s.view(T B, D) each active pair reads
-        w1, b1 = self.w1.flatten(0, 1), self.b1.flatten(0, 1)  # expert (t, j) at t E + j
-        w2, b2 = self.w2.flatten(0, 1), self.b2.flatten(0, 1)
         outputs = []
-        for k, x in enumerate(s.reshape(t * b, d)[source].split(counts)):
+        for k, x in enumerate(s.reshape(t * b, d)[source].split(counts)):  # expert (t, j) at t E + j
             if counts[k]:
-                outputs.append(torch.addmm(b2[k], F.gelu(torch.addmm(b1[k], x, w1[k])), w2[k]))
+                w1, b1, w2, b2 = self.expert(*divmod(k, self.num_experts))
+                outputs.append(torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2))
         out = s.new_zeros(t * b, d)
         if outputs:
             weighted = torch.cat(outputs) * gates[token, row, expert][order].unsqueeze(1)
@@ -161,6 +188,80 @@ class PerTokenMoE(nn.Module):
         self.active_sum[kind].zero_()
         self.stat_batches[kind].zero_()
         return stats
+
+
+def _expert_outputs(s: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                    b2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every expert of every token in two batched products: s [T, B, D] ->
+    (e [T, E, B, D], pre-activations [T, B, E h], hidden units expert-major [T E, B, h]).
+    The first product covers a token's experts side by side ([D, E h]); the second runs
+    over (token, expert) pairs, on the hidden units copied expert-major."""
+    t, b, d = s.shape
+    e = b2.shape[1]
+    pre = torch.baddbmm(b1, s, w1)
+    hidden = F.gelu(pre).view(t, b, e, -1).transpose(1, 2).reshape(t * e, b, -1)
+    outputs = torch.baddbmm(b2.view(t * e, 1, d), hidden, w2.view(t * e, -1, d))
+    return outputs.view(t, e, b, d), pre, hidden
+
+
+class _MoETrainingStep(torch.autograd.Function):
+    """One training forward of a PerTokenMoE in its block's FFN slot, whole: s [T, B, D] ->
+    (s + sum_j G_tj e_tj(s) [T, B, D], the inference router's pending loss [], its
+    active fraction [T, E] (not differentiable)).
+
+    The same numbers as `PerTokenMoE.forward_tm` plus `_train_inference_router`, with a
+    hand-written backward: both combinations and both gate gradients in one pass over
+    the expert outputs each, GELU's gradient in place, no autograd graph over the
+    [T, E, B, D] intermediates. The pending loss reaches only the inference router, as
+    in the reference (its input and the expert outputs are detached there)."""
+
+    @staticmethod
+    def forward(ctx, s, w1, b1, w2, b2, w_train, b_train, w_infer, b_infer, l1_coef, consistency):
+        t, b, d = s.shape
+        gates = F.relu(torch.baddbmm(b_train, s, w_train)).transpose(1, 2).contiguous()  # [T, E, B]
+        g_infer = F.relu(torch.baddbmm(b_infer, s, w_infer)).transpose(1, 2).contiguous()
+        outputs, pre, hidden = _expert_outputs(s, w1, b1, w2, b2)
+        v, v_infer = outputs[:, 0] * gates[:, 0, :, None], outputs[:, 0] * g_infer[:, 0, :, None]
+        for j in range(1, outputs.shape[1]):  # both sums in one pass over the outputs
+            v.addcmul_(outputs[:, j], gates[:, j, :, None])
+            v_infer.addcmul_(outputs[:, j], g_infer[:, j, :, None])
+        residual = v_infer.sub_(v)
+        pending = l1_coef * g_infer.sum() / b + consistency * residual.pow(2).mean()
+        ctx.save_for_backward(s, w1, w2, w_train, pre, hidden, outputs, gates, g_infer, residual, l1_coef)
+        ctx.consistency = consistency
+        active = (g_infer > 0).float().mean(dim=2)
+        ctx.mark_non_differentiable(active)
+        return v.add_(s), pending, active
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_pending, _grad_active):
+        s, w1, w2, w_train, pre, hidden, outputs, gates, g_infer, residual, l1_coef = ctx.saved_tensors
+        t, b, d = s.shape
+        e = gates.shape[1]
+        grad = grad.contiguous()
+        # gate gradients [T, E, B], through the ReLUs: the task's into the training router,
+        # the L1's and the consistency's into the inference router
+        g_gates = torch.linalg.vecdot(outputs, grad.unsqueeze(1)).mul_(gates > 0)
+        g_consistency = torch.linalg.vecdot(outputs, residual.unsqueeze(1)).mul_(2 * ctx.consistency / residual.numel())
+        g_infer_logits = g_consistency.add_(l1_coef / b).mul_(grad_pending).mul_(g_infer > 0)
+        g_train_logits = g_gates.transpose(1, 2)  # [T, B, E]
+        g_infer_logits = g_infer_logits.transpose(1, 2)
+        # the experts
+        g_outputs = (grad.unsqueeze(1) * gates.unsqueeze(-1)).view(t * e, b, d)
+        gw2 = torch.bmm(hidden.transpose(1, 2), g_outputs).view_as(w2)
+        gb2 = g_outputs.sum(1).view(t, e, d)
+        g_hidden = torch.bmm(g_outputs, w2.view(t * e, -1, d).transpose(1, 2))  # [T E, B, h]
+        g_pre = g_hidden.view(t, e, b, -1).transpose(1, 2).reshape_as(pre)
+        torch.ops.aten.gelu_backward.grad_input(g_pre, pre, grad_input=g_pre)
+        gw1 = torch.bmm(s.transpose(1, 2), g_pre)
+        gb1 = g_pre.sum(1, keepdim=True)
+        # the input: residual, experts and the training router (the inference router's input is detached)
+        gs = torch.baddbmm(grad, g_pre, w1.transpose(1, 2)).baddbmm_(g_train_logits, w_train.transpose(1, 2))
+        gw_train = torch.bmm(s.transpose(1, 2), g_train_logits)
+        gw_infer = torch.bmm(s.transpose(1, 2), g_infer_logits)
+        return (gs, gw1, gb1, gw2, gb2, gw_train, g_train_logits.sum(1, keepdim=True),
+                gw_infer, g_infer_logits.sum(1, keepdim=True), None, None)
 
 
 class RankMixerMoETower(RankMixerTower, HookProvider):
@@ -231,8 +332,8 @@ class RankMixerMoETower(RankMixerTower, HookProvider):
         gates is non-zero: the inference router, and the active experts only."""
         flops = self.tokenizer.cost()[1]
         for block in self.blocks:
-            t, e, d, h = block.ffn.w1.shape
-            flops += 2 * t * d * e + active * 4 * t * e * d * h
+            t, d, eh = block.ffn.w1.shape
+            flops += 2 * t * d * block.ffn.num_experts + active * 4 * t * eh * d
         return flops
 
 

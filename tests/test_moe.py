@@ -33,8 +33,8 @@ def expert_loop(moe: PerTokenMoE, s: torch.Tensor, gates: torch.Tensor) -> torch
     out = torch.zeros_like(s)
     for t in range(T):
         for j in range(E):
-            hidden = F.gelu(s[t] @ moe.w1[t, j] + moe.b1[t, j])
-            out[t] += gates[t, :, j:j + 1] * (hidden @ moe.w2[t, j] + moe.b2[t, j])
+            w1, b1, w2, b2 = moe.expert(t, j)
+            out[t] += gates[t, :, j:j + 1] * (F.gelu(s[t] @ w1 + b1) @ w2 + b2)
     return out
 
 
@@ -54,6 +54,35 @@ def test_all_gates_on_is_the_dense_sum_of_experts_in_training_and_inference():
     torch.testing.assert_close(moe.forward_tm(s), expected)
     moe.eval()
     torch.testing.assert_close(moe.forward_tm(s), expected)
+
+
+def test_training_step_equals_autograd_through_the_expert_loop_and_the_router_terms():
+    """residual_tm's fused step and hand-written backward against autograd of the
+    per-expert reference plus the inference router's terms written out: output, pending
+    loss, activity, and the gradients of the input and of every parameter."""
+    moe = make_moe()
+    s = torch.randn(T, B, D, requires_grad=True)
+    cotangent = torch.randn(T, B, D)
+    out = moe.residual_tm(s)
+    pending, active = moe.pending_loss, moe.take_pending()
+    ((out * cotangent).sum() + 3 * pending).backward()
+    params = [s, *moe.parameters()]
+    fast = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+
+    v = expert_loop(moe, s, moe.gates(s, "train"))
+    g_infer = moe.gates(s.detach(), "infer")
+    with torch.no_grad():  # the inference router's input and the expert outputs are detached
+        outputs_detached = moe.experts(s.detach())
+    consistency = (moe.combine(g_infer, outputs_detached) - v.detach()).pow(2).mean()
+    reference = moe.l1_coef * g_infer.sum(dim=(0, 2)).mean() + moe.consistency * consistency
+    torch.testing.assert_close(out, s + v)
+    torch.testing.assert_close(pending, reference)
+    torch.testing.assert_close(active, (g_infer > 0).float().mean(dim=1))
+    ((s + v) * cotangent).sum().add(3 * reference).backward()
+    for (name, _), got, want in zip([("s", s), *moe.named_parameters()], fast, (p.grad for p in params)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_sparse_inference_equals_dense_inference_where_gates_are_zero():

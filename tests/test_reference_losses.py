@@ -1,5 +1,6 @@
 """Refactoring guard: the debug config trains to bitwise the same losses as the code before
-the layering / block-family / Stateful-checkpoint redesign (issue 13).
+the layering / block-family / Stateful-checkpoint redesign (issue 13); the MoE, whose
+experts issue 14 reordered, to within float rounding.
 
 Both runs happen here, on this machine, with the same interpreter and kernels, so the
 comparison holds on any CPU; the reference code comes from the repository's own history.
@@ -51,4 +52,11 @@ def test_debug_config_losses_are_bitwise_those_of_the_code_before_the_redesign(t
     before = _losses(reference, tmp_path / "before", tower)
     after = _losses(ROOT, tmp_path / "after", tower)
     assert len(after) == 20
-    assert after == before
+    if tower == "rankmixer":
+        assert after == before
+    else:
+        # Issue 14 computes the MoE's experts in two batched products and sums them in
+        # another order: the same function (tests/test_moe.py checks it and its gradients
+        # against a per-expert loop), other roundings. 20 steps drift by 1.8e-7 at most.
+        for got, want in zip(after, before):
+            assert got[0] == want[0] and got[1:] == pytest.approx(want[1:], rel=1e-5)
