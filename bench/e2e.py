@@ -17,10 +17,24 @@ the whole step alternate within every round and the medians over rounds are repo
 so drift on a shared machine hits both alike; process CPU time is reported beside wall
 time, as it does not count waiting for a core. Target: end-to-end / sum of parts <= 1.25.
 
+--towers compares whole training steps instead: one Trainer per tower on the same
+config (the same batches: same data, same seed), each timed through Trainer.train_step
+for --steps steps per round, the towers and a plain square matmul in turns, medians over
+rounds. One line per tower:
+
+    TOWER examples/s E ratio_to_rankmixer R flops_ratio F mfu M
+
+flops_ratio is the tower's forward FLOPs per sample over the first tower's; mfu is the
+trainer's figure (3 x FLOPs x examples/s over the matmul's FLOP/s, measured in the same
+rounds). --tower-set TOWER:SECTION.KEY=VALUE sizes one tower only (e.g. a UniMixer FFN
+ratio that brings its FLOPs near RankMixer's).
+
     .venv/bin/python bench/e2e.py                                  # synthetic, B 1024, T16 D256 L2 k4
     .venv/bin/python bench/e2e.py --set data.batch_size=512 --rounds 30
     .venv/bin/python bench/e2e.py --config configs/movielens.toml --set train.pipeline=sparse_dist
     .venv/bin/python bench/e2e.py --profile 10                     # plus the top ops of 10 whole steps
+    .venv/bin/python bench/e2e.py --config configs/movielens.toml \
+        --towers rankmixer,rankmixer_moe,unimixer,unimixer_lite,mlp,dcnv2 --tower-set unimixer:model.ffn_ratio=2
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import torch
 from torch import nn
 
 from trainer.config import Config
+from dense.cost import mfu
 from trainer.config_loader import load_config
 from trainer.data.batch import Batch
 
@@ -226,13 +241,13 @@ def bench(cfg: Config, rounds: int, warmup: int) -> tuple[dict[str, tuple[float,
             for name in samples[0]}, parts
 
 
-def profile(parts: StepParts, steps: int, rows: int) -> str:
-    """Top CPU ops of `steps` whole steps."""
+def profile(step: Callable[[], object], steps: int, rows: int) -> str:
+    """Top CPU ops of `steps` calls of `step`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            parts.time_step()
+            step()
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
 
 
@@ -254,6 +269,83 @@ def table(times: dict[str, tuple[float, float]], batch: int) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- --towers: whole steps per tower
+
+
+def build_trainers(config: str, towers: list[str], overrides: list[str], tower_sets: dict[str, list[str]],
+                   run_dir: str) -> dict:
+    """One Trainer per tower, each with its own run folder and the same data and seed."""
+    from trainer.train import Trainer
+
+    trainers = {}
+    for tower in towers:
+        extra = [f"--model.tower={tower}", *(f"--{s}" for s in tower_sets.get(tower, [])),
+                 f"--train.run_dir={run_dir}/{tower}"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainers[tower] = Trainer(load_config(config, [*overrides, *extra]))
+    return trainers
+
+
+def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list[dict]:
+    """Median seconds per whole training step of every trainer and FLOP/s of a square
+    matmul, all timed in turns within each round; one result row per tower."""
+    device = next(iter(trainers.values())).env.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    batches = {name: t.batches() for name, t in trainers.items()}
+
+    def timed(fn: Callable[[], object], repeat: int) -> float:
+        sync()
+        tic = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync()
+        return (time.perf_counter() - tic) / repeat
+
+    def step(name: str) -> Callable[[], object]:
+        return lambda: trainers[name].train_step(batches[name])
+
+    for _ in range(warmup):
+        for name in trainers:
+            timed(step(name), steps)
+    seconds: dict[str, list[float]] = {name: [] for name in trainers}
+    matmul: list[float] = []
+    for _ in range(rounds):
+        matmul.append(min(timed(lambda: a @ b, 1) for _ in range(2)))
+        for name in trainers:
+            seconds[name].append(timed(step(name), steps))
+    peak = 2 * n**3 / statistics.median(matmul)
+    first = next(iter(trainers))
+    rows = []
+    for name, trainer in trainers.items():
+        examples = trainer.batch_size / statistics.median(seconds[name])
+        rows.append({"tower": name, "examples_per_sec": examples, "flops": trainer.cost.flops,
+                     "mfu": mfu(examples, trainer.cost.flops, peak)})
+    for row in rows:
+        row["ratio"] = row["examples_per_sec"] / rows[0]["examples_per_sec"]
+        row["flops_ratio"] = row["flops"] / trainers[first].cost.flops
+    return rows
+
+
+def tower_lines(rows: list[dict]) -> str:
+    return "\n".join(f"{r['tower']:<14} examples/s {r['examples_per_sec']:>9,.0f} ratio_to_{rows[0]['tower']} "
+                     f"{r['ratio']:.2f} flops_ratio {r['flops_ratio']:.2f} mfu {r['mfu']:.2f}" for r in rows)
+
+
+def parse_tower_sets(items: list[str], towers: list[str]) -> dict[str, list[str]]:
+    """['unimixer:model.ffn_ratio=2', ...] -> {'unimixer': ['model.ffn_ratio=2']}."""
+    sets: dict[str, list[str]] = {}
+    for item in items:
+        tower, sep, setting = item.partition(":")
+        if not sep or "=" not in setting:
+            raise SystemExit(f"--tower-set {item!r}: expected TOWER:SECTION.KEY=VALUE")
+        if tower not in towers:
+            raise SystemExit(f"--tower-set {item!r}: {tower!r} is not in --towers {','.join(towers)}")
+        sets.setdefault(tower, []).append(setting)
+    return sets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"TOML config (default: {DEFAULT_CONFIG} with {' '.join(DEFAULT_SET)})")
@@ -263,6 +355,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also profile this many whole steps and print the top ops")
+    parser.add_argument("--towers", metavar="A,B,...",
+                        help="compare whole training steps of these towers (the first is the reference)")
+    parser.add_argument("--tower-set", action="append", default=[], metavar="TOWER:SECTION.KEY=VALUE",
+                        help="with --towers: an override for one tower only, repeatable")
+    parser.add_argument("--steps", type=int, default=5, help="with --towers: whole steps per tower per round")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's ShardedTensor deprecation
     base = () if args.config else DEFAULT_SET
@@ -276,11 +373,20 @@ def main() -> None:
     from trainer.dist import shutdown
 
     try:
+        if args.towers:
+            towers = args.towers.split(",")
+            trainers = build_trainers(args.config or DEFAULT_CONFIG, towers, overrides,
+                                      parse_tower_sets(args.tower_set, towers), run_dir)
+            print(tower_lines(compare_towers(trainers, args.rounds, args.warmup, args.steps)))
+            for name, trainer in trainers.items() if args.profile else ():
+                batches = trainer.batches()
+                print(f"\n{name}:\n{profile(lambda: trainer.train_step(batches), args.profile, rows=25)}")
+            return
         times, parts = bench(cfg, args.rounds, args.warmup)
         print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}")
         print(table(times, parts.trainer.batch_size))
         if args.profile:
-            print(profile(parts, args.profile, rows=30))
+            print(profile(parts.time_step, args.profile, rows=30))
     finally:
         shutdown()
 

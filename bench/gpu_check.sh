@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
-# One prepared GPU check (docs/design.md §6; issue: distributed training): the CUDA path end to end
-# (NCCL, fbgemm-gpu, fused Adagrad, bf16 autocast, TrainPipelineSparseDist), then the
-# tower's bf16 MFU at the RankMixer paper's 100M and 1B shapes. Run from the repo root
-# on a machine with a GPU; prints everything it measures.
+# One prepared GPU check, one command: `bash bench/gpu_check.sh` from anywhere in a checkout.
+# It needs a CUDA GPU and PyTorch, nothing else: the tower benchmarks import no torchrec,
+# fbgemm or data stack, so they run on a machine with stock torch and no package registry
+# (the one this project can reach: H200, Python 3.12, torch 2.11, CUDA 13; about 5 minutes).
+# Where torchrec and fbgemm-gpu import too (after `make setup DEVICE=cuda`), it also trains
+# end to end on CUDA: NCCL, fbgemm-gpu's fused Adagrad, bf16 autocast, TrainPipelineSparseDist.
+# PYTHON=... picks the interpreter (default: .venv/bin/python if there is one, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make setup DEVICE=cuda
-BIN=.venv/bin
+PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
+TOWER="$PY bench/tower.py --device cuda --bf16"
 nvidia-smi -L
+$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
+
+echo "== every tower, one bf16 training step (forward + backward), and the MoE's sparse inference"
+$TOWER --repeats 10 --shapes 16,768,2,4,4096 --moe-inference
+echo "== the RankMixer paper's 1B shape, T32 D1536 L2 k4 B4096 (target: MFU vs peak >= 50%)"
+$TOWER --repeats 10 --towers rankmixer,rankmixer_moe --shapes 32,1536,2,4,4096
+echo "== the same step under torch.compile"
+$TOWER --repeats 10 --towers rankmixer --shapes 32,1536,2,4,4096 --compile
+echo "== small steps, where launches dominate: eager, then replayed from CUDA graphs"
+$TOWER --repeats 20 --towers rankmixer,rankmixer_moe,unimixer --shapes 8,64,2,4,4096
+$TOWER --repeats 20 --towers rankmixer,rankmixer_moe,unimixer --shapes 8,64,2,4,4096 --cuda-graphs
+
+if ! $PY -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
+    echo "== training end to end: skipped, torchrec and fbgemm-gpu do not import here (make setup DEVICE=cuda)"
+    exit 0
+fi
+RANKMIX="$PY -m launch.cli"
 echo "== training on CUDA: 1 process, bf16 tower"
 rm -rf runs/gpu-check runs/gpu-check-multi  # a rerun must train, not resume finished runs
-$BIN/rankmix train --config configs/debug.toml --train.device=cuda --train.mixed_precision=bf16 \
+$RANKMIX train --config configs/debug.toml --train.device=cuda --train.mixed_precision=bf16 \
     --train.steps=30 --train.run_dir=runs/gpu-check --metrics.progress=false | tail -n 1
-NGPU=$($BIN/python -c "import torch; print(torch.cuda.device_count())")
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then
     echo "== training on CUDA: $NGPU processes, NCCL"
     # 200k synthetic rows: enough row groups for every rank of an 8-GPU node
-    $BIN/rankmix launch --nproc-per-node "$NGPU" --config configs/debug.toml --train.device=cuda \
+    $RANKMIX launch --nproc-per-node "$NGPU" --config configs/debug.toml --train.device=cuda \
         --data.synth_rows=200000 --train.steps=30 --train.run_dir=runs/gpu-check-multi \
         --metrics.progress=false | tail -n 1
 fi
-echo "== tower MFU, bf16 autocast, forward+backward"
-$BIN/python bench/tower.py --device cuda --bf16 --repeats 20 \
-    --shapes 16,768,2,4,4096 32,1536,2,4,4096
