@@ -12,7 +12,7 @@ import cli
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.unimixer import UniMixing, UniMixingLite, constrain, constrain_all, temperature
+from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain, constrain_all, temperature
 from trainer.config import ModelConfig
 from trainer.data.datasets import synth_features
 
@@ -143,6 +143,22 @@ def test_tower_constrains_every_layer_as_each_layer_alone_would(tower):
     torch.testing.assert_close(model(e_input), (x + model.norm_out(y)).mean(dim=1), atol=1e-6, rtol=1e-5)
     assert model.log_values("train") == {"unimixer/sinkhorn_iters": cfg.sinkhorn_iters}
     assert model.log_values("train") == {}  # reset by the log
+
+
+def test_swiglu_backward_equals_autograd():
+    torch.manual_seed(0)
+    ffn = PerTokenSwiGLU(num_tokens=3, dim=8, ratio=2)
+    x = torch.randn(5, 3, 8, requires_grad=True)
+    cotangent = torch.randn(5, 3, 8)
+    params = [x, *ffn.parameters()]
+    (ffn(x) * cotangent).sum().backward()
+    fast = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    (ffn.reference(x) * cotangent).sum().backward()
+    torch.testing.assert_close(ffn(x), ffn.reference(x))
+    for got, p in zip(fast, params):
+        torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_mixing_weights_stay_float32_inside_a_bf16_tower():
