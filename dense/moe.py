@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dense.hooks import HookProvider, TrainingHooks
-from dense.rankmixer import RankMixerTower, uniform_init
+from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
 
 
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
@@ -237,13 +237,18 @@ class _MoETrainingStep(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, grad_pending, _grad_active):
         s, w1, w2, w_train, pre, hidden, outputs, gates, g_infer, residual, l1_coef = ctx.saved_tensors
+        s, w1, w2, w_train = in_dtype(grad.dtype, s, w1, w2, w_train)
         t, b, d = s.shape
         e = gates.shape[1]
         grad = grad.contiguous()
         # gate gradients [T, E, B], through the ReLUs: the task's into the training router,
         # the L1's and the consistency's into the inference router
-        g_gates = torch.linalg.vecdot(outputs, grad.unsqueeze(1)).mul_(gates > 0)
-        g_consistency = torch.linalg.vecdot(outputs, residual.unsqueeze(1)).mul_(2 * ctx.consistency / residual.numel())
+        g_gates, g_consistency = gates.new_empty(t, e, b), gates.new_empty(t, e, b)
+        for j in range(e):  # expert by expert: each output slice is read once, while in cache
+            torch.linalg.vecdot(outputs[:, j], grad, out=g_gates[:, j])
+            torch.linalg.vecdot(outputs[:, j], residual, out=g_consistency[:, j])
+        g_gates.mul_(gates > 0)
+        g_consistency.mul_(2 * ctx.consistency / residual.numel())
         g_infer_logits = g_consistency.add_(l1_coef / b).mul_(grad_pending).mul_(g_infer > 0)
         g_train_logits = g_gates.transpose(1, 2)  # [T, B, E]
         g_infer_logits = g_infer_logits.transpose(1, 2)

@@ -95,6 +95,7 @@ class _FFNResidual(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, w1, w2, pre, h = ctx.saved_tensors
+        x, w1, w2 = in_dtype(grad.dtype, x, w1, w2)
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
         grad = grad.contiguous()
         gw2 = torch.bmm(h.transpose(1, 2), grad) if need_w2 else None
@@ -105,6 +106,13 @@ class _FFNResidual(torch.autograd.Function):
         gb1 = gpre.sum(1, keepdim=True) if need_b1 else None
         gx = torch.baddbmm(grad, gpre, w1.transpose(1, 2)) if need_x else None
         return gx, gw1, gb1, gw2, gb2
+
+
+def in_dtype(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """`tensors` in `dtype`. A hand-written backward gets its gradient in the dtype the
+    forward's products had (bf16 under autocast) while weights and inputs were saved in
+    float32; the products of the backward run in the forward's dtype, as autograd's would."""
+    return [t.to(dtype) for t in tensors]
 
 
 def uniform_init(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:

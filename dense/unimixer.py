@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dense.hooks import HookProvider, TrainingHooks
-from dense.rankmixer import uniform_init
+from dense.rankmixer import in_dtype, uniform_init
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0) -> tuple[torch.Tensor, int]:
@@ -194,6 +194,7 @@ class _SwiGLU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, w_in, w_down, pre, act, h = ctx.saved_tensors
+        x, w_in, w_down = in_dtype(grad.dtype, x, w_in, w_down)
         up, gate = pre.chunk(2, dim=-1)
         gw_down = torch.bmm(h.transpose(1, 2), grad)
         gb_down = grad.sum(1, keepdim=True)
