@@ -209,25 +209,34 @@ class _MoETrainingStep(torch.autograd.Function):
     (s + sum_j G_tj e_tj(s) [T, B, D], the inference router's pending loss [], its
     active fraction [T, E] (not differentiable)).
 
-    The same numbers as `PerTokenMoE.forward_tm` plus `_train_inference_router`, with a
-    hand-written backward: both combinations and both gate gradients in one pass over
-    the expert outputs each, GELU's gradient in place, no autograd graph over the
-    [T, E, B, D] intermediates. The pending loss reaches only the inference router, as
-    in the reference (its input and the expert outputs are detached there)."""
+    The same numbers as `PerTokenMoE.forward_tm` plus `_train_inference_router`, in fewer
+    passes: the experts' first layer and both routers are one product ([D, E h + 2 E]
+    per token), GELU writes the hidden units straight into the expert-major layout of
+    the second product, both gated sums share one pass over the expert outputs; the
+    hand-written backward mirrors it (one product for all three weight gradients, GELU's
+    gradient written straight back into token-major layout). The pending loss reaches
+    only the inference router, as in the reference (its input and the expert outputs
+    are detached there)."""
 
     @staticmethod
     def forward(ctx, s, w1, b1, w2, b2, w_train, b_train, w_infer, b_infer, l1_coef, consistency):
         t, b, d = s.shape
-        gates = F.relu(torch.baddbmm(b_train, s, w_train)).transpose(1, 2).contiguous()  # [T, E, B]
-        g_infer = F.relu(torch.baddbmm(b_infer, s, w_infer)).transpose(1, 2).contiguous()
-        outputs, pre, hidden = _expert_outputs(s, w1, b1, w2, b2)
+        e, eh = b2.shape[1], w1.shape[-1]
+        w_all, b_all = torch.cat([w1, w_train, w_infer], dim=-1), torch.cat([b1, b_train, b_infer], dim=-1)
+        pre_all = torch.baddbmm(b_all, s, w_all)  # [T, B, E h + 2 E]
+        gates = F.relu(pre_all[..., eh:eh + e]).transpose(1, 2).contiguous()  # [T, E, B]
+        g_infer = F.relu(pre_all[..., eh + e:]).transpose(1, 2).contiguous()
+        hidden = pre_all.new_empty(t, e, b, eh // e)  # expert-major
+        torch.ops.aten.gelu.out(_per_expert(pre_all, eh, e), out=hidden)
+        outputs = torch.baddbmm(b2.view(t * e, 1, d), hidden.view(t * e, b, -1), w2.view(t * e, -1, d))
+        outputs = outputs.view(t, e, b, d)
         v, v_infer = outputs[:, 0] * gates[:, 0, :, None], outputs[:, 0] * g_infer[:, 0, :, None]
-        for j in range(1, outputs.shape[1]):  # both sums in one pass over the outputs
+        for j in range(1, e):
             v.addcmul_(outputs[:, j], gates[:, j, :, None])
             v_infer.addcmul_(outputs[:, j], g_infer[:, j, :, None])
         residual = v_infer.sub_(v)
         pending = l1_coef * g_infer.sum() / b + consistency * residual.pow(2).mean()
-        ctx.save_for_backward(s, w1, w2, w_train, pre, hidden, outputs, gates, g_infer, residual, l1_coef)
+        ctx.save_for_backward(s, w_all, w2, pre_all, hidden, outputs, gates, g_infer, residual, l1_coef)
         ctx.consistency = consistency
         active = (g_infer > 0).float().mean(dim=2)
         ctx.mark_non_differentiable(active)
@@ -236,37 +245,40 @@ class _MoETrainingStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, grad_pending, _grad_active):
-        s, w1, w2, w_train, pre, hidden, outputs, gates, g_infer, residual, l1_coef = ctx.saved_tensors
-        s, w1, w2, w_train = in_dtype(grad.dtype, s, w1, w2, w_train)
+        s, w_all, w2, pre_all, hidden, outputs, gates, g_infer, residual, l1_coef = ctx.saved_tensors
+        s, w_all, w2 = in_dtype(grad.dtype, s, w_all, w2)
         t, b, d = s.shape
-        e = gates.shape[1]
+        e, eh = gates.shape[1], hidden.shape[1] * hidden.shape[3]
         grad = grad.contiguous()
+        g_all = grad.new_empty(pre_all.shape)  # the gradient of the one first product's output
         # gate gradients [T, E, B], through the ReLUs: the task's into the training router,
         # the L1's and the consistency's into the inference router
-        g_gates, g_consistency = gates.new_empty(t, e, b), gates.new_empty(t, e, b)
-        for j in range(e):  # expert by expert: each output slice is read once, while in cache
-            torch.linalg.vecdot(outputs[:, j], grad, out=g_gates[:, j])
-            torch.linalg.vecdot(outputs[:, j], residual, out=g_consistency[:, j])
-        g_gates.mul_(gates > 0)
-        g_consistency.mul_(2 * ctx.consistency / residual.numel())
-        g_infer_logits = g_consistency.add_(l1_coef / b).mul_(grad_pending).mul_(g_infer > 0)
-        g_train_logits = g_gates.transpose(1, 2)  # [T, B, E]
-        g_infer_logits = g_infer_logits.transpose(1, 2)
+        g_train = torch.linalg.vecdot(outputs, grad.unsqueeze(1)).mul_(gates > 0)
+        g_infer_logits = torch.linalg.vecdot(outputs, residual.unsqueeze(1)).mul_(2 * ctx.consistency / residual.numel())
+        g_infer_logits.add_(l1_coef / b).mul_(grad_pending).mul_(g_infer > 0)
+        g_all[..., eh:eh + e] = g_train.transpose(1, 2)
+        g_all[..., eh + e:] = g_infer_logits.transpose(1, 2)
         # the experts
         g_outputs = (grad.unsqueeze(1) * gates.unsqueeze(-1)).view(t * e, b, d)
-        gw2 = torch.bmm(hidden.transpose(1, 2), g_outputs).view_as(w2)
-        gb2 = torch.bmm(gates, grad)  # sum over rows of g_outputs, without reading it
-        g_hidden = torch.bmm(g_outputs, w2.view(t * e, -1, d).transpose(1, 2))  # [T E, B, h]
-        g_pre = g_hidden.view(t, e, b, -1).transpose(1, 2).reshape_as(pre)
-        torch.ops.aten.gelu_backward.grad_input(g_pre, pre, grad_input=g_pre)
-        gw1 = torch.bmm(s.transpose(1, 2), g_pre)
-        gb1 = g_pre.sum(1, keepdim=True)
+        gw2 = torch.bmm(hidden.view(t * e, b, -1).transpose(1, 2), g_outputs).view_as(w2)
+        gb2 = torch.bmm(gates, grad)  # the row sums of g_outputs, without reading it
+        g_hidden = torch.bmm(g_outputs, w2.view(t * e, -1, d).transpose(1, 2)).view_as(hidden)
+        torch.ops.aten.gelu_backward.grad_input(g_hidden, _per_expert(pre_all, eh, e),
+                                                grad_input=_per_expert(g_all, eh, e))
+        g_weights = torch.bmm(s.transpose(1, 2), g_all)  # [T, D, E h + 2 E]: experts and both routers
+        g_biases = g_all.sum(1, keepdim=True)
         # the input: residual, experts and the training router (the inference router's input is detached)
-        gs = torch.baddbmm(grad, g_pre, w1.transpose(1, 2)).baddbmm_(g_train_logits, w_train.transpose(1, 2))
-        gw_train = torch.bmm(s.transpose(1, 2), g_train_logits)
-        gw_infer = torch.bmm(s.transpose(1, 2), g_infer_logits)
-        return (gs, gw1, gb1, gw2, gb2, gw_train, g_train_logits.sum(1, keepdim=True),
-                gw_infer, g_infer_logits.sum(1, keepdim=True), None, None)
+        gs = torch.baddbmm(grad, g_all[..., :eh + e], w_all[..., :eh + e].transpose(1, 2))
+        gw1, gw_train, gw_infer = g_weights.split([eh, e, e], dim=-1)
+        gb1, gb_train, gb_infer = g_biases.split([eh, e, e], dim=-1)
+        return gs, gw1, gb1, gw2, gb2, gw_train, gb_train, gw_infer, gb_infer, None, None
+
+
+def _per_expert(x: torch.Tensor, eh: int, e: int) -> torch.Tensor:
+    """The expert columns of a token-major [T, B, E h + ...] tensor as an expert-major
+    view [T, E, B, h] (no copy)."""
+    t, b, _ = x.shape
+    return x[..., :eh].view(t, b, e, eh // e).transpose(1, 2)
 
 
 class RankMixerMoETower(RankMixerTower, HookProvider):
