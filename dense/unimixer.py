@@ -104,20 +104,44 @@ class BlockMixing(nn.Module):
         w_global, w_local = constrain_all(list(self.logits()), tau, iters, tol)[0]
         return w_global, w_local
 
-    def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
-        """Eq. 14 with the matrices given (no constraint): [B, T, D] -> [B, T, D].
+    def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-major [T, B, D] -> block-major [n, B, blk] (block i holds values i blk ..
+        (i+1) blk - 1 of each row's flattened tokens): the same tensor when blk = D."""
+        t, b, d = x.shape
+        if self.block == d:
+            return x
+        return x.transpose(0, 1).reshape(b, self.num_blocks, self.block).transpose(0, 1).contiguous()
+
+    def from_blocks(self, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Block-major [n, B, blk] -> token-major [T, B, D], the inverse of `to_blocks`."""
+        n, b, blk = blocks.shape
+        if n == num_tokens:
+            return blocks
+        return blocks.transpose(0, 1).reshape(b, num_tokens, -1).transpose(0, 1).contiguous()
+
+    def mix_tm(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+        """Eq. 14 with the matrices given (no constraint), token-major [T, B, D] -> [T, B, D]:
+        one batched product over the blocks, then one product with W_G over all rows.
 
         W_B^i x_i is eq. 26's Kronecker block (the product of eq. 11); eq. 13 writes
         x_i W_B^i, the same thing for the symmetric matrices of eq. 15.
         """
-        b, t, d = x.shape
-        blocks = x.reshape(b, self.num_blocks, self.block)
-        h = torch.einsum("bnk,njk->bnj", blocks, w_local.to(x.dtype))
-        return torch.einsum("mn,bnj->bmj", w_global.to(x.dtype), h).reshape(b, t, d)
+        blocks = self.to_blocks(x)
+        h = torch.bmm(blocks, w_local.to(x.dtype).transpose(1, 2))  # [n, B, blk]
+        mixed = torch.mm(w_global.to(x.dtype), h.view(self.num_blocks, -1)).view_as(h)
+        return self.from_blocks(mixed, x.shape[0])
+
+    def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+        """`mix_tm` for [B, T, D] -> [B, T, D]."""
+        return self.mix_tm(x.transpose(0, 1), w_global, w_local).transpose(0, 1)
+
+    def forward_tm(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+        """Token-major [T, B, D] and the constrained weights -> RMSNorm(X + UniMixing(X))."""
+        return self.norm(x + self.mix_tm(x, w_global, w_local))
 
     def forward(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] and the constrained weights -> RMSNorm(X + UniMixing(X)) [B, T, D]."""
-        return self.norm(x + self.mix(x, w_global, w_local))
+        """`forward_tm` for [B, T, D] -> [B, T, D]."""
+        return self.forward_tm(x.transpose(0, 1), w_global, w_local).transpose(0, 1)
 
 
 class UniMixing(BlockMixing):
@@ -163,16 +187,20 @@ class PerTokenSwiGLU(nn.Module):
         self.w_down = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
         self.b_down = nn.Parameter(uniform_init((num_tokens, 1, dim), hidden))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, blk] -> [B, T, blk]."""
+    def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-major [n, B, blk] -> [n, B, blk]; training through `_SwiGLU`'s backward."""
         if torch.is_grad_enabled() and (x.requires_grad or self.w_in.requires_grad):
-            return _SwiGLU.apply(x.transpose(0, 1), self.w_in, self.b_in, self.w_down, self.b_down).transpose(0, 1)
-        return self.reference(x)
+            return _SwiGLU.apply(x, self.w_in, self.b_in, self.w_down, self.b_down)
+        return self.reference_tm(x)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The same as forward, by autograd's ops (inference, and the tests' reference)."""
-        up, gate = torch.baddbmm(self.b_in, x.transpose(0, 1), self.w_in).chunk(2, dim=-1)
-        return torch.baddbmm(self.b_down, up * nn.functional.silu(gate), self.w_down).transpose(0, 1)
+    def reference_tm(self, x: torch.Tensor) -> torch.Tensor:
+        """The same as forward_tm by autograd's ops (inference, and the tests' reference)."""
+        up, gate = torch.baddbmm(self.b_in, x, self.w_in).chunk(2, dim=-1)
+        return torch.baddbmm(self.b_down, up * nn.functional.silu(gate), self.w_down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward_tm` for [B, n, blk] -> [B, n, blk]."""
+        return self.forward_tm(x.transpose(0, 1)).transpose(0, 1)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -209,8 +237,9 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class UniMixerBlock(nn.Module):
-    """O = pSwiGLU(RMSNorm(Z + UniMixing(Z))): [B, T, D] -> [B, T, D]. The SwiGLU's tokens
-    are the mixing blocks (eq. 19's weights are blk x n blk); blk = D makes them the tokens."""
+    """O = pSwiGLU(RMSNorm(Z + UniMixing(Z))), token-major [T, B, D] -> [T, B, D]. The
+    SwiGLU's tokens are the mixing blocks (eq. 19's weights are blk x n blk); blk = D makes
+    them the tokens (and the block-major layout the token-major one, with no copy)."""
 
     def __init__(self, mixing: BlockMixing, ratio: int):
         super().__init__()
@@ -218,9 +247,9 @@ class UniMixerBlock(nn.Module):
         self.ffn = PerTokenSwiGLU(mixing.num_blocks, mixing.block, ratio)
 
     def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[B, T, D] and the layer's constrained (W_G, W_B) -> [B, T, D]."""
-        s = self.mixing(z, *weights)
-        return self.ffn(s.reshape(s.shape[0], -1, self.mixing.block)).reshape(s.shape)
+        """Token-major [T, B, D] and the layer's constrained (W_G, W_B) -> [T, B, D]."""
+        s = self.mixing.forward_tm(z, *weights)
+        return self.mixing.from_blocks(self.ffn.forward_tm(self.mixing.to_blocks(s)), z.shape[0])
 
 
 class SiameseLayer(nn.Module):
@@ -234,7 +263,8 @@ class SiameseLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor,
                 weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, T, D], [B, T, D]) and the layer's constrained (W_G, W_B) -> ([B, T, D], [B, T, D])."""
+        """Token-major ([T, B, D], [T, B, D]) and the layer's constrained (W_G, W_B) -> the
+        same two, updated."""
         o = self.block(x + self.norm_y(y), weights)
         return self.norm_x(x + o), y + o
 
@@ -289,11 +319,11 @@ class UniMixerTower(nn.Module, HookProvider):
         return {"unimixer/sinkhorn_iters": iters}
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
-        x = self.tokenizer(e_input)
+        x = self.tokenizer.forward_tm(e_input)  # [T, B, D] from here to the mean over tokens
         y = x
         for layer, weights in zip(self.layers, self.mixing_weights()):
             x, y = layer(x, y, weights)
-        return (x + self.norm_out(y)).mean(dim=1)
+        return (x + self.norm_out(y)).mean(dim=0)
 
     def cost(self) -> tuple[int, int]:
         """(parameters, forward matmul FLOPs per sample): tokenizer plus `unimixer_cost`."""
