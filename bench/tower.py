@@ -101,14 +101,17 @@ def tower_input(shape: tuple[int, ...]) -> InputLayout:
 class TowerStep:
     """One training step of a tower on a fixed random batch e_input [B, T*D]."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, bf16: bool, compile_: bool):
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, bf16: bool, compile_: bool,
+                 graphed: bool = False):
         layout = tower_input((cfg.num_tokens, cfg.hidden_dim))
         self.tower = build_tower(cfg, layout).to(device)
         self.hooks = TrainingHooks.of(self.tower)
         self.model = torch.compile(self.tower) if compile_ else self.tower
         self.e_input = torch.randn(batch, layout.width, device=device, requires_grad=True)
         self.params = [self.e_input, *self.tower.parameters()]
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        # A captured graph must not reuse autocast's weight casts from before the capture.
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not graphed) if bf16
+                         else contextlib.nullcontext())
 
     def __call__(self) -> None:
         for p in self.params:  # as after optimizer.zero_grad(): gradients are written, not accumulated
@@ -214,7 +217,8 @@ def main() -> None:
         if len(shape) != 5:
             raise SystemExit(f"--shapes {text!r}: expected T,D,L,k,B")
         for tower in towers:
-            step = TowerStep(model_config(tower, shape, settings), shape[4], device, args.bf16, args.compile)
+            step = TowerStep(model_config(tower, shape, settings), shape[4], device, args.bf16, args.compile,
+                             graphed=args.cuda_graphs)
             flops = step.flops()
             run = cuda_graph(step) if args.cuda_graphs else step
             mm_time, step_time = timed([mm_fn, run], args.repeats, device, clock)
