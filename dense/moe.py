@@ -112,6 +112,12 @@ class PerTokenMoE(nn.Module):
         and its pending loss, with a hand-written backward)."""
         if not (self.training and torch.is_grad_enabled()):
             return s + self.forward_tm(s)
+        return self._training_step(s)
+
+    # Hand-fused already; its out= writes into chosen layouts, which torch.compile's
+    # functionalisation does not keep, so a compiled tower runs this step eagerly.
+    @torch.compiler.disable
+    def _training_step(self, s: torch.Tensor) -> torch.Tensor:
         out, self.pending_loss, self._pending = _MoETrainingStep.apply(
             s, self.w1, self.b1, self.w2, self.b2, self.router_train, self.router_train_bias,
             self.router_infer, self.router_infer_bias, self.l1_coef, self.consistency)

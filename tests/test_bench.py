@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cli import run_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,3 +78,15 @@ def test_gpu_check_runs_the_tower_bench_with_options_it_has():
         assert parsed.device == "cuda" and parsed.bf16
         for name in parsed.towers.split(","):
             bench.TOWERS.get(name)
+
+
+@pytest.mark.slow
+def test_tower_bench_compiles_the_towers_with_hand_written_steps():
+    """torch.compile around the fused FFN, the MoE's training step (run eagerly inside the
+    compiled tower) and UniMixer's SwiGLU and fixed-iteration Sinkhorn."""
+    towers = ("rankmixer", "rankmixer_moe", "unimixer")
+    proc = subprocess.run([sys.executable, "bench/tower.py", "--towers", ",".join(towers), "--shapes", "4,16,2,2,32",
+                           "--repeats", "1", "--compile"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()[1:]] == list(towers)
