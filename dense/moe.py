@@ -260,8 +260,9 @@ class _MoETrainingStep(torch.autograd.Function):
         # gate gradients [T, E, B], through the ReLUs: the task's into the training router,
         # the L1's and the consistency's into the inference router
         g_train = torch.linalg.vecdot(outputs, grad.unsqueeze(1)).mul_(gates > 0)
-        g_infer_logits = torch.linalg.vecdot(outputs, residual.unsqueeze(1)).mul_(2 * ctx.consistency / residual.numel())
-        g_infer_logits.add_(l1_coef / b).mul_(grad_pending).mul_(g_infer > 0)
+        g_infer_logits = torch.linalg.vecdot(outputs, residual.unsqueeze(1))
+        g_infer_logits.mul_(2 * ctx.consistency / residual.numel()).add_(l1_coef / b)
+        g_infer_logits.mul_(grad_pending).mul_(g_infer > 0)
         g_all[..., eh:eh + e] = g_train.transpose(1, 2)
         g_all[..., eh + e:] = g_infer_logits.transpose(1, 2)
         # the experts
