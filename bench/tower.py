@@ -86,8 +86,13 @@ def model_config(tower: str, shape: tuple[int, ...], settings: list[str]) -> Mod
         if not hasattr(cfg, key):
             raise SystemExit(f"--set {item!r}: ModelConfig has no field {key!r}")
         current = getattr(cfg, key)
-        setattr(cfg, key, [int(v) for v in value.strip("[]").split(",")] if isinstance(current, list)
-                else type(current)(value))
+        if not isinstance(current, (int, float, str, list)) or key == "tasks":
+            raise SystemExit(f"--set {item!r}: {key} cannot be set here")
+        try:  # numbers, strings and lists of ints: the only types a tower's shape takes
+            setattr(cfg, key, [int(v) for v in value.strip("[]").split(",")] if isinstance(current, list)
+                    else type(current)(value))
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: {value!r} is not a {type(current).__name__}") from None
     return cfg
 
 

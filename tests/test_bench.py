@@ -42,11 +42,16 @@ def test_tower_bench_runs_every_tower_with_torch_alone():
                      r"sparse/dense [\d.]+x at \d+% of the gates active$", proc.stdout, re.M)
 
 
-def test_tower_bench_names_an_unknown_tower():
-    proc = subprocess.run([sys.executable, "bench/tower.py", "--towers", "rankmixer,transformer"],
+@pytest.mark.parametrize("args,message", [
+    (["--towers", "rankmixer,transformer"], "ValueError: model.tower='transformer' is not one of"),
+    (["--set", "num_experts=abc"], "--set 'num_experts=abc': 'abc' is not a int"),
+    (["--set", "experts=4"], "--set 'experts=4': ModelConfig has no field 'experts'"),
+])
+def test_tower_bench_names_what_is_wrong_with_its_options(args, message):
+    proc = subprocess.run([sys.executable, "bench/tower.py", *args, "--shapes", "2,8,1,1,8"],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "ValueError: model.tower='transformer' is not one of" in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
 
 
 def test_e2e_bench_prints_one_line_per_tower(tmp_path):
