@@ -289,10 +289,12 @@ def build_trainers(config: str, towers: list[str], overrides: list[str], tower_s
 def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list[dict]:
     """Median seconds per whole training step of every trainer and FLOP/s of a square
     matmul, all timed in turns within each round; one result row per tower."""
-    device = next(iter(trainers.values())).env.device
+    first = next(iter(trainers.values()))
+    device = first.env.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 8192 if device.type == "cuda" else 2048
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    dtype = first.model.module.autocast_dtype or torch.float32  # the towers' matmul dtype, as the trainer's peak
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     batches = {name: t.batches() for name, t in trainers.items()}
 
     def timed(fn: Callable[[], object], repeat: int) -> float:
@@ -316,7 +318,6 @@ def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list
         for name in trainers:
             seconds[name].append(timed(step(name), steps))
     peak = 2 * n**3 / statistics.median(matmul)
-    first = next(iter(trainers))
     rows = []
     for name, trainer in trainers.items():
         examples = trainer.batch_size / statistics.median(seconds[name])
@@ -324,7 +325,7 @@ def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list
                      "mfu": mfu(examples, trainer.cost.flops, peak)})
     for row in rows:
         row["ratio"] = row["examples_per_sec"] / rows[0]["examples_per_sec"]
-        row["flops_ratio"] = row["flops"] / trainers[first].cost.flops
+        row["flops_ratio"] = row["flops"] / first.cost.flops
     return rows
 
 

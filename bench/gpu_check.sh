@@ -3,7 +3,7 @@
 # It needs a CUDA GPU and PyTorch, nothing else: the tower benchmarks import no torchrec,
 # fbgemm or data stack, so they run on a machine with stock torch and no package registry
 # (the one this project can reach: H200, Python 3.12, torch 2.11, CUDA 13; about 5 minutes).
-# Where torchrec and fbgemm-gpu import too (after `make setup DEVICE=cuda`), it also trains
+# Where the training stack imports too (after `make setup DEVICE=cuda`), it also trains
 # end to end on CUDA: NCCL, fbgemm-gpu's fused Adagrad, bf16 autocast, TrainPipelineSparseDist.
 # PYTHON=... picks the interpreter (default: .venv/bin/python if there is one, else python3).
 set -euo pipefail
@@ -23,8 +23,8 @@ echo "== small steps, where launches dominate: eager, then replayed from CUDA gr
 $TOWER --repeats 20 --towers rankmixer,rankmixer_moe,unimixer --shapes 8,64,2,4,4096
 $TOWER --repeats 20 --towers rankmixer,rankmixer_moe,unimixer --shapes 8,64,2,4,4096 --cuda-graphs
 
-if ! $PY -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
-    echo "== training end to end: skipped, torchrec and fbgemm-gpu do not import here (make setup DEVICE=cuda)"
+if ! $PY -c "import trainer.train" 2>/dev/null; then  # torchrec, fbgemm-gpu, pyarrow, tomli-w, ...
+    echo "== training end to end: skipped, the training stack does not import here (make setup DEVICE=cuda)"
     exit 0
 fi
 RANKMIX="$PY -m launch.cli"

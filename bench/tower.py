@@ -3,8 +3,9 @@
 One training step of a tower is forward + backward of its output (and of the auxiliary
 losses it asks the training loop for, e.g. the MoE's router terms), gradients written
 as after optimizer.zero_grad(). Nothing on this path imports torchrec, fbgemm or the
-data stack (tests/test_bench.py checks it with those packages made unimportable): the
-GPU machine this project can reach has torch and nothing else.
+data stack, only torch, dense/ and two torch-only trainer modules (tests/test_bench.py
+checks it with the other packages made unimportable and the repository not installed):
+the GPU machine this project can reach has torch and nothing else.
 
 CPU (default): FLOP/s divided by the same process's plain 2048^3 float32 matmul, the
 two timed in turns (absolute times drift on a shared machine; the ratio does not).
@@ -30,18 +31,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.hooks import TrainingHooks
-from dense.layout import InputLayout
-from dense.towers import TOWERS, build_tower
-from trainer.config import FeatureSpec, ModelConfig
-from trainer.dist import tune_malloc
+# The repository, for a machine where it is not installed (python3 bench/tower.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dense.hooks import TrainingHooks  # noqa: E402
+from dense.layout import InputLayout  # noqa: E402
+from dense.towers import TOWERS, build_tower  # noqa: E402
+from trainer.config import FeatureSpec, ModelConfig  # noqa: E402
+from trainer.dist import tune_malloc  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}

@@ -108,7 +108,7 @@ class PerTokenMoE(nn.Module):
 
     def residual_tm(self, s: torch.Tensor) -> torch.Tensor:
         """s + MoE(s), token-major [T, B, D] -> [T, B, D]: the FFN slot of a RankMixerBlock.
-        A training step runs whole in `_MoETrainingStep` (the same numbers as forward_tm
+        A training step runs whole in `_MoETrainingStep` (the same function as forward_tm
         and its pending loss, with a hand-written backward)."""
         if not (self.training and torch.is_grad_enabled()):
             return s + self.forward_tm(s)
@@ -215,8 +215,9 @@ class _MoETrainingStep(torch.autograd.Function):
     (s + sum_j G_tj e_tj(s) [T, B, D], the inference router's pending loss [], its
     active fraction [T, E] (not differentiable)).
 
-    The same numbers as `PerTokenMoE.forward_tm` plus `_train_inference_router`, in fewer
-    passes: the experts' first layer and both routers are one product ([D, E h + 2 E]
+    The same function as `PerTokenMoE.forward_tm` plus `_train_inference_router` (equal
+    to float rounding; under autocast the output keeps the products' dtype, as
+    `_FFNResidual`'s does, where the reference's sum would promote it), in fewer passes: the experts' first layer and both routers are one product ([D, E h + 2 E]
     per token), GELU writes the hidden units straight into the expert-major layout of
     the second product, both gated sums share one pass over the expert outputs; the
     hand-written backward mirrors it (one product for all three weight gradients, GELU's

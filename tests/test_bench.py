@@ -20,10 +20,14 @@ NOT_INSTALLED = ("torchrec", "fbgemm_gpu", "pyarrow", "tensorboard", "torchmetri
 
 # A None entry in sys.modules makes `import name` fail as a missing package does, and
 # importlib.util.find_spec(name) answer None (torch probes for optional packages so).
+# The repository is not installed there either: no editable-install finder, no current
+# folder on the path, only the script's own folder, as `python3 bench/tower.py` has it.
 STOCK_TORCH = f"""
 import runpy, sys
 for name in {NOT_INSTALLED!r}:
     sys.modules[name] = None
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path = ["bench", *(p for p in sys.path if p not in ("", "."))]
 sys.argv = ["bench/tower.py", *sys.argv[1:]]
 runpy.run_path("bench/tower.py", run_name="__main__")
 """
