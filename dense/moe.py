@@ -205,7 +205,7 @@ def _expert_outputs(s: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: tor
     t, b, d = s.shape
     e = b2.shape[1]
     pre = torch.baddbmm(b1, s, w1)
-    hidden = F.gelu(pre).view(t, b, e, -1).transpose(1, 2).reshape(t * e, b, -1)
+    hidden = _per_expert(F.gelu(pre), pre.shape[-1], e).reshape(t * e, b, -1)
     outputs = torch.baddbmm(b2.view(t * e, 1, d), hidden, w2.view(t * e, -1, d))
     return outputs.view(t, e, b, d), pre, hidden
 

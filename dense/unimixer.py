@@ -122,7 +122,7 @@ class BlockMixing(nn.Module):
             return blocks
         return blocks.transpose(0, 1).reshape(b, num_tokens, -1).transpose(0, 1).contiguous()
 
-    def mix_tm(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
         """Eq. 14 with the matrices given (no constraint), token-major [T, B, D] -> [T, B, D]:
         one batched product over the blocks, then one product with W_G over all rows.
 
@@ -134,17 +134,9 @@ class BlockMixing(nn.Module):
         mixed = torch.mm(w_global.to(x.dtype), h.view(self.num_blocks, -1)).view_as(h)
         return self.from_blocks(mixed, x.shape[0])
 
-    def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
-        """`mix_tm` for [B, T, D] -> [B, T, D]."""
-        return self.mix_tm(x.transpose(0, 1), w_global, w_local).transpose(0, 1)
-
-    def forward_tm(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
-        """Token-major [T, B, D] and the constrained weights -> RMSNorm(X + UniMixing(X))."""
-        return self.norm(x + self.mix_tm(x, w_global, w_local))
-
     def forward(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
-        """`forward_tm` for [B, T, D] -> [B, T, D]."""
-        return self.forward_tm(x.transpose(0, 1), w_global, w_local).transpose(0, 1)
+        """Token-major [T, B, D] and the constrained weights -> RMSNorm(X + UniMixing(X))."""
+        return self.norm(x + self.mix(x, w_global, w_local))
 
 
 class UniMixing(BlockMixing):
@@ -190,20 +182,16 @@ class PerTokenSwiGLU(nn.Module):
         self.w_down = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
         self.b_down = nn.Parameter(uniform_init((num_tokens, 1, dim), hidden))
 
-    def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Block-major [n, B, blk] -> [n, B, blk]; training through `_SwiGLU`'s backward."""
         if torch.is_grad_enabled() and (x.requires_grad or self.w_in.requires_grad):
             return _SwiGLU.apply(x, self.w_in, self.b_in, self.w_down, self.b_down)
-        return self.reference_tm(x)
+        return self.reference(x)
 
-    def reference_tm(self, x: torch.Tensor) -> torch.Tensor:
-        """The same as forward_tm by autograd's ops (inference, and the tests' reference)."""
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same as forward by autograd's ops (inference, and the tests' reference)."""
         up, gate = torch.baddbmm(self.b_in, x, self.w_in).chunk(2, dim=-1)
         return torch.baddbmm(self.b_down, up * nn.functional.silu(gate), self.w_down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward_tm` for [B, n, blk] -> [B, n, blk]."""
-        return self.forward_tm(x.transpose(0, 1)).transpose(0, 1)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -251,8 +239,8 @@ class UniMixerBlock(nn.Module):
 
     def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Token-major [T, B, D] and the layer's constrained (W_G, W_B) -> [T, B, D]."""
-        s = self.mixing.forward_tm(z, *weights)
-        return self.mixing.from_blocks(self.ffn.forward_tm(self.mixing.to_blocks(s)), z.shape[0])
+        s = self.mixing(z, *weights)
+        return self.mixing.from_blocks(self.ffn(self.mixing.to_blocks(s)), z.shape[0])
 
 
 class SiameseLayer(nn.Module):

@@ -53,7 +53,7 @@ def test_unimixing_at_the_permutation_is_token_mixing(num_tokens, dim):
     mixing = UniMixing(length, q, dim)
     x = torch.randn(5, num_tokens, dim)
     local = torch.eye(q).expand(length // q, q, q)
-    out = mixing.mix(x, block_permutation(num_tokens, num_tokens), local)
+    out = mixing.mix(x.transpose(0, 1), block_permutation(num_tokens, num_tokens), local).transpose(0, 1)
     assert torch.equal(out, token_mixing(x, num_tokens))
     assert torch.equal(torch.kron(block_permutation(num_tokens, num_tokens), torch.eye(q)),
                        token_mixing_matrix(num_tokens, dim, num_tokens))
@@ -69,7 +69,7 @@ def test_fast_path_equals_the_explicit_kronecker_product():
     big = torch.cat([torch.cat([w_global[i, j] * w_local[j] for j in range(n)], dim=1) for i in range(n)])
     x = torch.randn(4, num_tokens, dim, dtype=torch.float64)
     expected = (x.reshape(4, length) @ big.T).view(4, num_tokens, dim)
-    torch.testing.assert_close(mixing.mix(x, w_global, w_local), expected)
+    torch.testing.assert_close(mixing.mix(x.transpose(0, 1), w_global, w_local).transpose(0, 1), expected)
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.3])
@@ -149,14 +149,14 @@ def test_tower_constrains_every_layer_as_each_layer_alone_would(tower, block):
 def test_swiglu_backward_equals_autograd():
     torch.manual_seed(0)
     ffn = PerTokenSwiGLU(num_tokens=3, dim=8, ratio=2)
-    x = torch.randn(5, 3, 8, requires_grad=True)
-    cotangent = torch.randn(5, 3, 8)
+    x = torch.randn(3, 5, 8, requires_grad=True)  # block-major [n, B, blk]
+    cotangent = torch.randn(3, 5, 8)
     params = [x, *ffn.parameters()]
     (ffn(x) * cotangent).sum().backward()
     fast = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
-    reference = ffn.reference_tm(x.transpose(0, 1)).transpose(0, 1)
+    reference = ffn.reference(x)
     (reference * cotangent).sum().backward()
     torch.testing.assert_close(ffn(x), reference)
     for got, p in zip(fast, params):
@@ -167,10 +167,10 @@ def test_mixing_weights_stay_float32_inside_a_bf16_tower():
     for mixing in (UniMixing(32, 4, 8), UniMixingLite(32, 4, 8, num_basis=3, rank=2)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             w_global, w_local = mixing.weights(torch.tensor(0.05), iters=5)
-            out = mixing(torch.randn(2, 4, 8), w_global, w_local)
+            out = mixing(torch.randn(4, 2, 8), w_global, w_local)  # token-major [T, B, D]
         assert w_global.dtype == w_local.dtype == torch.float32
         assert w_global.shape == (8, 8) and w_local.shape == (8, 4, 4)
-        assert out.shape == (2, 4, 8) and torch.isfinite(out).all()
+        assert out.shape == (4, 2, 8) and torch.isfinite(out).all()
 
 
 def test_temperature_schedule_is_linear_between_its_end_points():
