@@ -52,8 +52,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from trainer.config import Config
 from dense.cost import mfu
+from tower import matmul_step  # bench/tower.py (this script's folder): the same reference product
+from trainer.config import Config
 from trainer.config_loader import load_config
 from trainer.data.batch import Batch
 
@@ -292,9 +293,8 @@ def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list
     first = next(iter(trainers.values()))
     device = first.env.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    n = 8192 if device.type == "cuda" else 2048
-    dtype = first.model.module.autocast_dtype or torch.float32  # the towers' matmul dtype, as the trainer's peak
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    # the towers' matmul dtype, as the trainer's peak
+    matmul_fn, matmul_flops = matmul_step(device, first.model.module.autocast_dtype or torch.float32)
     batches = {name: t.batches() for name, t in trainers.items()}
 
     def timed(fn: Callable[[], object], repeat: int) -> float:
@@ -314,10 +314,10 @@ def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list
     seconds: dict[str, list[float]] = {name: [] for name in trainers}
     matmul: list[float] = []
     for _ in range(rounds):
-        matmul.append(min(timed(lambda: a @ b, 1) for _ in range(2)))
+        matmul.append(min(timed(matmul_fn, 1) for _ in range(2)))
         for name in trainers:
             seconds[name].append(timed(step(name), steps))
-    peak = 2 * n**3 / statistics.median(matmul)
+    peak = matmul_flops / statistics.median(matmul)
     rows = []
     for name, trainer in trainers.items():
         examples = trainer.batch_size / statistics.median(seconds[name])

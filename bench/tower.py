@@ -84,7 +84,9 @@ def matmul_step(device: torch.device, dtype: torch.dtype):
 
 
 def model_config(tower: str, shape: tuple[int, ...], settings: list[str]) -> ModelConfig:
-    """The tower at shape (T, D, L, k, B), with `settings` (key=value of model.*) on top."""
+    """The tower at shape (T, D, L, k, B), with `settings` (key=value of model.*) on top.
+    Parsed here rather than by trainer.config_loader, which needs tomli-w: the GPU machine
+    has torch alone."""
     t, d, layers, k, _ = shape
     cfg = ModelConfig(tower=tower, num_tokens=t, hidden_dim=d, num_layers=layers, ffn_ratio=k)
     for item in settings:
@@ -125,10 +127,13 @@ class TowerStep:
                          else contextlib.nullcontext())
 
     def __call__(self) -> None:
+        self._run(self.model)
+
+    def _run(self, model: nn.Module) -> None:
         for p in self.params:  # as after optimizer.zero_grad(): gradients are written, not accumulated
             p.grad = None
         with self.autocast:
-            loss = self.model(self.e_input).float().sum()
+            loss = model(self.e_input).float().sum()
         for extra in self.hooks.extra_losses:
             loss = loss + extra()
         loss.backward()
@@ -136,12 +141,8 @@ class TowerStep:
     def flops(self) -> int:
         """Matmul FLOPs of one step by torch's counter, counted on the eager tower (the
         counter cannot see inside a compiled graph's kernels)."""
-        compiled, self.model = self.model, self.tower
-        try:
-            with FlopCounterMode(display=False) as counter:
-                self()
-        finally:
-            self.model = compiled
+        with FlopCounterMode(display=False) as counter:
+            self._run(self.tower)
         return counter.get_total_flops()
 
 
