@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dense.rankmixer import PerTokenFFN, check_mixing_width, token_mixing
+from dense.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
 from dense.tokenizer import build_tokenizer
 
 
@@ -102,7 +102,7 @@ class TokenMixing(nn.Module):
         self.num_tokens = num_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return token_mixing(x, self.num_tokens)
+        return mix_heads(x, self.num_tokens)  # its width was checked in __init__
 
     def cost(self, num_tokens: int) -> tuple[int, int]:
         return 0, 0  # a permutation of values: no weights, no matmuls

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dense.hooks import HookProvider, TrainingHooks
+from dense.hooks import HookProvider, ServingForm, TrainingHooks
 from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
 
 
@@ -40,7 +40,7 @@ class PerTokenMoE(nn.Module):
                  l1_init: float, l1_rate: float, consistency: float, sparse_inference: bool = True):
         super().__init__()
         t, e = num_tokens, num_experts
-        self.num_experts, self.hidden = e, hidden
+        self.num_tokens, self.num_experts, self.hidden = t, e, hidden
         self.budget, self.l1_rate, self.l1_init, self.consistency = budget, l1_rate, l1_init, consistency
         self.sparse_inference = sparse_inference
         # Token t's experts side by side: w1[t] is [D, E h] (expert j's columns j h .. (j+1) h),
@@ -64,6 +64,7 @@ class PerTokenMoE(nn.Module):
         self.register_buffer("stat_batches", torch.zeros(2, 1, 1), persistent=False)
         self.pending_loss: torch.Tensor | None = None  # L1 + consistency of the last training forward
         self._pending: torch.Tensor | None = None  # its active fraction [T, E], until take_pending
+        self.keeps_statistics = True  # off in a serving artifact, which has no one to report them to
 
     # ---------------------------------------------------------------- routing and experts
 
@@ -82,14 +83,13 @@ class PerTokenMoE(nn.Module):
         """Every expert on every row: [T, B, D] -> e [T, E, B, D]."""
         return _expert_outputs(s, self.w1, self.b1, self.w2, self.b2)[0]
 
-    @staticmethod
-    def combine(gates: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    def combine(self, gates: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         """v_t = sum_j G_tj e_tj (eq. 11): ([T, B, E], [T, E, B, D]) -> [T, B, D], one
         multiply-add per expert into one output (an einsum would copy e into a bmm
         layout, a product then a sum would write and read a [T, E, B, D] temporary)."""
         g = gates.transpose(1, 2).contiguous().unsqueeze(-1)  # [T, E, B, 1]
         out = outputs[:, 0] * g[:, 0]
-        for j in range(1, outputs.shape[1]):
+        for j in range(1, self.num_experts):  # not outputs.shape: a traced forward's shapes are symbolic
             out = out.addcmul(outputs[:, j], g[:, j])
         return out
 
@@ -99,7 +99,10 @@ class PerTokenMoE(nn.Module):
         """Token-major [T, B, D] -> [T, B, D]: dense training, or inference by one router."""
         if not self.training:
             if self.sparse_inference:
-                return self.sparse_forward(s)
+                out, gates = self.sparse_forward(s)
+                if self.keeps_statistics:
+                    self._record(EVAL, (gates > 0).float().mean(dim=1))
+                return out
             return self.combine(self.gates(s, "train"), self.experts(s))
         outputs = self.experts(s)
         v = self.combine(self.gates(s, "train"), outputs)
@@ -142,27 +145,21 @@ class PerTokenMoE(nn.Module):
         e = self.num_experts
         return t * (2 * d * eh + eh) + t * e * d + 2 * t * (d * e + e), 4 * t * d * eh + 2 * (2 * t * d * e)
 
-    def sparse_forward(self, s: torch.Tensor) -> torch.Tensor:
+    def sparse_forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference by h_infer alone, computing expert (t, j) only on the rows whose gate
-        G_tj is non-zero: [T, B, D] -> [T, B, D]. FLOPs fall with the active fraction."""
-        t, b, d = s.shape
+        G_tj is non-zero: [T, B, D] -> ([T, B, D], the gates [T, B, E]). FLOPs fall with the
+        active fraction. Written without reading sizes back to Python, so that it traces
+        (torch.export, torch.fx) into the serving artifact as it runs here."""
         gates = self.gates(s, "infer")
-        token, row, expert = gates.nonzero(as_tuple=True)
-        flat_expert = token * self.num_experts + expert
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=t * self.num_experts).tolist()
-        source = (token * b + row)[order]  # row of s.view(T B, D) each active pair reads
-        outputs = []
-        for k, x in enumerate(s.reshape(t * b, d)[source].split(counts)):  # expert (t, j) at t E + j
-            if counts[k]:
-                w1, b1, w2, b2 = self.expert(*divmod(k, self.num_experts))
-                outputs.append(torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2))
-        out = s.new_zeros(t * b, d)
-        if outputs:
-            weighted = torch.cat(outputs) * gates[token, row, expert][order].unsqueeze(1)
-            out.index_add_(0, source, weighted.to(out.dtype))
-        self._record(EVAL, (gates > 0).float().mean(dim=1))
-        return out.view(t, b, d)
+        out = torch.zeros_like(s)
+        for token in range(self.num_tokens):
+            for j in range(self.num_experts):
+                gate = gates[token, :, j]
+                rows = gate.nonzero().squeeze(1)
+                w1, b1, w2, b2 = self.expert(token, j)
+                y = torch.addmm(b2, F.gelu(torch.addmm(b1, s[token].index_select(0, rows), w1)), w2)
+                out[token].index_add_(0, rows, (y * gate.index_select(0, rows).unsqueeze(1)).to(out.dtype))
+        return out, gates
 
     # ---------------------------------------------------------------- the adaptive L1
 
@@ -289,7 +286,7 @@ def _per_expert(x: torch.Tensor, eh: int, e: int) -> torch.Tensor:
     return x[..., :eh].view(t, b, e, eh // e).transpose(1, 2)
 
 
-class RankMixerMoETower(RankMixerTower, HookProvider):
+class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
     """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
     e_input [B, E_in] -> [B, D].
 
@@ -323,6 +320,12 @@ class RankMixerMoETower(RankMixerTower, HookProvider):
             active /= dist.get_world_size()
         for moe, layer_active in zip(self.moes, active):
             moe.adapt(layer_active)
+
+    def serving_form(self) -> nn.Module:
+        """This tower, without the routing statistics that evaluation keeps for the logs."""
+        for moe in self.moes:
+            moe.keeps_statistics = False
+        return self
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the blocks' L1 and consistency terms of the last training forward (a scalar)."""

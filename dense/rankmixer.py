@@ -23,9 +23,14 @@ def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     Each token is split into H heads of q = D/H; output row h concatenates head h of
     every token: out[h, t*q + r] = x[t, h*q + r] (0-based). With H = T the shape is kept.
     """
+    if x.shape[-1] % num_heads:
+        raise ValueError(f"token mixing needs model.hidden_dim={x.shape[-1]} divisible by the {num_heads} heads")
+    return mix_heads(x, num_heads)
+
+
+def mix_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`token_mixing` of a width already checked, which a traced forward cannot check."""
     b, t, d = x.shape
-    if d % num_heads:
-        raise ValueError(f"token mixing needs model.hidden_dim={d} divisible by the {num_heads} heads")
     return x.view(b, t, num_heads, d // num_heads).transpose(1, 2).reshape(b, num_heads, t * d // num_heads)
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from dense.hooks import HookProvider, TrainingHooks
+from dense.hooks import HookProvider, ServingForm, TrainingHooks
 from dense.rankmixer import in_dtype, uniform_init
 
 
@@ -96,6 +96,7 @@ class BlockMixing(nn.Module):
             raise ValueError(f"model.block_size={block} must divide the flattened token length "
                              f"T*D = {length}")
         self.block, self.num_blocks = block, length // block
+        self.dim, self.num_tokens = dim, length // dim  # Python ints: a traced forward's shapes are symbolic
         self.norm = nn.RMSNorm(dim)
 
     def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,17 +111,15 @@ class BlockMixing(nn.Module):
     def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> block-major [n, B, blk] (block i holds values i blk ..
         (i+1) blk - 1 of each row's flattened tokens): the same tensor when blk = D."""
-        t, b, d = x.shape
-        if self.block == d:
+        if self.block == self.dim:
             return x
-        return x.transpose(0, 1).reshape(b, self.num_blocks, self.block).transpose(0, 1).contiguous()
+        return x.transpose(0, 1).reshape(x.shape[1], self.num_blocks, self.block).transpose(0, 1).contiguous()
 
-    def from_blocks(self, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Block-major [n, B, blk] -> token-major [T, B, D], the inverse of `to_blocks`."""
-        n, b, blk = blocks.shape
-        if n == num_tokens:
+        if self.block == self.dim:
             return blocks
-        return blocks.transpose(0, 1).reshape(b, num_tokens, -1).transpose(0, 1).contiguous()
+        return blocks.transpose(0, 1).reshape(blocks.shape[1], self.num_tokens, self.dim).transpose(0, 1).contiguous()
 
     def mix(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
         """Eq. 14 with the matrices given (no constraint), token-major [T, B, D] -> [T, B, D]:
@@ -132,7 +131,7 @@ class BlockMixing(nn.Module):
         blocks = self.to_blocks(x)
         h = torch.bmm(blocks, w_local.to(x.dtype).transpose(1, 2))  # [n, B, blk]
         mixed = torch.mm(w_global.to(x.dtype), h.view(self.num_blocks, -1)).view_as(h)
-        return self.from_blocks(mixed, x.shape[0])
+        return self.from_blocks(mixed)
 
     def forward(self, x: torch.Tensor, w_global: torch.Tensor, w_local: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] and the constrained weights -> RMSNorm(X + UniMixing(X))."""
@@ -240,7 +239,7 @@ class UniMixerBlock(nn.Module):
     def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Token-major [T, B, D] and the layer's constrained (W_G, W_B) -> [T, B, D]."""
         s = self.mixing(z, *weights)
-        return self.mixing.from_blocks(self.ffn(self.mixing.to_blocks(s)), z.shape[0])
+        return self.mixing.from_blocks(self.ffn(self.mixing.to_blocks(s)))
 
 
 class SiameseLayer(nn.Module):
@@ -260,7 +259,7 @@ class SiameseLayer(nn.Module):
         return self.norm_x(x + o), y + o
 
 
-class UniMixerTower(nn.Module, HookProvider):
+class UniMixerTower(nn.Module, HookProvider, ServingForm):
     """Tokenizer -> M Siamese UniMixer layers -> X_M + RMSNorm(Y_M) (eq. 20) -> mean over
     tokens: e_input [B, E] -> [B, D].
 
@@ -310,11 +309,18 @@ class UniMixerTower(nn.Module, HookProvider):
         return {"unimixer/sinkhorn_iters": iters}
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        return self.mix(e_input, self.mixing_weights())
+
+    def mix(self, e_input: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """e_input [B, E] -> [B, D] with every layer's constrained (W_G, W_B) given."""
         x = self.tokenizer.forward_tm(e_input)  # [T, B, D] from here to the mean over tokens
         y = x
-        for layer, weights in zip(self.layers, self.mixing_weights()):
-            x, y = layer(x, y, weights)
+        for layer, layer_weights in zip(self.layers, weights):
+            x, y = layer(x, y, layer_weights)
         return (x + self.norm_out(y)).mean(dim=0)
+
+    def serving_form(self) -> nn.Module:
+        return FrozenMixing(self)
 
     def cost(self) -> tuple[int, int]:
         """(parameters, forward matmul FLOPs per sample): tokenizer plus `unimixer_cost`."""
@@ -329,6 +335,25 @@ class UniMixerTower(nn.Module, HookProvider):
 
 
 # ---------------------------------------------------------------- analytic costs
+
+
+class FrozenMixing(nn.Module):
+    """A UniMixer tower for inference, its mixing weights constrained once, at the
+    temperature it holds now: they depend on nothing else, and the Sinkhorn loop's
+    data-dependent stop would not trace. e_input [B, E] -> [B, D]."""
+
+    def __init__(self, tower: UniMixerTower):
+        super().__init__()
+        self.tower = tower
+        with torch.no_grad():
+            weights = tower.mixing_weights()
+        for i, (w_global, w_local) in enumerate(weights):
+            self.register_buffer(f"global_{i}", w_global)
+            self.register_buffer(f"local_{i}", w_local)
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        weights = [(getattr(self, f"global_{i}"), getattr(self, f"local_{i}")) for i in range(len(self.tower.layers))]
+        return self.tower.mix(e_input, weights)
 
 
 def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int,
