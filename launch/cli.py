@@ -3,8 +3,9 @@ r"""`rankmix`: train, and convert or generate data.
     rankmix train [--config F.toml] [--section.key=value ...]
     rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
         [--config F.toml] [--section.key=value ...]
-    rankmix export --checkpoint RUN_OR_STEP_DIR --out WEIGHTS.pt
-    rankmix score --checkpoint RUN_OR_STEP_DIR --data FILES --out DIR [--config F.toml] [--batch-size N] \
+    rankmix export --checkpoint RUN_OR_STEP_DIR --out DIR [--format pt2|torchscript|weights] \
+        [--tables fp32|fp16|int8|int4] [--moe sparse|dense] [--section.key=value ...]
+    rankmix score (--checkpoint RUN_OR_STEP_DIR | --model EXPORT_DIR) --data FILES --out DIR [--config F.toml] [--batch-size N] \
         [--keep COLS|*] [--section.key=value ...]
     rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 USAGE = __doc__
 
@@ -154,23 +156,45 @@ def launch(argv: list[str]) -> int:
 
 
 def export(argv: list[str]) -> int:
-    """Whole-tensor model weights of a checkpoint, for scoring elsewhere."""
-    parser = argparse.ArgumentParser(prog="rankmix export")
+    """A checkpoint as a serving artifact that plain PyTorch loads (trainer/serving/), or as
+    whole-tensor weights (--format weights: one torch.save file)."""
+    parser = argparse.ArgumentParser(prog="rankmix export", epilog="other --section.key=value options override "
+                                     "the run's config")
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a run folder (newest)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    from trainer.checkpoint import export_weights
+    parser.add_argument("--out", required=True, help="the artifact's folder (--format weights: a file)")
+    parser.add_argument("--format", default="pt2", help="pt2 (torch.export) | torchscript | weights")
+    parser.add_argument("--tables", default="fp32", help="fp32 | fp16 | int8 | int4 (TorchRec quantized tables)")
+    parser.add_argument("--moe", default="sparse", help="sparse: the inference router's experts only | "
+                        "dense: the training router, every expert")
+    args, rest = parser.parse_known_args(argv)
+    from trainer.serving.export import FORMATS
 
-    count = export_weights(args.checkpoint, args.out)
-    print(json.dumps({"tensors": count, "out": args.out}))
+    if args.format not in (*FORMATS, "weights"):
+        raise ValueError(f"--format must be one of {'|'.join(FORMATS)}|weights, got {args.format!r}")
+    if args.format == "weights":
+        from trainer.checkpoint import export_weights
+
+        print(json.dumps({"tensors": export_weights(args.checkpoint, args.out), "out": args.out}))
+        return 0
+    from trainer.config_loader import load_config
+    from trainer.score import find_config
+    from trainer.serving.export import export as export_artifact
+
+    config_path, overrides = config_args(rest)
+    cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides, allow_redacted=True)
+    manifest = export_artifact(cfg, args.checkpoint, args.out, args.format, args.tables, args.moe)
+    print(json.dumps({**manifest, "out": args.out}))
     return 0
 
 
 def score(argv: list[str]) -> int:
-    """Predictions of a trained checkpoint for Parquet files, one output file per input."""
+    """Predictions of a trained checkpoint, or of a serving artifact, for Parquet files, one
+    output file per input."""
     parser = argparse.ArgumentParser(prog="rankmix score", epilog="other --section.key=value options override "
                                      "the run's config (e.g. --model.moe_inference=dense)")
-    parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a run folder (newest)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a step-N folder, or a run folder (newest)")
+    source.add_argument("--model", help="a serving artifact's folder (rankmix export)")
     parser.add_argument("--data", required=True, help="Parquet files, folders, globs or URIs (comma-separated)")
     parser.add_argument("--out", required=True, help="folder for the scored files")
     parser.add_argument("--batch-size", type=int, default=4096)
@@ -181,14 +205,23 @@ def score(argv: list[str]) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     from trainer.config_loader import load_config
     from trainer.dist import shutdown
-    from trainer.score import Scorer, find_config
+    from trainer.score import CheckpointModel, Scorer, find_config
 
     config_path, overrides = config_args(rest)
+    if args.model:  # the artifact's own copy of the run's config is its input contract
+        config_path = config_path or str(Path(args.model) / "config.toml")
+        if not Path(config_path).is_file():
+            raise ValueError(f"--model {args.model}: no config.toml there (not a `rankmix export` folder)")
     # scoring reads --data, never the run's data paths: their redacted credentials may stay so
     cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides, allow_redacted=True)
+    keep = [c.strip() for c in args.keep.split(",") if c.strip()]
     try:
-        summary = Scorer(cfg, args.checkpoint).score(
-            args.data, args.out, args.batch_size, [c.strip() for c in args.keep.split(",") if c.strip()])
+        if args.model:
+            from trainer.serving.predict import ArtifactModel
+            model = ArtifactModel(args.model)
+        else:
+            model = CheckpointModel(cfg, args.checkpoint)
+        summary = Scorer(cfg, model).score(args.data, args.out, args.batch_size, keep)
     finally:
         shutdown()
     print(json.dumps(summary), flush=True)

@@ -197,7 +197,7 @@ def test_row_wise_on_two_ranks_loads_into_table_wise_on_one(cache, tmp_path):
     two = tmp_path / "two"
     ok(train(2, *train_args(two, cache, 10, "--embeddings.plan=row_wise")))
     assert "row_wise" in (two / "plan.txt").read_text()
-    saved = ok(rankmix("export", "--checkpoint", str(two), "--out", str(tmp_path / "two.pt")))
+    saved = ok(rankmix("export", "--checkpoint", str(two), "--out", str(tmp_path / "two.pt"), "--format", "weights"))
     assert json.loads(saved.stdout)["tensors"] > 20
     # Weights only, into one rank with table-wise tables, then exported again before any step.
     one = tmp_path / "one"

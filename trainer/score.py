@@ -1,4 +1,5 @@
-"""`rankmix score`: batch scoring of Parquet files with a trained checkpoint.
+"""`rankmix score`: batch scoring of Parquet files with a trained checkpoint, or with a
+serving artifact of `rankmix export` (trainer/serving/predict.py).
 
 Every input file gets an output file of the same name, row for row: the kept columns
 (the task labels and the user column when present, plus `keep`) and one `pred_<task>`
@@ -22,6 +23,7 @@ from embeddings.sharding import shard_model
 from trainer import checkpoint
 from trainer.config import Config
 from trainer.data.encode import RowEncoder
+from trainer.data.batch import Batch
 from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics import task_metrics
@@ -37,19 +39,44 @@ def find_config(path: str) -> Path:
     raise ValueError(f"no config.toml in {path} or the two folders above it; pass --config")
 
 
-class Scorer:
-    """A trained model in evaluation mode that scores Parquet files (world size 1)."""
+class CheckpointModel:
+    """A trained checkpoint in evaluation mode (world size 1): Parquet rows -> logits."""
 
     def __init__(self, cfg: Config, checkpoint_path: str):
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
-        self.tasks = [t.name for t in cfg.model.tasks]
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
         source = checkpoint.resolve_load_path(checkpoint_path)
-        checkpoint.load(source, {"model": ModelState(self.model)})
+        progress = {"step": 0}
+        checkpoint.load(source, {"model": ModelState(self.model), "trainer": progress})
+        for hook in TrainingHooks.of(self.model).after_restore:  # e.g. UniMixer's temperature
+            hook(progress["step"])
         self.model.eval()
+
+    def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        """(logits [B, K], probabilities [B, K], the encoded batch: its labels and users)."""
+        batch = encoder.encode(table, where).to_batch()
+        logits = self.model(batch.to(self.env.device)).float().cpu()
+        return logits, torch.sigmoid(logits), batch
+
+    def metrics(self) -> dict[str, float]:
+        """The MoE's routing at inference, averaged over the batches scored."""
+        out = {}
+        for hook in TrainingHooks.of(self.model).metrics:
+            out.update({k: v for k, v in hook("eval").items() if k.count("/") == 1})
+        return out
+
+
+class Scorer:
+    """Scores Parquet files with a model (a checkpoint, or a serving artifact), writing one
+    output file per input file."""
+
+    def __init__(self, cfg: Config, model):
+        self.cfg = cfg
+        self.model = model
+        self.tasks = [t.name for t in cfg.model.tasks]
 
     def score(self, data: str, out: str, batch_size: int, keep: list[str]) -> dict:
         """Write predictions of every file of `data` into folder `out`; return a summary."""
@@ -75,8 +102,7 @@ class Scorer:
         if labelled and rows:
             summary.update(task_metrics(torch.cat(logits), torch.cat(labels), torch.cat(users), self.tasks,
                                         with_uauc=bool(user)))
-        for hook in TrainingHooks.of(self.model).metrics:  # the MoE's routing at inference
-            summary.update({k: v for k, v in hook("eval").items() if k.count("/") == 1})
+        summary.update(self.model.metrics())
         return summary
 
     @torch.no_grad()
@@ -91,9 +117,8 @@ class Scorer:
             for i, record_batch in enumerate(parquet.iter_batches(batch_size, columns=list(
                     dict.fromkeys(encoder.columns + kept)))):
                 table = pa.Table.from_batches([record_batch])
-                batch = encoder.encode(table, f"{path}, batch {i}").to_batch()
-                logits = self.model(batch.to(self.env.device)).float().cpu()
-                probs = torch.sigmoid(logits).numpy()
+                logits, probs, batch = self.model.predict(table, encoder, f"{path}, batch {i}")
+                probs = probs.numpy()
                 scored = table.select(kept)
                 for k, name in enumerate(self.tasks):
                     scored = scored.append_column(f"pred_{name}", pa.array(probs[:, k]))

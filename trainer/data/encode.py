@@ -86,17 +86,24 @@ def _is_number(typ: pa.DataType) -> bool:
     return pa.types.is_integer(typ) or pa.types.is_floating(typ)
 
 
-def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
+def raw_numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
+    """A numeric column as float64 with NaN for its nulls, checked: a null needs
+    features.<name>.fill_null, every other value must be finite."""
     values = column.to_numpy().astype(np.float64)  # nulls arrive as NaN
     nulls = np.asarray(column.is_null()) if column.null_count else np.zeros(len(values), bool)
-    if nulls.any():
-        if f.fill_null is None:
-            raise ValueError(f"{where}, column {f.column!r}: null value at row {np.flatnonzero(nulls)[0]} "
-                             f"(set features.{f.name}.fill_null to replace nulls)")
-        values[nulls] = f.fill_null
-    bad = np.flatnonzero(~np.isfinite(values))
+    if nulls.any() and f.fill_null is None:
+        raise ValueError(f"{where}, column {f.column!r}: null value at row {np.flatnonzero(nulls)[0]} "
+                         f"(set features.{f.name}.fill_null to replace nulls)")
+    bad = np.flatnonzero(~np.isfinite(values) & ~nulls)
     if bad.size:
         raise ValueError(f"{where}, column {f.column!r}: non-finite value {values[bad[0]]} at row {bad[0]}")
+    return values
+
+
+def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
+    values = raw_numeric(column, f, where)
+    if column.null_count:
+        values[np.asarray(column.is_null())] = f.fill_null
     for op in f.transform:
         if op == "log1p":
             low = np.flatnonzero(values <= -1)

@@ -13,30 +13,32 @@ import pyarrow.compute as pc
 from trainer.config import FeatureSpec
 
 
-def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec,
-               where: str) -> tuple[np.ndarray, np.ndarray | None]:
+def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str,
+               reduce: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """One id column -> (ids, lengths): every row's bag of valid table rows, flattened
     (int64), and the bag sizes (int64, one per row; None when every bag holds exactly one
     id, so that callers can skip them). An `id` feature has one id per row and a null is
     an empty bag; `id_list` / `sequence` keep their last `max_len` ids (the most recent,
     by the sequence convention) and a null list is an empty bag. `where` prefixes errors.
     Whole columns at a time: the per-row work is all in numpy / Arrow kernels.
+    `reduce=False` checks the ids but leaves them raw (unsigned ones as their int64 bit
+    pattern) and the lists whole: what a serving artifact takes, to hash and cut itself.
     """
     arr = _one_array(column)
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         if not arr.null_count:
-            return _hash(arr.to_numpy(zero_copy_only=False), None, spec, where), None
+            return _hash(arr.to_numpy(zero_copy_only=False), None, spec, where, reduce), None
         present = ~np.asarray(arr.is_null())
         # Hash with nulls as 0 (a valid id in every mode), so that error rows stay row numbers.
-        values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False), None, spec, where)
+        values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False), None, spec, where, reduce)
         return values[present], present.astype(np.int64)
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
     flat = pc.list_flatten(arr)
     if flat.null_count:
         row = _row_of(np.flatnonzero(np.asarray(flat.is_null()))[0], lengths)
         raise ValueError(f"{where}, column {spec.column!r}: null id inside the list at row {row}")
-    values = _hash(flat.to_numpy(zero_copy_only=False), lengths, spec, where)
-    if spec.max_len and lengths.size and lengths.max() > spec.max_len:
+    values = _hash(flat.to_numpy(zero_copy_only=False), lengths, spec, where, reduce)
+    if reduce and spec.max_len and lengths.size and lengths.max() > spec.max_len:
         values, lengths = _keep_last(values, lengths, spec.max_len)
     return values, lengths
 
@@ -49,10 +51,12 @@ def _one_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
-def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, where: str) -> np.ndarray:
+def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, where: str,
+          reduce: bool = True) -> np.ndarray:
     """Valid int64 rows; computed in the column's own integer type, so that uint64
     hashes above 2^63 are reduced rather than wrapped to negative numbers. `lengths`
-    (None: one id per row) turns a flat position into a row number for errors."""
+    (None: one id per row) turns a flat position into a row number for errors.
+    `reduce=False`: the ids checked, not reduced."""
     # One pass for the common case, every id already valid: seen as unsigned, a negative
     # id is huge, so `max < num_embeddings` rules out both errors and makes modulo a no-op.
     if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < spec.num_embeddings:
@@ -62,6 +66,8 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
         raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
                          f"at row {_row_of(i, lengths)}")
     if spec.hashing == "modulo":
+        if not reduce:
+            return values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64)
         return (values % values.dtype.type(spec.num_embeddings)).astype(np.int64)
     i = np.flatnonzero(values >= spec.num_embeddings)[0]  # the fast check above found one
     raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "

@@ -1,0 +1,163 @@
+"""`rankmix export`: a checkpoint -> one serving artifact in a folder.
+
+    DIR/model.pt2 | model.pt   the ServingModel, torch.export'ed or TorchScript
+    DIR/manifest.json          format, tables, MoE inference, the checkpoint and its step
+    DIR/config.toml            the run's config (features, tasks): the artifact's input contract
+    DIR/README.md              that contract in words, and how to load the model
+    DIR/example_inputs.pt      a small batch: {"ids", "lengths", "numeric"}
+    DIR/example_outputs.pt     its probabilities [B, K]
+
+The sharded tables of the checkpoint are gathered into one plain EmbeddingBagCollection
+(DCP's `dcp_to_torch_save` writes whole tensors whatever the plan and world size), which
+TorchRec's `quantize_embeddings` turns into fp16, int8 or int4 tables when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection
+
+from dense.hooks import TrainingHooks, serving_form
+from dense.model import build_dense
+from embeddings.tables import table_configs
+from trainer.checkpoint import resolve_load_path
+from trainer.config import Config
+from trainer.serving.model import ServingModel
+from trainer.serving.readme import write_readme
+
+FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
+TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
+MOE = ("sparse", "dense")
+EXAMPLE_ROWS = 8
+
+
+def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str = "fp32",
+           moe: str = "sparse") -> dict:
+    """Write the serving artifact of `checkpoint` (a step folder, or a run folder: its newest)
+    into folder `out`; returns the manifest."""
+    for option, value, choices in (("--format", fmt, FORMATS), ("--tables", tables, TABLES), ("--moe", moe, MOE)):
+        if value not in choices:
+            raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
+    source = resolve_load_path(checkpoint)
+    cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
+    state, step = gather(source)
+    model = serving_model(cfg, state, step, tables)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        outputs = model(*inputs)
+        program = _trace(model, inputs, fmt)
+    folder = Path(out)
+    if folder.exists() and any(folder.iterdir()) and not (folder / "manifest.json").is_file():
+        raise ValueError(f"--out {out} holds files that are not a rankmix export; give an empty or new folder")
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _save(program, tmp / FORMATS[fmt], fmt)
+    torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
+    torch.save(outputs, tmp / "example_outputs.pt")
+    manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
+                "checkpoint": str(source), "step": step, "needs_fbgemm": needs_fbgemm(program, fmt),
+                "tasks": [t.name for t in cfg.model.tasks]}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    from trainer.config_loader import dump_toml
+    dump_toml(cfg, tmp / "config.toml")
+    write_readme(tmp / "README.md", cfg, manifest)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return manifest
+
+
+def gather(step_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """(the model's whole tensors by name, the step it was trained to) of a DCP checkpoint,
+    whatever the world size and sharding plan that wrote it (no process group needed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(step_dir), f"{tmp}/all.pt")
+        saved = torch.load(f"{tmp}/all.pt", weights_only=False)
+    if "model" not in saved:
+        raise ValueError(f"{step_dir} holds no model weights (parts: {sorted(saved)})")
+    return saved["model"], int(saved.get("trainer", {}).get("step", 0))
+
+
+def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables: str = "fp32") -> ServingModel:
+    """The ServingModel of `cfg` with the weights `state` (RankingModel's names) trained to `step`."""
+    ebc = EmbeddingBagCollection(tables=table_configs(cfg.features), device=torch.device("meta"))
+    ebc = ebc.to_empty(device="cpu")
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    for name, module in (("ebc", ebc), ("tower", tower), ("heads", heads)):
+        prefix = name + "."
+        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        missing, unexpected = module.load_state_dict(part, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"the checkpoint does not fit this config's {name}: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+    for hook in TrainingHooks.of(tower).after_restore:  # e.g. UniMixer's temperature at `step`
+        hook(step)
+    model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval()).eval().requires_grad_(False)
+    if TABLES[tables] is not None:
+        from torchrec.inference.modules import quantize_embeddings
+        # quantize_embeddings swaps the children of the module it is given, so give it the parent.
+        model = quantize_embeddings(model, dtype=TABLES[tables], inplace=True)
+    return model
+
+
+def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch.Tensor, ...]:
+    """A small valid batch of `model`'s inputs (ids, lengths, numeric), the same for every export."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.stack([torch.ones(rows, dtype=torch.int64) if f.kind == "id" else
+                           torch.randint(0, 4, (rows,), generator=g) for f in model.sparse]) \
+        if model.sparse else torch.zeros(0, rows, dtype=torch.int64)
+    ids = [torch.randint(0, f.num_embeddings, (int(n.sum()),), generator=g) for f, n in zip(model.sparse, lengths)]
+    numeric = torch.rand(rows, len(model.numeric), generator=g, dtype=torch.float64)
+    for i, f in enumerate(model.numeric):  # within every transform's domain, nulls where they are filled
+        if f.fill_null is not None:
+            numeric[0, i] = float("nan")
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric
+
+
+def _trace(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
+    """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
+    if fmt == "torchscript":
+        import torchrec.fx
+        return torch.jit.script(torchrec.fx.symbolic_trace(model))
+    from torch.export import Dim
+
+    batch, ids = Dim("batch", min=1), Dim("ids", min=0)
+    return torch.export.export(model, inputs, dynamic_shapes=({0: ids}, {1: batch}, {0: batch}), strict=False)
+
+
+def _save(program, path: Path, fmt: str) -> None:
+    if fmt == "torchscript":
+        program.save(str(path))
+    else:
+        torch.export.save(program, str(path))
+
+
+def needs_fbgemm(program, fmt: str) -> bool:
+    """Whether loading the artifact needs FBGEMM's operators registered (`import fbgemm_gpu`)."""
+    graph = program.inlined_graph if fmt == "torchscript" else program.graph
+    text = str(graph)
+    return "fbgemm" in text
+
+
+def load(folder: str | Path) -> tuple[nn.Module, dict]:
+    """(the artifact's model, its manifest), loaded as a server would: torch alone, plus
+    FBGEMM's operators when the manifest says it needs them."""
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"--model {folder}: no manifest.json there (not a `rankmix export` folder)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest["needs_fbgemm"]:
+        import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
+    path = folder / manifest["file"]
+    model = torch.jit.load(str(path)) if manifest["format"] == "torchscript" else torch.export.load(str(path)).module()
+    return model, manifest

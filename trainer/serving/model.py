@@ -1,0 +1,110 @@
+"""The serving module: raw inputs -> one probability per task, everything in between inside.
+
+It repeats at serving time what the data pipeline does at training time
+(trainer/data/ids.py, trainer/data/encode.py), so that a server passes what it logs:
+
+    ids      [N] int64      every sparse feature's raw ids, feature after feature, row after
+                            row within a feature (a KeyedJaggedTensor's values); unsigned
+                            64-bit ids are passed as their bit pattern
+    lengths  [S, B] int64   ids per row of each sparse feature (0: a null or empty bag)
+    numeric  [B, F] float64 numeric features before their transforms, NaN for null
+    ->       [B, K] float32 probabilities, one column per task
+
+The per-feature settings are Python values read while the module is traced, so they end up
+as constants in the exported graph; the module is never run other than traced or eagerly.
+"""
+
+
+import torch
+from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torchrec import KeyedJaggedTensor
+
+from dense.layout import InputLayout
+from trainer.config import FeatureSpec
+
+_NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
+
+
+def _require(condition: torch.Tensor, message: str) -> None:
+    """Stop the call with `message` unless `condition` holds: an assert op, which torch.export
+    keeps; traced by torch.fx for TorchScript, a Python assert, because TorchScript drops the
+    op as dead code."""
+    if is_fx_symbolic_tracing():
+        torch._assert(condition, message)
+    else:
+        torch._assert_async(condition, message)
+
+
+class ServingModel(nn.Module):
+    """(ids, lengths, numeric) -> probabilities [B, K]; see the module docstring."""
+
+    def __init__(self, features: list[FeatureSpec], ebc: nn.Module, layout: InputLayout, tower: nn.Module,
+                 heads: nn.Module):
+        super().__init__()
+        self.sparse = [f for f in features if f.kind != "numeric"]
+        self.numeric = [f for f in features if f.kind == "numeric"]
+        self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
+        dense = self.transform_numeric(numeric)
+        pooled = {}
+        if self.sparse:
+            values, lengths = self.hash_ids(ids, lengths)
+            kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=lengths.flatten())
+            pooled = self.ebc(kjt).to_dict()
+        e_input = self.layout.assemble(pooled, dense)
+        return torch.sigmoid(self.heads(self.tower(e_input)))
+
+    def hash_ids(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw ids [N], lengths [S, B] -> table rows, lengths: ids checked (hashing 'none') or
+        reduced modulo the table as unsigned 64-bit numbers, each bag cut to its last max_len ids."""
+        per_feature = lengths.sum(dim=1)
+        n = ids.shape[0]
+
+        def per_id(values: list[int]) -> torch.Tensor:  # one value per feature -> one per id
+            return torch.repeat_interleave(torch.tensor(values, device=ids.device), per_feature, output_size=n)
+
+        rows = self._table_rows(ids, per_id)
+        limits = [f.max_len or _NO_LIMIT for f in self.sparse]
+        if any(f.max_len for f in self.sparse):
+            flat = lengths.flatten()
+            bag_end = torch.repeat_interleave(torch.cumsum(flat, 0), flat, output_size=n)
+            keep = bag_end - torch.arange(n, device=ids.device) <= per_id(limits)  # the last max_len of each bag
+            rows = rows[keep]
+            lengths = torch.minimum(lengths, torch.tensor(limits, device=ids.device).unsqueeze(1))
+        return rows, lengths
+
+    def _table_rows(self, ids: torch.Tensor, per_id) -> torch.Tensor:
+        sizes = per_id([f.num_embeddings for f in self.sparse])
+        checked = [f.hashing == "none" for f in self.sparse]
+        if any(checked):
+            bad = (per_id([int(c) for c in checked]) != 0) & ((ids < 0) | (ids >= sizes))
+            _require(~bad.any(), "an id is out of range for its table (hashing 'none')")
+        if all(checked):
+            return ids
+        # An id below 0 is an unsigned id of 2^63 or more: u % n = (id % n + 2^64 % n) % n.
+        rows = torch.remainder(ids, sizes)
+        wrap = per_id([2 ** 64 % f.num_embeddings for f in self.sparse])
+        return torch.where(ids < 0, torch.remainder(rows + wrap, sizes), rows)
+
+    def transform_numeric(self, numeric: torch.Tensor) -> torch.Tensor:
+        """[B, F] float64 raw -> [B, F] float32: nulls filled, transforms applied in order."""
+        columns = []
+        for i, f in enumerate(self.numeric):
+            x = numeric[:, i]
+            if f.fill_null is not None:
+                x = torch.where(torch.isnan(x), f.fill_null, x)
+            _require(torch.isfinite(x).all(), f"numeric feature {f.name!r}: a null or non-finite value")
+            for op in f.transform:
+                if op == "log1p":
+                    _require((x > -1).all(), f"numeric feature {f.name!r}: log1p needs values > -1")
+                    x = torch.log1p(x)
+                elif op == "clip":
+                    x = torch.clamp(x, f.clip_min, f.clip_max)
+                elif op == "standardize":
+                    x = (x - f.mean) / f.std
+            columns.append(x)
+        if not columns:
+            return numeric.new_zeros(numeric.shape[0], 0, dtype=torch.float32)
+        return torch.stack(columns, dim=1).to(torch.float32)

@@ -1,0 +1,92 @@
+"""DIR/README.md of a serving artifact: its input contract, in words and tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from trainer.config import Config
+
+_LOAD = {
+    "pt2": 'model = torch.export.load("{file}").module()',
+    "torchscript": 'model = torch.jit.load("{file}")',
+}
+
+
+def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
+    sparse = [f for f in cfg.features if f.kind != "numeric"]
+    numeric = [f for f in cfg.features if f.kind == "numeric"]
+    fbgemm = "import fbgemm_gpu  # registers the FBGEMM operators the tables run on\n" if manifest["needs_fbgemm"] else ""
+    lines = [
+        f"# rankmix serving artifact: {manifest['tower']}, step {manifest['step']}",
+        "",
+        f"Exported by `rankmix export` from `{manifest['checkpoint']}`: format `{manifest['format']}`, "
+        f"tables `{manifest['tables']}`, MoE inference `{manifest['moe']}` (where the tower has one).",
+        "",
+        "## Loading",
+        "",
+        "Needs PyTorch" + (", and fbgemm-gpu (or fbgemm-gpu-cpu) for the tables' operators." if fbgemm else
+                           " alone: neither rankmix nor TorchRec."),
+        "",
+        "```python",
+        "import torch",
+        fbgemm.rstrip("\n") or None,
+        _LOAD[manifest["format"]].format(file=manifest["file"]),
+        'example = torch.load("example_inputs.pt")',
+        'probs = model(example["ids"], example["lengths"], example["numeric"])',
+        'assert torch.allclose(probs, torch.load("example_outputs.pt"), atol=1e-6)',
+        "```",
+        "",
+        "## Inputs",
+        "",
+        "`model(ids, lengths, numeric)`, all on the CPU, B rows:",
+        "",
+        f"- `ids`: int64 `[N]`, the raw ids of the {len(sparse)} sparse features below, feature after "
+        "feature in this order, and within a feature row after row (the values of a KeyedJaggedTensor). "
+        "Unsigned 64-bit ids are passed as their bit pattern (numpy's `.view(np.int64)`). Hashing happens "
+        "inside: `modulo` reduces an id modulo the table size as an unsigned number, `none` refuses an "
+        "id outside the table; a list keeps its last `max_len` ids.",
+        f"- `lengths`: int64 `[{len(sparse)}, B]`, how many ids each row has of each feature "
+        "(0 for a null or empty one).",
+        f"- `numeric`: float64 `[B, {len(numeric)}]`, the numeric features below before their transforms, "
+        "NaN for a null; nulls are filled and the transforms applied inside.",
+        "",
+        "A value the model refuses (an id out of range, a null that is not filled, a value outside a "
+        "transform's domain) stops the call with an error that names it (RuntimeError; "
+        "torch.jit.Error from TorchScript).",
+        "",
+        "| # | sparse feature | column | kind | table rows | hashing | max_len |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {i} | {f.name} | {f.column} | {f.kind} | {f.num_embeddings} | {f.hashing} | {f.max_len or '-'} |"
+          for i, f in enumerate(sparse)),
+        "",
+        "| # | numeric feature | column | null | transforms |",
+        "|---|---|---|---|---|",
+        *(f"| {i} | {f.name} | {f.column} | {'error' if f.fill_null is None else f.fill_null} | "
+          f"{_transforms(f) or '-'} |" for i, f in enumerate(numeric)),
+        "",
+        "## Output",
+        "",
+        f"float32 `[B, {len(cfg.model.tasks)}]`: one probability per task, in this order: "
+        + ", ".join(f"`{t.name}`" for t in cfg.model.tasks) + ".",
+        "",
+        "`config.toml` is the training run's configuration; `manifest.json` says how this folder was made.",
+        "",
+    ]
+    path.write_text("\n".join(line for line in lines if line is not None))
+
+
+def _transforms(f) -> str:
+    parts = []
+    for op in f.transform:
+        if op == "clip":
+            parts.append(f"clip [{_num(f.clip_min)}, {_num(f.clip_max)}]")
+        elif op == "standardize":
+            parts.append(f"(x - {f.mean}) / {f.std}")
+        else:
+            parts.append(op)
+    return ", then ".join(parts)
+
+
+def _num(x: float) -> str:
+    return ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
