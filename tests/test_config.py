@@ -241,6 +241,13 @@ def test_feature_override_unknown_name_or_key(tmp_path):
         load_config(path, ["--features.item_id.num_embeddings=lots"])
 
 
+def test_a_table_named_like_a_module_dict_attribute_is_refused(tmp_path):
+    path = write(tmp_path, FEATURES_TOML)
+    with pytest.raises(ValueError, match=err("features.user_id.table: 'items' is a name TorchRec cannot give "
+                                             "a table (it keeps tables in a torch ModuleDict")):
+        load_config(path, ["--features.user_id.table=items"])
+
+
 def test_task_override_by_name(tmp_path):
     path = write(tmp_path, "[[model.tasks]]\nname = 'click'\n\n[[model.tasks]]\nname = 'like'\nlabel = 'liked'\n")
     cfg = load_config(path, ["--model.tasks.like.weight=0.5"])

@@ -130,13 +130,18 @@ def test_row_wise_tables_of_two_ranks_export_whole(made_once, data, tmp_path):
     np.testing.assert_allclose(by_model["pred_click"], one_rank["pred_click"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.trained
-def test_a_unimixer_is_scored_at_the_temperature_it_was_trained_to(made_once, data, tmp_path):
-    run, summary, valid = trained(made_once, data, "unimixer", "--model.tower=unimixer", "--train.steps=20",
-                                  "--model.tau_anneal_steps=10")
-    scored, by_checkpoint = score("--checkpoint", run, valid, tmp_path / "a")
-    assert scored["auc"] == pytest.approx(summary["auc"], abs=1e-6)  # the trainer's evaluation, at tau_end
-    export(run, tmp_path / "model", "--format", "torchscript")
+@pytest.mark.trained  # that the best validation comes before the last: at this learning rate it overfits
+def test_a_unimixer_is_scored_and_served_at_the_temperature_of_its_weights(made_once, data, tmp_path):
+    # The temperature anneals over 1000 steps, so it differs at every step; the run stops
+    # early and ends on its best validation's weights, saved in <run>/best.
+    run, summary, valid = trained(made_once, data, "unimixer", "--model.tower=unimixer",
+                                  "--model.tau_anneal_steps=1000", "--train.steps=0", "--train.epochs=8",
+                                  "--data.valid_fraction=0.1", "--train.early_stopping_patience=1",
+                                  "--optim.lr=0.02", "--embeddings.lr=0.5")
+    assert summary["best/restored"] and summary["best/step"] < summary["steps"]
+    scored, by_checkpoint = score("--checkpoint", run / "best", valid, tmp_path / "a")
+    assert scored["auc"] == pytest.approx(summary["auc"], abs=1e-6)  # the trainer's test metrics
+    export(run / "best", tmp_path / "model", "--format", "torchscript")
     _, by_model = score("--model", tmp_path / "model", valid, tmp_path / "b")
     np.testing.assert_allclose(by_model["pred_click"], by_checkpoint["pred_click"], atol=1e-5, rtol=0)
 
@@ -160,6 +165,8 @@ def test_rows_the_artifact_refuses_are_named(rankmixer, tmp_path):
     (["--format", "onnx"], "--format must be one of pt2|torchscript|weights, got 'onnx'"),
     (["--tables", "int2"], "--tables must be one of fp32|fp16|int8|int4, got 'int2'"),
     (["--moe", "half"], "--moe must be one of sparse|dense, got 'half'"),
+    (["--model.num_layers=3"], "the checkpoint does not fit this config's tower: missing ['blocks.2."),
+    (["--model.hidden_dim=48"], "the checkpoint does not fit this config's tower: size mismatch for"),
 ])
 def test_bad_export_options_are_one_line_errors(rankmixer, tmp_path, args, message):
     proc = rankmix("export", "--checkpoint", str(rankmixer[0]), "--out", str(tmp_path / "m"), *args)
@@ -177,3 +184,17 @@ def test_score_needs_an_artifact_folder(tmp_path):
     proc = rankmix("score", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2
     assert f"--model {tmp_path}: no config.toml there (not a `rankmix export` folder)" in proc.stderr
+
+
+def test_the_serving_bench_times_every_table_type_against_eager_scoring(rankmixer):
+    run, _, valid = rankmixer
+    proc = subprocess.run([sys.executable, "bench/serve.py", "--checkpoint", str(run), "--data", str(valid),
+                           "--tables", "fp32,int8", "--batches", "1,16", "--seconds", "0.02"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["eager"], ["fp32"], ["int8"])]
+    assert [(line[0], line[2]) for line in lines] == [(m, b) for b in ("1", "16") for m in ("eager", "fp32", "int8")]
+    for line in lines:
+        assert line[3:8:2] == ["p50_ms", "p99_ms", "rows/s"] and float(line[4]) <= float(line[6])
+    sizes = {line[0]: float(line[line.index("tables_mb") + 1]) for line in lines if "tables_mb" in line}
+    assert 0 < sizes["int8"] < sizes["fp32"]

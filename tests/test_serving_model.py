@@ -15,7 +15,7 @@ from embeddings.tables import table_configs
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import load_config, validate_features
 from trainer.data.encode import RowEncoder
-from trainer.serving.export import FORMATS, _trace, example_inputs, serving_model
+from trainer.serving.export import FORMATS, _save, _trace, example_inputs, serving_model
 from trainer.serving.predict import raw_inputs
 
 ROWS = 64
@@ -60,11 +60,14 @@ def table(seed: int = 0) -> pa.Table:
     })
 
 
-def reference(tower: str) -> tuple[object, RankingModel]:
-    """(config, the training code's model in evaluation mode) with seeded weights."""
+def reference(tower: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
+    """(config, the training code's model in evaluation mode) with seeded weights; tables
+    `rows_scale` times their usual rows."""
     cfg = load_config(None, [f"--model.tower={tower}", "--model.hidden_dim=16", "--model.num_tokens=4",
                              "--model.mlp_hidden=[16, 8]", "--model.tau_anneal_steps=10"])
     cfg.features = features()
+    for f in cfg.features:
+        f.num_embeddings *= rows_scale
     cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
     torch.manual_seed(0)
     layout, tower_module, heads = build_dense(cfg.model, cfg.features)
@@ -94,17 +97,22 @@ def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("tables,bound", [("fp16", 2e-4), ("int8", 2e-3), ("int4", 2e-2)])
-def test_quantized_tables_are_torchrecs_and_stay_near_fp32(tables, bound, fmt):
-    cfg, model = reference("rankmixer")
+def test_quantized_tables_are_torchrecs_stay_near_fp32_and_are_saved_once(tables, bound, fmt, tmp_path):
+    cfg, model = reference("rankmixer", rows_scale=200)  # tables that outweigh the tower in the file
     inputs = raw_inputs(table(), cfg.features, "test")
     with torch.no_grad():
-        fp32 = serving_model(cfg, model.state_dict(), step=7)(*inputs)
+        fp32 = serving_model(cfg, model.state_dict(), step=7)
+        expected = fp32(*inputs)
         served = serving_model(cfg, model.state_dict(), step=7, tables=tables)
         assert type(served.ebc).__module__ == "torchrec.quant.embedding_modules"
         program = _trace(served, example_inputs(served), fmt)
         probs = (program if fmt == "torchscript" else program.module())(*inputs)
-    difference = (probs - fp32).abs().max().item()
+        sizes = [_save(p, tmp_path / f"{i}.{fmt}", fmt) or (tmp_path / f"{i}.{fmt}").stat().st_size
+                 for i, p in enumerate([_trace(fp32, example_inputs(fp32), fmt), program])]
+    difference = (probs - expected).abs().max().item()
     assert 0 < difference < bound, difference
+    table_bytes = sum(f.num_embeddings * f.embedding_dim * 4 for f in cfg.features if f.kind == "id")
+    assert sizes[1] < sizes[0] - table_bytes / 3, sizes  # quantized tables, stored once
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -122,7 +130,7 @@ def test_the_artifact_refuses_what_training_refuses(fmt):
     low[5, 0] = -1.0  # log1p's domain
     unfilled = numeric.clone()
     unfilled[2, 1] = float("nan")  # num_b has no fill_null
-    for args, message in [((bad_ids, lengths, numeric), "an id is out of range for its table (hashing 'none')"),
+    for args, message in [((bad_ids, lengths, numeric), "sparse feature 'item': an id is out of range for its 30 rows (hashing 'none')"),
                           ((ids, lengths, low), "numeric feature 'num_a': log1p needs values > -1"),
                           ((ids, lengths, unfilled), "numeric feature 'num_b': a null or non-finite value")]:
         with pytest.raises((RuntimeError, torch.jit.Error), match=message.replace("(", r"\(").replace(")", r"\)")):

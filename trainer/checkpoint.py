@@ -176,6 +176,16 @@ def export_weights(path: str, out: str) -> int:
     return len(model)
 
 
+def trained_step(path: Path) -> int:
+    """How many optimizer steps trained the weights of checkpoint `path`: its `trainer` part's
+    step (best-weights folders carry one too), or 0 when it has none."""
+    if "trainer.step" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        return 0
+    progress = {"step": 0}
+    dcp.load({"trainer": progress}, checkpoint_id=str(path), planner=LoadPlanner())
+    return progress["step"]
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner without its fallback for checkpoints older than torch 2.4.
     That fallback starts whenever the checkpoint holds a key this rank does not (always so on

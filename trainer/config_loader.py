@@ -308,11 +308,21 @@ def validate_features(features: list[FeatureSpec]) -> None:
             raise ValueError(f"{where}.hashing must be modulo or none, got {f.hashing!r}")
         if f.pooling not in ("sum", "mean"):
             raise ValueError(f"{where}.pooling must be sum or mean, got {f.pooling!r}")
+        if f.table in _taken_table_names():
+            raise ValueError(f"{where}.table: {f.table!r} is a name TorchRec cannot give a table (it keeps "
+                             "tables in a torch ModuleDict, which has an attribute of that name); rename it")
         other = tables.setdefault(f.table, f)
         if (other.num_embeddings, other.embedding_dim) != (f.num_embeddings, f.embedding_dim):
             raise ValueError(
                 f"{where}: shares table {f.table!r} with features.{other.name} but their "
                 "num_embeddings / embedding_dim differ")
+
+
+@functools.cache
+def _taken_table_names() -> frozenset[str]:
+    from torch import nn
+
+    return frozenset(dir(nn.ModuleDict))
 
 
 def _get(cfg: Config, dotted: str) -> Any:

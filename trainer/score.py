@@ -49,10 +49,10 @@ class CheckpointModel:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
         source = checkpoint.resolve_load_path(checkpoint_path)
-        progress = {"step": 0}
-        checkpoint.load(source, {"model": ModelState(self.model), "trainer": progress})
+        checkpoint.load(source, {"model": ModelState(self.model)})
+        step = checkpoint.trained_step(source)
         for hook in TrainingHooks.of(self.model).after_restore:  # e.g. UniMixer's temperature
-            hook(progress["step"])
+            hook(step)
         self.model.eval()
 
     def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:

@@ -389,7 +389,8 @@ class Trainer:
         epochs = self.epochs_trained()
         self.logger.log(self.step, "valid", {**metrics, "epochs": epochs})
         self.checkpoints.wait()  # one save at a time
-        self.selection.record(metrics, self.step, epochs, {"model": self.checkpoint_parts["model"]})
+        self.selection.record(metrics, self.step, epochs, {"model": self.checkpoint_parts["model"],
+                                                            "trainer": {"step": self.step}})
         return metrics
 
     def restore_best(self) -> None:
@@ -398,6 +399,8 @@ class Trainer:
             done = self.selection.restore({"model": self.checkpoint_parts["model"]}, self.step)
             if done:
                 self.logger.write(done)
+                for hook in self.hooks.after_restore:  # the weights' own step (UniMixer's temperature)
+                    hook(self.selection.best.step)
 
     def _metrics_on(self, path: str, **split) -> dict[str, float]:
         """The model's metrics over the files at `path` (`split`: a holdout of them)."""

@@ -27,7 +27,7 @@ from torchrec import EmbeddingBagCollection
 from dense.hooks import TrainingHooks, serving_form
 from dense.model import build_dense
 from embeddings.tables import table_configs
-from trainer.checkpoint import resolve_load_path
+from trainer.checkpoint import resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.serving.model import ServingModel
 from trainer.serving.readme import write_readme
@@ -50,6 +50,7 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
     state, step = gather(source)
     model = serving_model(cfg, state, step, tables)
     inputs = example_inputs(model)
+    tables_size = table_bytes(model)
     with torch.no_grad():
         outputs = model(*inputs)
         program = _trace(model, inputs, fmt)
@@ -63,8 +64,8 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
     torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
     torch.save(outputs, tmp / "example_outputs.pt")
     manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
-                "checkpoint": str(source), "step": step, "needs_fbgemm": needs_fbgemm(program, fmt),
-                "tasks": [t.name for t in cfg.model.tasks]}
+                "checkpoint": str(source), "step": step, "table_bytes": tables_size,
+                "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks]}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     from trainer.config_loader import dump_toml
     dump_toml(cfg, tmp / "config.toml")
@@ -84,7 +85,7 @@ def gather(step_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
         saved = torch.load(f"{tmp}/all.pt", weights_only=False)
     if "model" not in saved:
         raise ValueError(f"{step_dir} holds no model weights (parts: {sorted(saved)})")
-    return saved["model"], int(saved.get("trainer", {}).get("step", 0))
+    return saved["model"], trained_step(step_dir)
 
 
 def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables: str = "fp32") -> ServingModel:
@@ -95,7 +96,11 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
     for name, module in (("ebc", ebc), ("tower", tower), ("heads", heads)):
         prefix = name + "."
         part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        missing, unexpected = module.load_state_dict(part, strict=False)
+        try:
+            missing, unexpected = module.load_state_dict(part, strict=False)
+        except RuntimeError as e:  # shapes: another model's checkpoint
+            raise ValueError(f"the checkpoint does not fit this config's {name}: "
+                             f"{str(e).splitlines()[-1].strip()}") from None
         if missing or unexpected:
             raise ValueError(f"the checkpoint does not fit this config's {name}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
@@ -104,6 +109,7 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
     model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval()).eval().requires_grad_(False)
     if TABLES[tables] is not None:
         from torchrec.inference.modules import quantize_embeddings
+
         # quantize_embeddings swaps the children of the module it is given, so give it the parent.
         model = quantize_embeddings(model, dtype=TABLES[tables], inplace=True)
     return model
@@ -123,8 +129,24 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric
 
 
+def table_bytes(model: ServingModel) -> int:
+    """Bytes of the embedding tables as served (quantized rows with their scales and padding)."""
+    storages = {}
+    for t in (*model.ebc.parameters(), *model.ebc.buffers()):
+        t = getattr(t, "elem", t)  # TorchRec's packed 4-bit tables wrap their bytes
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def _trace(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
     """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
+    if type(model.ebc) is not EmbeddingBagCollection:
+        # Quantized: FBGEMM's kernels hold the tables and forward reads them there. The
+        # per-table views TorchRec registers for its state dict are not read, and
+        # torch.export would save them beside the kernels' copy, doubling the artifact.
+        for table in model.ebc.embedding_bags.values():
+            for name, _ in list(table.named_buffers(recurse=False)):
+                delattr(table, name)
     if fmt == "torchscript":
         import torchrec.fx
         return torch.jit.script(torchrec.fx.symbolic_trace(model))

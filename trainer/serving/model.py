@@ -77,11 +77,15 @@ class ServingModel(nn.Module):
 
     def _table_rows(self, ids: torch.Tensor, per_id) -> torch.Tensor:
         sizes = per_id([f.num_embeddings for f in self.sparse])
-        checked = [f.hashing == "none" for f in self.sparse]
-        if any(checked):
-            bad = (per_id([int(c) for c in checked]) != 0) & ((ids < 0) | (ids >= sizes))
-            _require(~bad.any(), "an id is out of range for its table (hashing 'none')")
-        if all(checked):
+        checked = [i for i, f in enumerate(self.sparse) if f.hashing == "none"]
+        if checked:
+            outside = (ids < 0) | (ids >= sizes)  # as unsigned numbers: an id below 0 is 2^63 or more
+            feature = per_id(list(range(len(self.sparse))))
+            for i in checked:
+                f = self.sparse[i]
+                _require(~(outside & (feature == i)).any(), f"sparse feature {f.name!r}: an id is out of "
+                         f"range for its {f.num_embeddings} rows (hashing 'none')")
+        if len(checked) == len(self.sparse):
             return ids
         # An id below 0 is an unsigned id of 2^63 or more: u % n = (id % n + 2^64 % n) % n.
         rows = torch.remainder(ids, sizes)
