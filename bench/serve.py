@@ -32,7 +32,7 @@ from trainer.data.encode import RowEncoder
 from trainer.data.reader import resolve_files
 from trainer.dist import shutdown
 from trainer.score import CheckpointModel, find_config
-from trainer.serving.export import TABLES, export, gather, load
+from trainer.serving.export import TABLES, export, load
 from trainer.serving.predict import raw_inputs
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             models[kind] = load(folder)[0]
             sizes[kind] = (folder / manifest["file"]).stat().st_size / 2 ** 20
             table_mb[kind] = manifest["table_bytes"] / 2 ** 20
-    state, _ = gather(checkpoint.resolve_load_path(args.checkpoint))
+    state = checkpoint.model_tensors(checkpoint.resolve_load_path(args.checkpoint))
     eager_mb = sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) / 2 ** 20
     print(f"{cfg.model.tower} tower, {len(cfg.features)} features, format {args.format}, "
           f"{torch.get_num_threads()} threads; eager = rankmix score --checkpoint (TorchRec model)")
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "eager":
                     line += f" size_mb {eager_mb:7.2f} (the checkpoint's model weights)"
                 else:
-                    line += (f" size_mb {sizes[name]:7.2f} tables_mb {table_mb[name]:7.2f} vs eager: p50 {np.median(t) / np.median(base):.2f}x"
+                    line += (f" size_mb {sizes[name]:7.2f} tables_mb {table_mb[name]:7.2f}"
+                             f" vs eager: p50 {np.median(t) / np.median(base):.2f}x"
                              f" rows/s {np.median(base) / np.median(t):.2f}x")
                 print(line, flush=True)
     shutdown()

@@ -47,8 +47,8 @@ class HookProvider:
 
 class ServingForm:
     """Mixin for towers whose evaluation forward does not trace into a serving artifact
-    as it is (torch.export, torch.fx): `serving_form` gives a module that computes the same
-    in evaluation mode and traces."""
+    as it is (torch.export, torch.fx): `serving_form` gives a module (a new one, or the tower
+    itself set up for serving) that computes the same in evaluation mode and traces."""
 
     def serving_form(self) -> nn.Module:
         raise NotImplementedError

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn import functional as F
 
 from dense.hooks import HookProvider, ServingForm, TrainingHooks
@@ -148,9 +149,18 @@ class PerTokenMoE(nn.Module):
     def sparse_forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference by h_infer alone, computing expert (t, j) only on the rows whose gate
         G_tj is non-zero: [T, B, D] -> ([T, B, D], the gates [T, B, E]). FLOPs fall with the
-        active fraction. Written without reading sizes back to Python, so that it traces
-        (torch.export, torch.fx) into the serving artifact as it runs here."""
+        active fraction. On a GPU, run eagerly, the rows of every expert are found at once
+        (two reads back to the host per layer); otherwise expert by expert, in a form that
+        reads nothing back to Python, so that it traces (torch.export, torch.fx) into the
+        serving artifact as it runs here."""
         gates = self.gates(s, "infer")
+        if not is_fx_symbolic_tracing() and s.is_cuda and not torch.compiler.is_compiling():
+            return self._dispatch_sorted(s, gates), gates
+        return self._dispatch_per_expert(s, gates), gates
+
+    def _dispatch_per_expert(self, s: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """sum_j G_tj e_tj(s_t) over the non-zero gates, one nonzero per expert (each a host
+        sync on a GPU, free on a CPU): ([T, B, D], [T, B, E]) -> [T, B, D]."""
         out = torch.zeros_like(s)
         for token in range(self.num_tokens):
             for j in range(self.num_experts):
@@ -159,7 +169,27 @@ class PerTokenMoE(nn.Module):
                 w1, b1, w2, b2 = self.expert(token, j)
                 y = torch.addmm(b2, F.gelu(torch.addmm(b1, s[token].index_select(0, rows), w1)), w2)
                 out[token].index_add_(0, rows, (y * gate.index_select(0, rows).unsqueeze(1)).to(out.dtype))
-        return out, gates
+        return out
+
+    def _dispatch_sorted(self, s: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """The same sum with every active (token, row, expert) found at once and sorted by
+        expert: two host reads per layer instead of one per expert."""
+        t, b, d = s.shape
+        token, row, expert = gates.nonzero(as_tuple=True)
+        flat_expert = token * self.num_experts + expert
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=t * self.num_experts).tolist()
+        source = (token * b + row)[order]  # row of s.view(T B, D) each active pair reads
+        outputs = []
+        for k, x in enumerate(s.reshape(t * b, d)[source].split(counts)):  # expert (t, j) at t E + j
+            if counts[k]:
+                w1, b1, w2, b2 = self.expert(*divmod(k, self.num_experts))
+                outputs.append(torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2))
+        out = s.new_zeros(t * b, d)
+        if outputs:
+            weighted = torch.cat(outputs) * gates[token, row, expert][order].unsqueeze(1)
+            out.index_add_(0, source, weighted.to(out.dtype))
+        return out.view(t, b, d)
 
     # ---------------------------------------------------------------- the adaptive L1
 
@@ -322,7 +352,7 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
             moe.adapt(layer_active)
 
     def serving_form(self) -> nn.Module:
-        """This tower, without the routing statistics that evaluation keeps for the logs."""
+        """This tower itself, its routing statistics (kept in evaluation for the logs) turned off."""
         for moe in self.moes:
             moe.keeps_statistics = False
         return self

@@ -67,8 +67,8 @@ class GroupTokenizer(nn.Module):
 
     def forward_tm(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> token-major [T = number of groups, B, D]."""
-        groups = torch.split(e_input, self.group_widths, dim=1)
-        return torch.stack([p(g) for p, g in zip(self.proj, groups)], dim=0)
+        groups = torch.split(e_input, self.group_widths, dim=1)  # indexed, not iterated: torch.fx traces it
+        return torch.stack([p(groups[i]) for i, p in enumerate(self.proj)], dim=0)
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, T = number of groups, D]."""

@@ -5,8 +5,8 @@ r"""`rankmix`: train, and convert or generate data.
         [--config F.toml] [--section.key=value ...]
     rankmix export --checkpoint RUN_OR_STEP_DIR --out DIR [--format pt2|torchscript|weights] \
         [--tables fp32|fp16|int8|int4] [--moe sparse|dense] [--section.key=value ...]
-    rankmix score (--checkpoint RUN_OR_STEP_DIR | --model EXPORT_DIR) --data FILES --out DIR [--config F.toml] [--batch-size N] \
-        [--keep COLS|*] [--section.key=value ...]
+    rankmix score (--checkpoint RUN_OR_STEP_DIR | --model EXPORT_DIR) --data FILES --out DIR [--config F.toml] \
+        [--batch-size N] [--keep COLS|*] [--section.key=value ...]
     rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
     rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
@@ -64,14 +64,14 @@ def recorded(command):
 OVERRIDES_ENV = "RANKMIX_OVERRIDES"
 
 
-def config_args(argv: list[str]) -> tuple[str | None, list[str]]:
+def config_args(argv: list[str], environment: bool = True) -> tuple[str | None, list[str]]:
     """(--config file, ['--section.key=value', ...]) from train-style arguments, followed by
     those in $RANKMIX_OVERRIDES, which come last and so win: a way to change every run a
     script or a README block starts (the README test shortens them all with it)."""
     import shlex
 
     config_path, overrides = None, []
-    it = iter([*argv, *shlex.split(os.environ.get(OVERRIDES_ENV, ""))])
+    it = iter([*argv, *shlex.split(os.environ.get(OVERRIDES_ENV, "") if environment else "")])
     for arg in it:
         if arg == "--config":
             config_path = next(it, None)
@@ -163,15 +163,18 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a run folder (newest)")
     parser.add_argument("--out", required=True, help="the artifact's folder (--format weights: a file)")
     parser.add_argument("--format", default="pt2", help="pt2 (torch.export) | torchscript | weights")
-    parser.add_argument("--tables", default="fp32", help="fp32 | fp16 | int8 | int4 (TorchRec quantized tables)")
-    parser.add_argument("--moe", default="sparse", help="sparse: the inference router's experts only | "
-                        "dense: the training router, every expert")
+    parser.add_argument("--tables", help="fp32 (default) | fp16 | int8 | int4 (TorchRec quantized tables)")
+    parser.add_argument("--moe", help="sparse: the inference router's experts only | dense: the training router, "
+                        "every expert (default: the run's model.moe_inference)")
     args, rest = parser.parse_known_args(argv)
     from trainer.serving.export import FORMATS
 
     if args.format not in (*FORMATS, "weights"):
         raise ValueError(f"--format must be one of {'|'.join(FORMATS)}|weights, got {args.format!r}")
     if args.format == "weights":
+        ignored = [o for o, v in (("--tables", args.tables), ("--moe", args.moe)) if v] + rest
+        if ignored:
+            raise ValueError(f"--format weights writes the checkpoint's tensors as they are; it takes no {ignored}")
         from trainer.checkpoint import export_weights
 
         print(json.dumps({"tensors": export_weights(args.checkpoint, args.out), "out": args.out}))
@@ -182,7 +185,7 @@ def export(argv: list[str]) -> int:
 
     config_path, overrides = config_args(rest)
     cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides, allow_redacted=True)
-    manifest = export_artifact(cfg, args.checkpoint, args.out, args.format, args.tables, args.moe)
+    manifest = export_artifact(cfg, args.checkpoint, args.out, args.format, args.tables or "fp32", args.moe)
     print(json.dumps({**manifest, "out": args.out}))
     return 0
 
@@ -207,11 +210,7 @@ def score(argv: list[str]) -> int:
     from trainer.dist import shutdown
     from trainer.score import CheckpointModel, Scorer, find_config
 
-    config_path, overrides = config_args(rest)
-    if args.model:  # the artifact's own copy of the run's config is its input contract
-        config_path = config_path or str(Path(args.model) / "config.toml")
-        if not Path(config_path).is_file():
-            raise ValueError(f"--model {args.model}: no config.toml there (not a `rankmix export` folder)")
+    config_path, overrides = artifact_config(args.model, rest) if args.model else config_args(rest)
     # scoring reads --data, never the run's data paths: their redacted credentials may stay so
     cfg = load_config(config_path or str(find_config(args.checkpoint)), overrides, allow_redacted=True)
     keep = [c.strip() for c in args.keep.split(",") if c.strip()]
@@ -226,6 +225,25 @@ def score(argv: list[str]) -> int:
         shutdown()
     print(json.dumps(summary), flush=True)
     return 0
+
+
+SCORING_OPTIONS = ("--data.", "--metrics.")  # what `score --model` may change: reading, not the model
+
+
+def artifact_config(folder: str, argv: list[str]) -> tuple[str, list[str]]:
+    """(config file, overrides) of `score --model folder`: the artifact's own config.toml, its
+    input contract, with only SCORING_OPTIONS changed (those of $RANKMIX_OVERRIDES, which is
+    for every command, are dropped; those given here are refused)."""
+    given_path, given = config_args(argv, environment=False)
+    changed = [f"--config {given_path}"] if given_path else []
+    changed += [o for o in given if not o.startswith(SCORING_OPTIONS)]
+    if changed:
+        raise ValueError(f"--model {folder} carries its own features, tasks and model; only "
+                         f"{'/'.join(p + '*' for p in SCORING_OPTIONS)} options apply to it, not {changed}")
+    path = Path(folder) / "config.toml"
+    if not path.is_file():
+        raise ValueError(f"--model {folder}: no config.toml there (not a `rankmix export` folder)")
+    return str(path), [o for o in config_args(argv)[1] if o.startswith(SCORING_OPTIONS)]
 
 
 def data(argv: list[str]) -> int:

@@ -241,6 +241,12 @@ def test_feature_override_unknown_name_or_key(tmp_path):
         load_config(path, ["--features.item_id.num_embeddings=lots"])
 
 
+def test_a_fill_value_must_be_finite(tmp_path):
+    path = write(tmp_path, FEATURES_TOML)
+    with pytest.raises(ValueError, match=err("features.price.fill_null must be a finite number, got inf")):
+        load_config(path, ["--features.price.fill_null=inf"])
+
+
 def test_a_table_named_like_a_module_dict_attribute_is_refused(tmp_path):
     path = write(tmp_path, FEATURES_TOML)
     with pytest.raises(ValueError, match=err("features.user_id.table: 'items' is a name TorchRec cannot give "

@@ -93,6 +93,8 @@ def test_sparse_inference_equals_dense_inference_where_gates_are_zero():
     dense = moe.combine(gates, moe.experts(s))  # every expert computed, zero gates included
     torch.testing.assert_close(moe.forward_tm(s), dense)
     torch.testing.assert_close(moe.forward_tm(s), expert_loop(moe, s, gates))
+    # The GPU's eager dispatch (all experts' rows found at once), run here on the CPU.
+    torch.testing.assert_close(moe._dispatch_sorted(s, gates), dense)
 
 
 def test_dense_inference_uses_the_training_router():

@@ -165,8 +165,12 @@ def test_rows_the_artifact_refuses_are_named(rankmixer, tmp_path):
     (["--format", "onnx"], "--format must be one of pt2|torchscript|weights, got 'onnx'"),
     (["--tables", "int2"], "--tables must be one of fp32|fp16|int8|int4, got 'int2'"),
     (["--moe", "half"], "--moe must be one of sparse|dense, got 'half'"),
-    (["--model.num_layers=3"], "the checkpoint does not fit this config's tower: missing ['blocks.2."),
-    (["--model.hidden_dim=48"], "the checkpoint does not fit this config's tower: size mismatch for"),
+    (["--model.num_layers=3"], "does not fit this config's tower: missing ['blocks.2."),
+    (["--model.hidden_dim=48"], "does not fit this config's tower: size mismatch for"),
+    (["--tables", "int4", "--features.hour.embedding_dim=6"],
+     "--tables int4 needs every table's embedding_dim divisible by 4: features.hour.embedding_dim=6"),
+    (["--format", "weights", "--tables", "int8"],
+     "--format weights writes the checkpoint's tensors as they are; it takes no ['--tables']"),
 ])
 def test_bad_export_options_are_one_line_errors(rankmixer, tmp_path, args, message):
     proc = rankmix("export", "--checkpoint", str(rankmixer[0]), "--out", str(tmp_path / "m"), *args)
@@ -178,6 +182,24 @@ def test_export_keeps_out_of_folders_it_did_not_write(rankmixer, tmp_path):
     proc = rankmix("export", "--checkpoint", str(rankmixer[0]), "--out", str(tmp_path))
     assert proc.returncode == 2 and (tmp_path / "notes.txt").read_text() == "mine"
     assert f"--out {tmp_path} holds files that are not a rankmix export" in proc.stderr
+
+
+def test_an_out_that_is_a_file_is_refused_before_any_work(rankmixer, tmp_path):
+    (tmp_path / "model.pt2").write_text("mine")
+    proc = rankmix("export", "--checkpoint", str(rankmixer[0]), "--out", str(tmp_path / "model.pt2"))
+    assert proc.returncode == 2 and f"--out {tmp_path / 'model.pt2'} is a file; give a folder" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--config", "configs/debug.toml"], ["--model.moe_inference=dense"],
+                                  ["--features.user_id.column=user_age"]])
+def test_score_keeps_to_the_artifacts_own_config(rankmixer, tmp_path, args):
+    run, _, valid = rankmixer
+    export(run, tmp_path / "model")
+    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(valid), "--out",
+                   str(tmp_path / "out"), *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"--model {tmp_path / 'model'} carries its own features, tasks and model; only --data.*/--metrics.* "
+            "options apply to it") in proc.stderr
 
 
 def test_score_needs_an_artifact_folder(tmp_path):

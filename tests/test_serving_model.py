@@ -15,7 +15,7 @@ from embeddings.tables import table_configs
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import load_config, validate_features
 from trainer.data.encode import RowEncoder
-from trainer.serving.export import FORMATS, _save, _trace, example_inputs, serving_model
+from trainer.serving.export import FORMATS, _save, _trace, drop_state_dict_views, example_inputs, serving_model
 from trainer.serving.predict import raw_inputs
 
 ROWS = 64
@@ -60,11 +60,11 @@ def table(seed: int = 0) -> pa.Table:
     })
 
 
-def reference(tower: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
+def reference(tower: str, *overrides: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
     """(config, the training code's model in evaluation mode) with seeded weights; tables
     `rows_scale` times their usual rows."""
     cfg = load_config(None, [f"--model.tower={tower}", "--model.hidden_dim=16", "--model.num_tokens=4",
-                             "--model.mlp_hidden=[16, 8]", "--model.tau_anneal_steps=10"])
+                             "--model.mlp_hidden=[16, 8]", "--model.tau_anneal_steps=10", *overrides])
     cfg.features = features()
     for f in cfg.features:
         f.num_embeddings *= rows_scale
@@ -78,9 +78,12 @@ def reference(tower: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("tower", TOWERS.names())
-def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(tower, fmt):
-    cfg, model = reference(tower)
+@pytest.mark.parametrize("tower,overrides", [*((name, ()) for name in TOWERS.names()),
+                                             ("rankmixer", ("--model.tokenizer=group", "--model.hidden_dim=12",
+                                                            "--model.pooling=flatten")),
+                                             ("unimixer", ("--model.tokenizer=group", "--model.block_size=8"))])
+def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(tower, overrides, fmt):
+    cfg, model = reference(tower, *overrides)
     rows = table()
     encoder = RowEncoder(cfg.features, cfg.model.tasks)
     with torch.no_grad():
@@ -105,6 +108,7 @@ def test_quantized_tables_are_torchrecs_stay_near_fp32_and_are_saved_once(tables
         expected = fp32(*inputs)
         served = serving_model(cfg, model.state_dict(), step=7, tables=tables)
         assert type(served.ebc).__module__ == "torchrec.quant.embedding_modules"
+        drop_state_dict_views(served)
         program = _trace(served, example_inputs(served), fmt)
         probs = (program if fmt == "torchscript" else program.module())(*inputs)
         sizes = [_save(p, tmp_path / f"{i}.{fmt}", fmt) or (tmp_path / f"{i}.{fmt}").stat().st_size
@@ -130,8 +134,11 @@ def test_the_artifact_refuses_what_training_refuses(fmt):
     low[5, 0] = -1.0  # log1p's domain
     unfilled = numeric.clone()
     unfilled[2, 1] = float("nan")  # num_b has no fill_null
-    for args, message in [((bad_ids, lengths, numeric), "sparse feature 'item': an id is out of range for its 30 rows (hashing 'none')"),
+    out_of_range = "sparse feature 'item': an id is out of range for its 30 rows (hashing 'none')"
+    for args, message in [((bad_ids, lengths, numeric), out_of_range),
                           ((ids, lengths, low), "numeric feature 'num_a': log1p needs values > -1"),
-                          ((ids, lengths, unfilled), "numeric feature 'num_b': a null or non-finite value")]:
+                          ((ids, lengths, unfilled), "numeric feature 'num_b': a null or non-finite value"),
+                          ((ids[1:], lengths, numeric), "lengths must add up to the number of ids"),
+                          ((ids, -lengths, numeric), "lengths must not be negative")]:
         with pytest.raises((RuntimeError, torch.jit.Error), match=message.replace("(", r"\(").replace(")", r"\)")):
             artifact(*args)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan
@@ -160,27 +161,33 @@ def save_weights(path: Path, parts: dict[str, Any]) -> None:
     dist.barrier()
 
 
+def model_tensors(path: Path) -> dict[str, Any]:
+    """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
+    world size that saved it, read without a process group and without the optimizer's state."""
+    import torch
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "model."
+    model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.items() if key.startswith(prefix) and hasattr(meta, "size")}
+    dcp.load({"model": model}, checkpoint_id=str(path), planner=LoadPlanner())
+    return model
+
+
 def export_weights(path: str, out: str) -> int:
     """The model weights of checkpoint `path` as one torch.save file of whole tensors
     (no process group needed); returns the number of tensors."""
-    import tempfile
-
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    source = resolve_load_path(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(source), f"{tmp}/all.pt")
-        model = torch.load(f"{tmp}/all.pt", weights_only=False)["model"]
+    model = model_tensors(resolve_load_path(path))
     torch.save(model, out)
     return len(model)
 
 
-def trained_step(path: Path) -> int:
+def trained_step(path: Path) -> int | None:
     """How many optimizer steps trained the weights of checkpoint `path`: its `trainer` part's
-    step (best-weights folders carry one too), or 0 when it has none."""
+    step (best-weights folders carry one too), or None when it has none (best weights saved
+    before they did)."""
     if "trainer.step" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
-        return 0
+        return None
     progress = {"step": 0}
     dcp.load({"trainer": progress}, checkpoint_id=str(path), planner=LoadPlanner())
     return progress["step"]

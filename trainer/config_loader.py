@@ -298,6 +298,8 @@ def validate_features(features: list[FeatureSpec]) -> None:
                 raise ValueError(f"{where}.transform: unknown {bad}; choose from {NUMERIC_TRANSFORMS}")
             if f.std <= 0:
                 raise ValueError(f"{where}.std must be positive, got {f.std}")
+            if f.fill_null is not None and not math.isfinite(f.fill_null):
+                raise ValueError(f"{where}.fill_null must be a finite number, got {f.fill_null}")
             continue
         f.table = f.table or f.name
         if f.max_len < 0:

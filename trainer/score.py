@@ -27,7 +27,7 @@ from trainer.data.batch import Batch
 from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics import task_metrics
-from trainer.state import ModelState
+from trainer.state import ModelState, apply_trained_step
 
 
 def find_config(path: str) -> Path:
@@ -50,9 +50,7 @@ class CheckpointModel:
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
         source = checkpoint.resolve_load_path(checkpoint_path)
         checkpoint.load(source, {"model": ModelState(self.model)})
-        step = checkpoint.trained_step(source)
-        for hook in TrainingHooks.of(self.model).after_restore:  # e.g. UniMixer's temperature
-            hook(step)
+        apply_trained_step(self.model, checkpoint.trained_step(source), source)
         self.model.eval()
 
     def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:

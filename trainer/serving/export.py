@@ -24,12 +24,13 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
-from dense.hooks import TrainingHooks, serving_form
+from dense.hooks import serving_form
 from dense.model import build_dense
 from embeddings.tables import table_configs
-from trainer.checkpoint import resolve_load_path, trained_step
+from trainer.checkpoint import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.serving.model import ServingModel
+from trainer.state import apply_trained_step
 from trainer.serving.readme import write_readme
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
@@ -38,58 +39,75 @@ MOE = ("sparse", "dense")
 EXAMPLE_ROWS = 8
 
 
+# Bytes a quantized row's width must divide into (FBGEMM packs int8 and int4 rows in pairs
+# of half-precision words: an odd int8 width or an int4 width not a multiple of 4 fails there).
+_WIDTH_MULTIPLE = {"fp32": 1, "fp16": 1, "int8": 2, "int4": 4}
+
+
 def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str = "fp32",
-           moe: str = "sparse") -> dict:
+           moe: str | None = None) -> dict:
     """Write the serving artifact of `checkpoint` (a step folder, or a run folder: its newest)
-    into folder `out`; returns the manifest."""
+    into folder `out`; returns the manifest. `moe` (sparse | dense) overrides the config's
+    model.moe_inference."""
+    moe = moe or cfg.model.moe_inference
     for option, value, choices in (("--format", fmt, FORMATS), ("--tables", tables, TABLES), ("--moe", moe, MOE)):
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
+    _check_widths(cfg, tables)
+    folder = _out_folder(out)
     source = resolve_load_path(checkpoint)
     cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
-    state, step = gather(source)
-    model = serving_model(cfg, state, step, tables)
+    step = trained_step(source)
+    model = serving_model(cfg, model_tensors(source), step, tables, source)
     inputs = example_inputs(model)
     tables_size = table_bytes(model)
+    drop_state_dict_views(model)
     with torch.no_grad():
         outputs = model(*inputs)
         program = _trace(model, inputs, fmt)
-    folder = Path(out)
-    if folder.exists() and any(folder.iterdir()) and not (folder / "manifest.json").is_file():
-        raise ValueError(f"--out {out} holds files that are not a rankmix export; give an empty or new folder")
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _save(program, tmp / FORMATS[fmt], fmt)
-    torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
-    torch.save(outputs, tmp / "example_outputs.pt")
-    manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
-                "checkpoint": str(source), "step": step, "table_bytes": tables_size,
-                "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks]}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    from trainer.config_loader import dump_toml
-    dump_toml(cfg, tmp / "config.toml")
-    write_readme(tmp / "README.md", cfg, manifest)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))  # renamed when complete
+    try:
+        _save(program, tmp / FORMATS[fmt], fmt)
+        torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
+        torch.save(outputs, tmp / "example_outputs.pt")
+        manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
+                    "checkpoint": str(source), "step": step, "table_bytes": tables_size,
+                    "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks]}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        from trainer.config_loader import dump_toml
+        dump_toml(cfg, tmp / "config.toml")
+        write_readme(tmp / "README.md", cfg, manifest)
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier export, or an empty folder (_out_folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
-def gather(step_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
-    """(the model's whole tensors by name, the step it was trained to) of a DCP checkpoint,
-    whatever the world size and sharding plan that wrote it (no process group needed)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _out_folder(out: str) -> Path:
+    """--out as an absolute folder that is new, empty or an earlier export (checked before
+    any work: the export may take minutes)."""
+    folder = Path(out).resolve()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the artifact")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "manifest.json").is_file():
+        raise ValueError(f"--out {out} holds files that are not a rankmix export; give an empty or new folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return folder
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(step_dir), f"{tmp}/all.pt")
-        saved = torch.load(f"{tmp}/all.pt", weights_only=False)
-    if "model" not in saved:
-        raise ValueError(f"{step_dir} holds no model weights (parts: {sorted(saved)})")
-    return saved["model"], trained_step(step_dir)
+
+def _check_widths(cfg: Config, tables: str) -> None:
+    multiple = _WIDTH_MULTIPLE[tables]
+    for f in cfg.features:
+        if f.kind != "numeric" and f.embedding_dim % multiple:
+            raise ValueError(f"--tables {tables} needs every table's embedding_dim divisible by {multiple}: "
+                             f"features.{f.name}.embedding_dim={f.embedding_dim}")
 
 
-def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables: str = "fp32") -> ServingModel:
-    """The ServingModel of `cfg` with the weights `state` (RankingModel's names) trained to `step`."""
+def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int | None, tables: str = "fp32",
+                  source: Path | str = "the checkpoint") -> ServingModel:
+    """The ServingModel of `cfg` with the weights `state` (RankingModel's names), loaded from
+    `source`, trained to `step`."""
     ebc = EmbeddingBagCollection(tables=table_configs(cfg.features), device=torch.device("meta"))
     ebc = ebc.to_empty(device="cpu")
     layout, tower, heads = build_dense(cfg.model, cfg.features)
@@ -99,13 +117,12 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
         try:
             missing, unexpected = module.load_state_dict(part, strict=False)
         except RuntimeError as e:  # shapes: another model's checkpoint
-            raise ValueError(f"the checkpoint does not fit this config's {name}: "
+            raise ValueError(f"{source} does not fit this config's {name}: "
                              f"{str(e).splitlines()[-1].strip()}") from None
         if missing or unexpected:
-            raise ValueError(f"the checkpoint does not fit this config's {name}: missing {missing[:3]}, "
+            raise ValueError(f"{source} does not fit this config's {name}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
-    for hook in TrainingHooks.of(tower).after_restore:  # e.g. UniMixer's temperature at `step`
-        hook(step)
+    apply_trained_step(tower, step, source)
     model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval()).eval().requires_grad_(False)
     if TABLES[tables] is not None:
         from torchrec.inference.modules import quantize_embeddings
@@ -113,6 +130,17 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
         # quantize_embeddings swaps the children of the module it is given, so give it the parent.
         model = quantize_embeddings(model, dtype=TABLES[tables], inplace=True)
     return model
+
+
+def drop_state_dict_views(model: ServingModel) -> None:
+    """For quantized tables, which FBGEMM's kernels hold and forward reads there: remove the
+    per-table views TorchRec registers for its state dict. Forward does not read them, and
+    torch.export would save them beside the kernels' copy, doubling the artifact."""
+    if type(model.ebc) is EmbeddingBagCollection:
+        return
+    for table in model.ebc.embedding_bags.values():
+        for name, _ in list(table.named_buffers(recurse=False)):
+            delattr(table, name)
 
 
 def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch.Tensor, ...]:
@@ -140,13 +168,6 @@ def table_bytes(model: ServingModel) -> int:
 
 def _trace(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
     """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
-    if type(model.ebc) is not EmbeddingBagCollection:
-        # Quantized: FBGEMM's kernels hold the tables and forward reads them there. The
-        # per-table views TorchRec registers for its state dict are not read, and
-        # torch.export would save them beside the kernels' copy, doubling the artifact.
-        for table in model.ebc.embedding_bags.values():
-            for name, _ in list(table.named_buffers(recurse=False)):
-                delattr(table, name)
     if fmt == "torchscript":
         import torchrec.fx
         return torch.jit.script(torchrec.fx.symbolic_trace(model))

@@ -59,8 +59,10 @@ class ServingModel(nn.Module):
     def hash_ids(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw ids [N], lengths [S, B] -> table rows, lengths: ids checked (hashing 'none') or
         reduced modulo the table as unsigned 64-bit numbers, each bag cut to its last max_len ids."""
+        _require((lengths >= 0).all(), "lengths must not be negative")
         per_feature = lengths.sum(dim=1)
         n = ids.shape[0]
+        _require(per_feature.sum() == n, "lengths must add up to the number of ids")
 
         def per_id(values: list[int]) -> torch.Tensor:  # one value per feature -> one per id
             return torch.repeat_interleave(torch.tensor(values, device=ids.device), per_feature, output_size=n)
