@@ -320,6 +320,7 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
         return (x + self.norm_out(y)).mean(dim=0)
 
     def serving_form(self) -> nn.Module:
+        """This tower with its mixing weights constrained once (`FrozenMixing`)."""
         return FrozenMixing(self)
 
     def cost(self) -> tuple[int, int]:

@@ -15,7 +15,8 @@ from embeddings.tables import table_configs
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import load_config, validate_features
 from trainer.data.encode import RowEncoder
-from trainer.serving.export import FORMATS, _save, _trace, drop_state_dict_views, example_inputs, serving_model
+from trainer.serving.export import (FORMATS, drop_state_dict_views, example_inputs, save_model, serving_model,
+                                    trace_model)
 from trainer.serving.predict import raw_inputs
 
 ROWS = 64
@@ -89,7 +90,7 @@ def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(
     with torch.no_grad():
         expected = torch.sigmoid(model(encoder.encode(rows, "test").to_batch()))
         served = serving_model(cfg, model.state_dict(), step=7)
-        program = _trace(served, example_inputs(served), fmt)
+        program = trace_model(served, example_inputs(served), fmt)
         artifact = program if fmt == "torchscript" else program.module()
         probs = artifact(*raw_inputs(rows, cfg.features, "test"))
         one_row = artifact(*raw_inputs(rows.slice(3, 1), cfg.features, "test"))  # another batch size
@@ -109,10 +110,12 @@ def test_quantized_tables_are_torchrecs_stay_near_fp32_and_are_saved_once(tables
         served = serving_model(cfg, model.state_dict(), step=7, tables=tables)
         assert type(served.ebc).__module__ == "torchrec.quant.embedding_modules"
         drop_state_dict_views(served)
-        program = _trace(served, example_inputs(served), fmt)
+        program = trace_model(served, example_inputs(served), fmt)
         probs = (program if fmt == "torchscript" else program.module())(*inputs)
-        sizes = [_save(p, tmp_path / f"{i}.{fmt}", fmt) or (tmp_path / f"{i}.{fmt}").stat().st_size
-                 for i, p in enumerate([_trace(fp32, example_inputs(fp32), fmt), program])]
+        files = {"fp32": trace_model(fp32, example_inputs(fp32), fmt), tables: program}
+        for name, traced in files.items():
+            save_model(traced, tmp_path / name, fmt)
+    sizes = [(tmp_path / name).stat().st_size for name in files]
     difference = (probs - expected).abs().max().item()
     assert 0 < difference < bound, difference
     table_bytes = sum(f.num_embeddings * f.embedding_dim * 4 for f in cfg.features if f.kind == "id")
@@ -124,7 +127,7 @@ def test_the_artifact_refuses_what_training_refuses(fmt):
     cfg, model = reference("mlp")
     with torch.no_grad():
         served = serving_model(cfg, model.state_dict(), step=0)
-        program = _trace(served, example_inputs(served), fmt)
+        program = trace_model(served, example_inputs(served), fmt)
     artifact = program if fmt == "torchscript" else program.module()
     ids, lengths, numeric = raw_inputs(table(), cfg.features, "test")
     item = int(lengths[0].sum())  # the first id of feature 1, `item` (hashing none, 30 rows)

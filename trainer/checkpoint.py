@@ -164,8 +164,6 @@ def save_weights(path: Path, parts: dict[str, Any]) -> None:
 def model_tensors(path: Path) -> dict[str, Any]:
     """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
     world size that saved it, read without a process group and without the optimizer's state."""
-    import torch
-
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)

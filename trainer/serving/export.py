@@ -7,9 +7,9 @@
     DIR/example_inputs.pt      a small batch: {"ids", "lengths", "numeric"}
     DIR/example_outputs.pt     its probabilities [B, K]
 
-The sharded tables of the checkpoint are gathered into one plain EmbeddingBagCollection
-(DCP's `dcp_to_torch_save` writes whole tensors whatever the plan and world size), which
-TorchRec's `quantize_embeddings` turns into fp16, int8 or int4 tables when asked.
+The checkpoint's sharded tables are read whole (`checkpoint.model_tensors`, whatever plan and
+world size saved them) into one plain EmbeddingBagCollection, which TorchRec's
+`quantize_embeddings` turns into fp16, int8 or int4 tables when asked.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from dense.model import build_dense
 from embeddings.tables import table_configs
 from trainer.checkpoint import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
+from trainer.config_loader import dump_toml
 from trainer.serving.model import ServingModel
-from trainer.state import apply_trained_step
 from trainer.serving.readme import write_readme
+from trainer.state import apply_trained_step
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
@@ -64,17 +65,16 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
     drop_state_dict_views(model)
     with torch.no_grad():
         outputs = model(*inputs)
-        program = _trace(model, inputs, fmt)
+        program = trace_model(model, inputs, fmt)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))  # renamed when complete
     try:
-        _save(program, tmp / FORMATS[fmt], fmt)
+        save_model(program, tmp / FORMATS[fmt], fmt)
         torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
         torch.save(outputs, tmp / "example_outputs.pt")
         manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
                     "checkpoint": str(source), "step": step, "table_bytes": tables_size,
                     "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks]}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        from trainer.config_loader import dump_toml
         dump_toml(cfg, tmp / "config.toml")
         write_readme(tmp / "README.md", cfg, manifest)
         shutil.rmtree(folder, ignore_errors=True)  # an earlier export, or an empty folder (_out_folder)
@@ -166,7 +166,7 @@ def table_bytes(model: ServingModel) -> int:
     return sum(storages.values())
 
 
-def _trace(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
+def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
     """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
     if fmt == "torchscript":
         import torchrec.fx
@@ -177,7 +177,7 @@ def _trace(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
     return torch.export.export(model, inputs, dynamic_shapes=({0: ids}, {1: batch}, {0: batch}), strict=False)
 
 
-def _save(program, path: Path, fmt: str) -> None:
+def save_model(program, path: Path, fmt: str) -> None:
     if fmt == "torchscript":
         program.save(str(path))
     else:
@@ -186,9 +186,7 @@ def _save(program, path: Path, fmt: str) -> None:
 
 def needs_fbgemm(program, fmt: str) -> bool:
     """Whether loading the artifact needs FBGEMM's operators registered (`import fbgemm_gpu`)."""
-    graph = program.inlined_graph if fmt == "torchscript" else program.graph
-    text = str(graph)
-    return "fbgemm" in text
+    return "fbgemm" in str(program.inlined_graph if fmt == "torchscript" else program.graph)
 
 
 def load(folder: str | Path) -> tuple[nn.Module, dict]:
