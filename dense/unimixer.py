@@ -341,7 +341,10 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
 class FrozenMixing(nn.Module):
     """A UniMixer tower for inference, its mixing weights constrained once, at the
     temperature it holds now: they depend on nothing else, and the Sinkhorn loop's
-    data-dependent stop would not trace. e_input [B, E] -> [B, D]."""
+    data-dependent stop would not trace. e_input [B, E] -> [B, D].
+
+    The tower is taken over: its unconstrained mixing parameters, which only `logits()`
+    reads, are removed, so that an exported artifact does not carry them too."""
 
     def __init__(self, tower: UniMixerTower):
         super().__init__()
@@ -351,6 +354,10 @@ class FrozenMixing(nn.Module):
         for i, (w_global, w_local) in enumerate(weights):
             self.register_buffer(f"global_{i}", w_global)
             self.register_buffer(f"local_{i}", w_local)
+        for layer in tower.layers:
+            mixing = layer.block.mixing
+            for name, _ in list(mixing.named_parameters(recurse=False)):
+                delattr(mixing, name)
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:
         weights = [(getattr(self, f"global_{i}"), getattr(self, f"local_{i}")) for i in range(len(self.tower.layers))]

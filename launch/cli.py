@@ -177,6 +177,9 @@ def export(argv: list[str]) -> int:
             raise ValueError(f"--format weights writes the checkpoint's tensors as they are; it takes no {ignored}")
         from trainer.checkpoint import export_weights
 
+        if Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a folder; --format weights writes one file")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         print(json.dumps({"tensors": export_weights(args.checkpoint, args.out), "out": args.out}))
         return 0
     from trainer.config_loader import load_config

@@ -4,8 +4,10 @@ the MoE's sparse and dense inference, tables trained row-wise on 2 ranks), it lo
 bare interpreter as its README says, and bad options are one-line errors."""
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -177,11 +179,28 @@ def test_bad_export_options_are_one_line_errors(rankmixer, tmp_path, args, messa
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_export_keeps_out_of_folders_it_did_not_write(rankmixer, tmp_path):
-    (tmp_path / "notes.txt").write_text("mine")
+@pytest.mark.parametrize("files", [{"notes.txt": "mine"},
+                                   {"manifest.json": '{"name": "my-app"}', "src.py": "code"},
+                                   {"manifest.json": '{"file": "model.pt2"}', "src.py": "code"}])
+def test_export_keeps_out_of_folders_it_did_not_write(rankmixer, tmp_path, files):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
     proc = rankmix("export", "--checkpoint", str(rankmixer[0]), "--out", str(tmp_path))
-    assert proc.returncode == 2 and (tmp_path / "notes.txt").read_text() == "mine"
+    assert proc.returncode == 2 and {p.name: p.read_text() for p in tmp_path.iterdir()} == files
     assert f"--out {tmp_path} holds files that are not a rankmix export" in proc.stderr
+
+
+def test_an_artifact_is_readable_by_others_and_replaced_by_the_next_export(rankmixer, tmp_path):
+    os.umask(umask := os.umask(0o022))
+    try:
+        export(rankmixer[0], tmp_path / "model", "--format", "torchscript")
+        assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o755
+        manifest = export(rankmixer[0], tmp_path / "model")  # over the earlier export
+    finally:
+        os.umask(umask)
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == sorted(
+        ["README.md", "config.toml", "manifest.json", "model.pt2", "example_inputs.pt", "example_outputs.pt"])
+    assert manifest["checkpoint"] == str((rankmixer[0] / "checkpoints" / "step-30").resolve())
 
 
 def test_an_out_that_is_a_file_is_refused_before_any_work(rankmixer, tmp_path):
@@ -200,6 +219,29 @@ def test_score_keeps_to_the_artifacts_own_config(rankmixer, tmp_path, args):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (f"--model {tmp_path / 'model'} carries its own features, tasks and model; only --data.*/--metrics.* "
             "options apply to it") in proc.stderr
+
+
+@pytest.mark.parametrize("command,message", [
+    (["export", "--checkpoint", "nope", "--out", "m"], "--checkpoint nope: no such folder"),
+    (["export", "--checkpoint", ".", "--config", "RUN/config.toml", "--out", "m"],
+     "--checkpoint=.: no complete checkpoint there"),
+    (["export", "--checkpoint", "RUN", "--format", "weights", "--out", "."],
+     "--out . is a folder; --format weights writes one file"),
+])
+def test_bad_checkpoints_and_outs_are_named(rankmixer, tmp_path, command, message):
+    command = [a.replace("RUN", str(rankmixer[0])) for a in command]
+    proc = rankmix(*command, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_damaged_artifact_is_a_one_line_error(rankmixer, tmp_path):
+    run, _, valid = rankmixer
+    export(run, tmp_path / "model")
+    (tmp_path / "model" / "model.pt2").write_text("not a zip")
+    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(valid), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"--model {tmp_path / 'model'}: cannot load the artifact (" in proc.stderr
 
 
 def test_score_needs_an_artifact_folder(tmp_path):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan, TensorStorageMetadata
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
 from trainer.config import CheckpointConfig
@@ -37,8 +37,9 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
-def resolve_load_path(path: str) -> Path:
-    """A `step-N` folder, or a run / checkpoint folder whose latest complete one is taken."""
+def resolve_load_path(path: str, option: str = "checkpoint.load_path") -> Path:
+    """A `step-N` folder, or a run / checkpoint folder whose latest complete one is taken;
+    errors name `option`, where the path came from."""
     p = Path(path)
     if (p / ".metadata").exists():
         return p
@@ -47,9 +48,9 @@ def resolve_load_path(path: str) -> Path:
         if steps:
             return folder / f"{PREFIX}{steps[-1]}"
     if p.name.startswith(PREFIX) and p.is_dir():
-        raise ValueError(f"checkpoint.load_path={path}: incomplete checkpoint (no .metadata: "
+        raise ValueError(f"{option}={path}: incomplete checkpoint (no .metadata: "
                          "the save was interrupted)")
-    raise ValueError(f"checkpoint.load_path={path}: no complete checkpoint there")
+    raise ValueError(f"{option}={path}: no complete checkpoint there")
 
 
 class CheckpointManager:
@@ -167,7 +168,7 @@ def model_tensors(path: Path) -> dict[str, Any]:
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.items() if key.startswith(prefix) and hasattr(meta, "size")}
+             for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     dcp.load({"model": model}, checkpoint_id=str(path), planner=LoadPlanner())
     return model
 
@@ -175,7 +176,7 @@ def model_tensors(path: Path) -> dict[str, Any]:
 def export_weights(path: str, out: str) -> int:
     """The model weights of checkpoint `path` as one torch.save file of whole tensors
     (no process group needed); returns the number of tensors."""
-    model = model_tensors(resolve_load_path(path))
+    model = model_tensors(resolve_load_path(path, "--checkpoint"))
     torch.save(model, out)
     return len(model)
 

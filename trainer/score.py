@@ -32,6 +32,8 @@ from trainer.state import ModelState, apply_trained_step
 
 def find_config(path: str) -> Path:
     """The config.toml of the run that `path` (a run folder or one of its step folders) belongs to."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--checkpoint {path}: no such folder")
     here = Path(path).resolve()
     for folder in (here, *here.parents[:2]):
         if (folder / "config.toml").is_file():
@@ -48,7 +50,7 @@ class CheckpointModel:
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
-        source = checkpoint.resolve_load_path(checkpoint_path)
+        source = checkpoint.resolve_load_path(checkpoint_path, "--checkpoint")
         checkpoint.load(source, {"model": ModelState(self.model)})
         apply_trained_step(self.model, checkpoint.trained_step(source), source)
         self.model.eval()

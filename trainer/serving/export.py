@@ -15,8 +15,10 @@ world size saved them) into one plain EmbeddingBagCollection, which TorchRec's
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,8 +42,8 @@ MOE = ("sparse", "dense")
 EXAMPLE_ROWS = 8
 
 
-# Bytes a quantized row's width must divide into (FBGEMM packs int8 and int4 rows in pairs
-# of half-precision words: an odd int8 width or an int4 width not a multiple of 4 fails there).
+# What a quantized table's width (elements per row) must be a multiple of: FBGEMM packs rows
+# in half-precision words, so an odd int8 width or an int4 width not a multiple of 4 fails there.
 _WIDTH_MULTIPLE = {"fp32": 1, "fp16": 1, "int8": 2, "int4": 4}
 
 
@@ -55,8 +57,8 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
     _check_widths(cfg, tables)
+    source = resolve_load_path(checkpoint, "--checkpoint").resolve()
     folder = _out_folder(out)
-    source = resolve_load_path(checkpoint)
     cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
     step = trained_step(source)
     model = serving_model(cfg, model_tensors(source), step, tables, source)
@@ -77,6 +79,9 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         dump_toml(cfg, tmp / "config.toml")
         write_readme(tmp / "README.md", cfg, manifest)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the artifact is for a server to read
         shutil.rmtree(folder, ignore_errors=True)  # an earlier export, or an empty folder (_out_folder)
         tmp.rename(folder)
     finally:
@@ -85,15 +90,26 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
 
 
 def _out_folder(out: str) -> Path:
-    """--out as an absolute folder that is new, empty or an earlier export (checked before
-    any work: the export may take minutes)."""
+    """--out as an absolute folder that is new, empty or an earlier export, which the export
+    replaces (checked before any work: the export may take minutes)."""
     folder = Path(out).resolve()
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder for the artifact")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / "manifest.json").is_file():
+    if folder.is_dir() and any(folder.iterdir()) and not _is_export(folder):
         raise ValueError(f"--out {out} holds files that are not a rankmix export; give an empty or new folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _is_export(folder: Path) -> bool:
+    """Whether `folder` holds an export and nothing else (so that replacing it loses nothing)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    ours = {"README.md", "config.toml", "manifest.json", "example_inputs.pt", "example_outputs.pt", *FORMATS.values()}
+    return isinstance(manifest, dict) and manifest.get("file") in FORMATS.values() and \
+        {p.name for p in folder.iterdir()} <= ours
 
 
 def _check_widths(cfg: Config, tables: str) -> None:
@@ -196,9 +212,15 @@ def load(folder: str | Path) -> tuple[nn.Module, dict]:
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"--model {folder}: no manifest.json there (not a `rankmix export` folder)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest["needs_fbgemm"]:
-        import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
-    path = folder / manifest["file"]
-    model = torch.jit.load(str(path)) if manifest["format"] == "torchscript" else torch.export.load(str(path)).module()
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["needs_fbgemm"]:
+            import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
+        path = folder / manifest["file"]
+        if not zipfile.is_zipfile(path):  # checked first: torch's loaders log a traceback before raising
+            raise ValueError(f"{manifest['file']} is missing or not a saved model")
+        scripted = manifest["format"] == "torchscript"
+        model = torch.jit.load(str(path)) if scripted else torch.export.load(str(path)).module()
+    except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as e:  # a partial or damaged copy
+        raise ValueError(f"--model {folder}: cannot load the artifact ({type(e).__name__}: {e})") from None
     return model, manifest

@@ -10,8 +10,8 @@ It repeats at serving time what the data pipeline does at training time
     numeric  [B, F] float64 numeric features before their transforms, NaN for null
     ->       [B, K] float32 probabilities, one column per task
 
-The per-feature settings are Python values read while the module is traced, so they end up
-as constants in the exported graph; the module is never run other than traced or eagerly.
+The per-feature settings are Python values read while the module is traced (torch.export, or
+torch.fx for TorchScript), so they end up as constants of the exported graph.
 """
 
 
@@ -47,6 +47,8 @@ class ServingModel(nn.Module):
         self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
+        # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
+        ids, lengths, numeric = ids.long(), lengths.long(), numeric.double()
         dense = self.transform_numeric(numeric)
         pooled = {}
         if self.sparse:

@@ -16,7 +16,7 @@ _LOAD = {
 def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
     sparse = [f for f in cfg.features if f.kind != "numeric"]
     numeric = [f for f in cfg.features if f.kind == "numeric"]
-    fbgemm = "import fbgemm_gpu  # registers the FBGEMM operators the tables run on\n" if manifest["needs_fbgemm"] else ""
+    fbgemm = "import fbgemm_gpu  # registers FBGEMM's operators" if manifest["needs_fbgemm"] else ""
     lines = [
         f"# rankmix serving artifact: {manifest['tower']}, step {manifest['step']}",
         "",
@@ -25,12 +25,14 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "",
         "## Loading",
         "",
-        "Needs PyTorch" + (", and fbgemm-gpu (or fbgemm-gpu-cpu) for the tables' operators." if fbgemm else
+        "Needs PyTorch" + (", and fbgemm-gpu (or fbgemm-gpu-cpu) for its operators." if fbgemm else
                            " alone: neither rankmix nor TorchRec."),
+        "",
+        "From this folder:",
         "",
         "```python",
         "import torch",
-        fbgemm.rstrip("\n") or None,
+        fbgemm or None,
         _LOAD[manifest["format"]].format(file=manifest["file"]),
         'example = torch.load("example_inputs.pt")',
         'probs = model(example["ids"], example["lengths"], example["numeric"])',
@@ -54,6 +56,10 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "A value the model refuses (an id out of range, a null that is not filled, a value outside a "
         "transform's domain) stops the call with an error that names it (RuntimeError; "
         "torch.jit.Error from TorchScript).",
+        "",
+        "A pt2 program checks the dtypes above (`Tensor dtype mismatch! Expected: Double` for float32 "
+        "numerics); TorchScript converts other dtypes to them. With quantized tables a pt2 program "
+        "needs at least one id in the batch.",
         "",
         "| # | sparse feature | column | kind | table rows | hashing | max_len |",
         "|---|---|---|---|---|---|---|",
