@@ -39,7 +39,11 @@ class FeatureSpec:
     embedding_dim: int = 16
     """Width of the embedding table."""
     hashing: str = "modulo"
-    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error."""
+    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own row (TorchRec MCH), stale ones evicted."""
+    eviction_policy: str = "lfu"
+    """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
+    eviction_interval: int = 100
+    """managed: training steps between evictions; a new id gets a row at the next one (until then the shard's miss row)."""
     pooling: str = "sum"
     """How an id list is pooled into one vector: sum | mean."""
     group: str = "default"

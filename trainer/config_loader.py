@@ -278,6 +278,10 @@ def validate(cfg: Config) -> None:
     validate_features(cfg.features)
 
 
+HASHINGS = ("modulo", "none", "managed")
+EVICTION_POLICIES = ("lfu", "lru")
+
+
 def validate_features(features: list[FeatureSpec]) -> None:
     """Fill defaults (column, table) and check each feature and table sharing."""
     seen: set[str] = set()
@@ -306,8 +310,13 @@ def validate_features(features: list[FeatureSpec]) -> None:
             raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
         if f.num_embeddings <= 0 or f.embedding_dim <= 0:
             raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
-        if f.hashing not in ("modulo", "none"):
-            raise ValueError(f"{where}.hashing must be modulo or none, got {f.hashing!r}")
+        if f.hashing not in HASHINGS:
+            raise ValueError(f"{where}.hashing must be one of {HASHINGS}, got {f.hashing!r}")
+        if f.hashing == "managed":
+            if f.eviction_policy not in EVICTION_POLICIES:
+                raise ValueError(f"{where}.eviction_policy must be one of {EVICTION_POLICIES}, got {f.eviction_policy!r}")
+            if f.eviction_interval < 1:
+                raise ValueError(f"{where}.eviction_interval must be at least 1, got {f.eviction_interval}")
         if f.pooling not in ("sum", "mean"):
             raise ValueError(f"{where}.pooling must be sum or mean, got {f.pooling!r}")
         if f.table in _taken_table_names():
@@ -318,6 +327,11 @@ def validate_features(features: list[FeatureSpec]) -> None:
             raise ValueError(
                 f"{where}: shares table {f.table!r} with features.{other.name} but their "
                 "num_embeddings / embedding_dim differ")
+        managed = (f.hashing == "managed", f.eviction_policy, f.eviction_interval)
+        if (other.hashing == "managed", other.eviction_policy, other.eviction_interval) != managed and \
+                "managed" in (f.hashing, other.hashing):
+            raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
+                             "managed with the same eviction_policy and eviction_interval, or neither")
 
 
 @functools.cache

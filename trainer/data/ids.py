@@ -57,15 +57,15 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     hashes above 2^63 are reduced rather than wrapped to negative numbers. `lengths`
     (None: one id per row) turns a flat position into a row number for errors.
     `reduce=False`: the ids checked, not reduced."""
+    if spec.hashing == "managed" and reduce:
+        _refuse_negative(values, lengths, spec, where)
+        return spread(values)
     # One pass for the common case, every id already valid: seen as unsigned, a negative
     # id is huge, so `max < num_embeddings` rules out both errors and makes modulo a no-op.
     if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < spec.num_embeddings:
         return values.astype(np.int64, copy=False)
-    if values.dtype.kind == "i" and values.min() < 0:
-        i = np.flatnonzero(values < 0)[0]
-        raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
-                         f"at row {_row_of(i, lengths)}")
-    if spec.hashing == "modulo":
+    _refuse_negative(values, lengths, spec, where)
+    if spec.hashing != "none":  # modulo, or managed ids left raw
         if not reduce:
             return values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64)
         return (values % values.dtype.type(spec.num_embeddings)).astype(np.int64)
@@ -73,6 +73,32 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
                      f"{_row_of(i, lengths)} is out of range for num_embeddings="
                      f"{spec.num_embeddings} (features.{spec.name}.hashing is 'none')")
+
+
+def _refuse_negative(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, where: str) -> None:
+    if values.dtype.kind == "i" and values.size and values.min() < 0:
+        i = np.flatnonzero(values < 0)[0]
+        raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
+                         f"at row {_row_of(i, lengths)}")
+
+
+MANAGED_ID_RANGE = 2 ** 62
+"""Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
+that owns its part of that range, and marks an empty slot with INT64_MAX."""
+
+
+def spread(values: np.ndarray) -> np.ndarray:
+    """Raw ids (any integer type; negative ones as their unsigned bit pattern) mixed evenly
+    over [0, MANAGED_ID_RANGE) by splitmix64's finaliser, a bijection of 64-bit words: ids
+    that differ stay different (before the final reduction, which merges one in 4 at most
+    of 2^64 values), and a log's ids, however clustered, fill every rank's part alike."""
+    z = values.astype(np.int64, copy=False).view(np.uint64).copy()
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z % np.uint64(MANAGED_ID_RANGE)).astype(np.int64)
 
 
 def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
