@@ -38,15 +38,18 @@ class TaskHeads(nn.Module):
 
 
 class RankingModel(nn.Module):
-    """Batch -> logits [B, K]. `ebc` is sharded by DMP; the rest is replicated (DDP).
+    """Batch -> logits [B, K]. `ebc` (and `managed`, the managed-collision tables fed by
+    `batch.managed`, when there are any) is sharded by DMP; the rest is replicated (DDP).
 
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
     """
 
     def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
-                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda"):
+                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
+                 managed: nn.Module | None = None):
         super().__init__()
         self.ebc = ebc
+        self.managed = managed
         self.layout = layout
         self.tower = tower
         self.heads = heads
@@ -55,6 +58,8 @@ class RankingModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         pooled = self.ebc(batch.sparse).to_dict()  # by name: key order depends on the plan
+        if self.managed is not None:
+            pooled.update(self.managed(batch.managed)[0].to_dict())
         e_input = self.layout.assemble(pooled, batch.dense)
         if self.autocast_dtype is None:
             return self.heads(self.tower(e_input))
@@ -76,8 +81,12 @@ def build_dense(model: ModelConfig, features: list[FeatureSpec]) -> tuple[InputL
 
 def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> RankingModel:
     """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
-    from embeddings.tables import build_embedding_bags
+    import torch.distributed as dist
+
+    from embeddings.tables import build_embedding_bags, build_managed_bags
 
     layout, tower, heads = build_dense(cfg.model, cfg.features)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
-                        autocast_dtype=autocast_dtype)
+                        autocast_dtype=autocast_dtype,
+                        managed=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))

@@ -18,7 +18,9 @@ class RowEncoder:
     """Checks schemas, encodes row groups and assembles batches for one feature schema."""
 
     def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = ""):
-        self.sparse = [f for f in features if f.kind != "numeric"]
+        # Managed tables' features last: the batch carries them in a KeyedJaggedTensor of their own.
+        sparse = [f for f in features if f.kind != "numeric"]
+        self.sparse = [f for f in sparse if f.hashing != "managed"] + [f for f in sparse if f.hashing == "managed"]
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
         self.user_column = user_column
@@ -70,7 +72,8 @@ class RowEncoder:
             if column.null_count:
                 raise ValueError(f"{where}, column {self.user_column!r}: null user id")
             users = column.cast(pa.int64()).to_numpy()
-        return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users)
+        return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users,
+                          managed=sum(f.hashing == "managed" for f in self.sparse))
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
