@@ -58,6 +58,9 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
         raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
     if not cfg.features:
         raise ValueError("features is empty: give the config's [[features]] schema")
+    managed = [f.name for f in cfg.features if f.hashing == "managed"]
+    if managed:
+        raise ValueError(f"features {managed} have managed tables, which rankmix plan does not size yet")
     ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device
     holder = nn.Module()
     holder.ebc = ebc

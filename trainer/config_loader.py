@@ -276,6 +276,12 @@ def validate(cfg: Config) -> None:
     if len(set(names)) != len(names):
         raise ValueError(f"model.tasks has duplicate names: {names}")
     validate_features(cfg.features)
+    bad = sorted({f.eviction_interval for f in cfg.features
+                  if f.hashing == "managed" and cfg.checkpoint.interval % f.eviction_interval})
+    if bad:
+        raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} must be a multiple of every managed table's "
+                         f"eviction_interval (not of {bad}): only a checkpoint taken right after an eviction "
+                         "resumes exactly, since the ids seen since the last one are not saved")
 
 
 HASHINGS = ("modulo", "none", "managed")

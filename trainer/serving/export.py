@@ -56,7 +56,7 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
     for option, value, choices in (("--format", fmt, FORMATS), ("--tables", tables, TABLES), ("--moe", moe, MOE)):
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
-    _check_widths(cfg, tables)
+    _check_exportable(cfg, tables)
     source = resolve_load_path(checkpoint, "--checkpoint").resolve()
     folder = _out_folder(out)
     cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
@@ -112,7 +112,11 @@ def _is_export(folder: Path) -> bool:
         {p.name for p in folder.iterdir()} <= ours
 
 
-def _check_widths(cfg: Config, tables: str) -> None:
+def _check_exportable(cfg: Config, tables: str) -> None:
+    managed = [f.name for f in cfg.features if f.hashing == "managed"]
+    if managed:
+        raise ValueError(f"features {managed} have managed tables, whose id mapping the serving artifact "
+                         "does not carry yet: such a model cannot be exported")
     multiple = _WIDTH_MULTIPLE[tables]
     for f in cfg.features:
         if f.kind != "numeric" and f.embedding_dim % multiple:

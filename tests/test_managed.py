@@ -1,0 +1,113 @@
+"""Managed-collision tables (`hashing = "managed"`, TorchRec's MCH): ids spread over the
+range MCH routes by, training on 1 and 2 ranks with row-wise tables, the optimizer rows of
+evicted ids reset, and exact resume from a checkpoint taken at an eviction."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from cli import rankmix, spawn
+from object_store import free_port
+from test_checkpoint import assert_same_state, tensors
+from trainer.config import FeatureSpec
+from trainer.config_loader import load_config
+from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread
+
+MANAGED = ["--config", "configs/synth.toml", "--data.synth_rows=20000", "--features.user_id.hashing=managed",
+           "--features.user_id.num_embeddings=2000", "--features.user_id.eviction_interval=5",
+           "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.keep=0"]
+
+
+def test_ids_are_spread_over_the_routed_range_whatever_their_type():
+    ids = np.array([0, 1, 2, 5000, 2 ** 40, 2 ** 62, 2 ** 63 - 1], dtype=np.int64)
+    spread_ids = spread(ids)
+    assert len(set(spread_ids.tolist())) == len(ids) and ((0 <= spread_ids) & (spread_ids < MANAGED_ID_RANGE)).all()
+    np.testing.assert_array_equal(spread(ids.astype(np.uint64)), spread_ids)  # the same bits, the same row
+    np.testing.assert_array_equal(spread(ids[:4].astype(np.int32)), spread_ids[:4])
+    consecutive = spread(np.arange(10_000, dtype=np.int64))  # clustered ids reach every rank's part alike
+    assert abs((consecutive < MANAGED_ID_RANGE // 2).mean() - 0.5) < 0.02
+    spec = FeatureSpec(name="u", num_embeddings=10, hashing="managed")
+    values, _ = encode_ids(pa.array(np.array([3, 2 ** 63 + 5], dtype=np.uint64)), spec, "f")  # beyond the table
+    np.testing.assert_array_equal(values, spread(np.array([3, 2 ** 63 + 5], dtype=np.uint64)))
+    with pytest.raises(ValueError, match="f, column 'u': negative id -4 at row 1"):
+        encode_ids(pa.array([1, -4]), spec, "f")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--features.user_id.eviction_policy=fifo"],
+     "features.user_id.eviction_policy must be one of ('lfu', 'lru'), got 'fifo'"),
+    (["--features.user_id.eviction_interval=0"], "features.user_id.eviction_interval must be at least 1, got 0"),
+    (["--features.item_id.hashing=managed"],
+     "features.hist_items: shares table 'item' with features.item_id, so both must be managed"),
+    (["--features.user_id.eviction_interval=7", "--checkpoint.interval=10"],
+     "checkpoint.interval=10 must be a multiple of every managed table's eviction_interval (not of [7])"),
+])
+def test_bad_managed_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_config("configs/synth.toml", ["--features.user_id.hashing=managed", *overrides])
+
+
+def train(world: int, run: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
+    command = ("train",) if world == 1 else ("launch", "--nproc-per-node", str(world))
+    proc = rankmix(*command, *MANAGED, f"--train.run_dir={run}", f"--data.cache_dir={cache}", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world, tmp_path, made_once):
+    cache = made_once("managed-cache", lambda folder: None)
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    train(world, reference, cache, "--train.steps=20", "--checkpoint.interval=10")
+    assert "user_id | row_wise" in (reference / "plan.txt").read_text()
+    shutil.copytree(reference / "checkpoints" / "step-10", resumed / "checkpoints" / "step-10")
+    assert "at step 10" in train(world, resumed, cache, "--train.steps=20", "--checkpoint.interval=10").stdout
+    assert_same_state(reference / "checkpoints" / "step-20", resumed / "checkpoints" / "step-20", tmp_path)
+    mch = "model.managed._managed_collision_collection._managed_collision_modules.user_id._mch_sorted_raw_ids"
+    occupied = (tensors(reference / "checkpoints" / "step-20", tmp_path)[mch] != torch.iinfo(torch.int64).max).sum()
+    assert 1000 < occupied.item() < 2000  # 5000 users for 2000 rows: ids were admitted and evicted
+
+
+def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from dense.model import build_model
+    from embeddings.sharding import shard_model
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = load_config("configs/synth.toml", ["--features.user_id.hashing=managed",
+                                             f"--embeddings.optimizer={optimizer}"])
+    model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
+    managed = model.module.managed
+    tbe, index = managed._table_to_tbe_and_index["user_id"]
+    weight = managed._embedding_module.embedding_bags.get_parameter("user_id.weight")
+    with torch.no_grad():
+        for state in tbe.split_optimizer_states()[int(index)]:
+            state.fill_(7.0)
+        weight.fill_(5.0)
+    managed._evict({"user_id": torch.tensor([3, 11])})
+    states = [s.clone() for s in tbe.split_optimizer_states()[int(index)]]
+    torch.save({"states": states, "weight": weight.detach().clone()}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path):
+    spawn(_evict_worker, (free_port(), optimizer, str(tmp_path / "out.pt")), 1)
+    result = torch.load(tmp_path / "out.pt")
+    evicted = torch.zeros(result["weight"].shape[0], dtype=torch.bool)
+    evicted[[3, 11]] = True
+    for state in result["states"]:  # [rows, dim] exact Adagrad, [rows] row-wise
+        assert (state[evicted] == 0).all() and (state[~evicted] == 7).all()
+    weight = result["weight"]
+    assert (weight[~evicted] == 5).all()
+    bound = weight.shape[0] ** -0.5  # TorchRec's default init: uniform(+-1/sqrt(rows))
+    assert (weight[evicted].abs() <= bound).all() and (weight[evicted] != 0).any()
