@@ -83,7 +83,8 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> Ranki
     """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
     import torch.distributed as dist
 
-    from embeddings.tables import build_embedding_bags, build_managed_bags
+    from embeddings.managed import build_managed_bags
+    from embeddings.tables import build_embedding_bags
 
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     world = dist.get_world_size() if dist.is_initialized() else 1

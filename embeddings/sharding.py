@@ -20,14 +20,12 @@ from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as sp
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.mc_embeddingbag import (ManagedCollisionEmbeddingBagCollectionSharder,
-                                                   ShardedManagedCollisionEmbeddingBagCollection)
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
+from embeddings.managed import ManagedTablesSharder, managed_modules, managed_plans
 from trainer.config import EmbeddingsConfig
 from trainer.registry import Registry
 
@@ -44,49 +42,6 @@ def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection]:
              and not any(name.startswith(prefix) for prefix in inside)]
     assert len(found) == 1, f"expected one EmbeddingBagCollection, found {len(found)}"
     return found[0]
-
-
-def managed_modules(model: nn.Module) -> list[tuple[str, ManagedCollisionEmbeddingBagCollection]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, ManagedCollisionEmbeddingBagCollection)]
-
-
-class ResettingEvictions(ShardedManagedCollisionEmbeddingBagCollection):
-    """TorchRec's sharded managed-collision tables, whose evictions reset the freed rows'
-    optimizer state on every device. TorchRec's own reset (FBGEMM's reset_weight_momentum)
-    has no CPU kernel, and it leaves exact Adagrad's accumulator alone: a reused row kept
-    the old id's. Here the state is zeroed through the kernel's per-table views."""
-
-    def _evict(self, evictions_per_table: dict[str, torch.Tensor | None]) -> None:
-        for table, rows in evictions_per_table.items():
-            if rows is None:
-                continue
-            rows = rows.long()
-            tbe, index = self._table_to_tbe_and_index[table]
-            with torch.no_grad():
-                for state in tbe.split_optimizer_states()[int(index)]:
-                    state[rows] = 0
-                weight = self._embedding_module.embedding_bags.get_parameter(f"{table}.weight")
-                init = self._embedding_module._table_name_to_config[table].init_fn
-                weight.data[rows] = init(weight[rows])
-
-
-class ManagedTablesSharder(ManagedCollisionEmbeddingBagCollectionSharder):
-    """Shards managed-collision tables as `ResettingEvictions`."""
-
-    def shard(self, module, params, env, device=None, module_fqn=None):
-        return ResettingEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
-                                  env=env, device=device or torch.device("cuda"))
-
-
-def _managed_plans(model: nn.Module, device: torch.device) -> dict:
-    """Row-wise plans of the managed tables: MCH splits its id range across ranks, and
-    TorchRec shards it row-wise only."""
-    world, local = dist.get_world_size(), _local_size()
-    return {path: sp.construct_module_sharding_plan(
-        mc, per_param_sharding={t.name: sp.row_wise(compute_kernel=FUSED)
-                                for t in mc._embedding_module.embedding_bag_configs()},
-        sharder=ManagedTablesSharder(), local_size=local, world_size=world, device_type=device.type)
-        for path, mc in managed_modules(model)}
 
 
 @PLANS.register("auto")
@@ -187,7 +142,7 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
     plan = build_plan(model, cfg, device)
     inside = tuple(path + "." for path, _ in managed_modules(model))
     plan.plan = {path: p for path, p in plan.plan.items() if not path.startswith(inside)}  # the planner saw them too
-    plan.plan.update(_managed_plans(model, device))
+    plan.plan.update(managed_plans(model, device, _local_size()))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],

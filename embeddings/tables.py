@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import torch
 from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection,
-                                         MCHManagedCollisionModule)
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from trainer.config import EmbeddingsConfig, FeatureSpec
-from trainer.data.ids import MANAGED_ID_RANGE
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
@@ -49,32 +45,13 @@ def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> 
     """An EmbeddingBagCollection of the tables that are not managed, on the meta device
     (DMP materialises only local shards), its parameters marked for the fused optimizer
     that runs inside the backward pass."""
-    ebc = EmbeddingBagCollection(tables=_tables(features, cfg, managed=False), device=torch.device("meta"))
-    _fuse_optimizer(ebc, cfg)
+    ebc = EmbeddingBagCollection(tables=tables_of(features, cfg, managed=False), device=torch.device("meta"))
+    fuse_optimizer(ebc, cfg)
     return ebc
 
 
-def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
-                       buckets: int) -> ManagedCollisionEmbeddingBagCollection | None:
-    """The managed tables (hashing = "managed"), each behind TorchRec's managed-collision
-    module (MCH: a sorted raw-id -> row map with eviction), or None when there are none.
-    `buckets` is the world size: MCH splits its id range into that many parts, one per rank."""
-    tables = _tables(features, cfg, managed=True)
-    if not tables:
-        return None
-    spec = {f.table: f for f in features if f.hashing == "managed"}
-    policies = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}
-    modules = {t.name: MCHManagedCollisionModule(
-        zch_size=t.num_embeddings, device=torch.device("meta"),
-        eviction_policy=policies[spec[t.name].eviction_policy](), eviction_interval=spec[t.name].eviction_interval,
-        input_hash_size=MANAGED_ID_RANGE, buckets=buckets) for t in tables}
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    _fuse_optimizer(ebc, cfg)
-    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables),
-                                                  return_remapped_features=False)
-
-
-def _tables(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool) -> list[EmbeddingBagConfig]:
+def tables_of(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool) -> list[EmbeddingBagConfig]:
+    """The managed tables (hashing = "managed") or the others, in the configured data type."""
     tables = [t for t in table_configs(features)
               if (t.name in {f.table for f in features if f.hashing == "managed"}) == managed]
     for table in tables:
@@ -82,6 +59,7 @@ def _tables(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool) -
     return tables
 
 
-def _fuse_optimizer(ebc: EmbeddingBagCollection, cfg: EmbeddingsConfig) -> None:
+def fuse_optimizer(ebc: EmbeddingBagCollection, cfg: EmbeddingsConfig) -> None:
+    """Mark `ebc`'s tables for the sparse optimizer that runs fused inside the backward pass."""
     optimizer = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[cfg.optimizer]
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})

@@ -2,6 +2,7 @@
 range MCH routes by, training on 1 and 2 ranks with row-wise tables, the optimizer rows of
 evicted ids reset, and exact resume from a checkpoint taken at an eviction."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -71,7 +72,13 @@ def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world
     assert_same_state(reference / "checkpoints" / "step-20", resumed / "checkpoints" / "step-20", tmp_path)
     mch = "model.managed._managed_collision_collection._managed_collision_modules.user_id._mch_sorted_raw_ids"
     occupied = (tensors(reference / "checkpoints" / "step-20", tmp_path)[mch] != torch.iinfo(torch.int64).max).sum()
-    assert 1000 < occupied.item() < 2000  # 5000 users for 2000 rows: ids were admitted and evicted
+    assert 1000 < occupied.item() < 2000  # 5000 users for 2000 rows: ids were admitted
+    # The logged figures: occupancy as the checkpoint's map has it (one miss row per rank).
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["managed/user_id.occupancy"] == pytest.approx(occupied.item() / (2000 - world))
+    assert 0 < summary["managed/user_id.miss_rate"] < 1 and summary["managed/user_id.evicted"] >= 0
+    logged = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert any("managed/user_id.miss_rate" in r for r in logged if r["kind"] == "train")  # 5000 users for 2000 rows: ids were admitted and evicted
 
 
 def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:

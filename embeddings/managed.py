@@ -1,0 +1,144 @@
+"""Managed-collision tables (`hashing = "managed"`): TorchRec's MCH behind every such
+table, sharded row-wise, evictions that reset the freed rows' optimizer state, and the
+per-table figures the logs report (miss rate, occupancy, rows evicted).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed import sharding_plan as sp
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.mc_embeddingbag import (ManagedCollisionEmbeddingBagCollectionSharder,
+                                                   ShardedManagedCollisionEmbeddingBagCollection)
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection,
+                                         MCHManagedCollisionModule)
+
+from dense.hooks import HookProvider, TrainingHooks
+from embeddings.tables import fuse_optimizer, tables_of
+from trainer.config import EmbeddingsConfig, FeatureSpec
+from trainer.data.ids import MANAGED_ID_RANGE
+
+FUSED = EmbeddingComputeKernel.FUSED.value
+EMPTY = torch.iinfo(torch.int64).max  # MCH's mark of a free slot
+
+
+def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
+                       buckets: int) -> ManagedCollisionEmbeddingBagCollection | None:
+    """The managed tables (hashing = "managed"), each behind TorchRec's managed-collision
+    module (MCH: a sorted raw-id -> row map with eviction), or None when there are none.
+    `buckets` is the world size: MCH splits its id range into that many parts, one per rank."""
+    tables = tables_of(features, cfg, managed=True)
+    if not tables:
+        return None
+    spec = {f.table: f for f in features if f.hashing == "managed"}
+    policies = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}
+    modules = {t.name: TrackedMCH(
+        zch_size=t.num_embeddings, device=torch.device("meta"),
+        eviction_policy=policies[spec[t.name].eviction_policy](), eviction_interval=spec[t.name].eviction_interval,
+        input_hash_size=MANAGED_ID_RANGE, buckets=buckets, name=t.name) for t in tables}
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    fuse_optimizer(ebc, cfg)
+    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables),
+                                                  return_remapped_features=False)
+
+
+
+class TrackedMCH(MCHManagedCollisionModule, HookProvider):
+    """TorchRec's MCH module that also counts, in training, the ids it looks up, those that
+    fall on the miss row (ids not admitted yet), and the rows it evicts (taken from one id
+    for another; filling a free row is no eviction); each shard keeps its own counts,
+    summed over ranks when logged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("_counts", torch.zeros(3, dtype=torch.int64, device=self.device), persistent=False)
+        self._logged = torch.zeros(3, dtype=torch.int64)  # counts at the last training log
+
+    def remap(self, features, mutate_miss_lengths=True, write_weights=None):
+        out = super().remap(features, mutate_miss_lengths, write_weights)
+        if self.training:
+            miss_row = self._output_global_offset + self._zch_size - 1
+            for jagged in out.values():
+                self._counts[0] += jagged.values().numel()
+                self._counts[1] += (jagged.values() == miss_row).sum()
+        return out
+
+    def _update_and_evict(self, *args) -> None:
+        """TorchRec's admission step, counting the rows taken from other ids: of the slots it
+        hands out, those that were not free."""
+        fresh = not self._evicted  # else TorchRec adds to a set not yet consumed
+        before = self._occupied()
+        super()._update_and_evict(*args)
+        if fresh:
+            self._counts[2] += self._evicted_emb_indices.numel() - (self._occupied() - before)
+
+    def _occupied(self) -> torch.Tensor:
+        return (self._mch_sorted_raw_ids != EMPTY).sum()
+
+    def register_hooks(self, hooks: TrainingHooks) -> None:
+        hooks.metrics.append(self.log_values)
+
+    def log_values(self, kind: str) -> dict[str, float]:
+        """`managed/<table>.miss_rate` and `.evicted` since the last training log (over the whole
+        run for an evaluation), `.occupancy` now: each a sum over ranks (collective)."""
+        occupied = self._occupied().reshape(1)
+        totals = torch.cat([self._counts, occupied, torch.tensor([self._zch_size - 1], device=occupied.device)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(totals)
+        totals = totals.cpu()
+        counts = totals[:3] - self._logged if kind == "train" else totals[:3]
+        if kind == "train":
+            self._logged = totals[:3].clone()
+        table = self._name
+        return {f"managed/{table}.miss_rate": float(counts[1] / max(int(counts[0]), 1)),
+                f"managed/{table}.evicted": float(counts[2]),
+                f"managed/{table}.occupancy": float(totals[3] / totals[4])}
+
+
+def managed_modules(model: nn.Module) -> list[tuple[str, ManagedCollisionEmbeddingBagCollection]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ManagedCollisionEmbeddingBagCollection)]
+
+
+class ResettingEvictions(ShardedManagedCollisionEmbeddingBagCollection):
+    """TorchRec's sharded managed-collision tables, whose evictions reset the freed rows'
+    optimizer state on every device. TorchRec's own reset (FBGEMM's reset_weight_momentum)
+    has no CPU kernel, and it leaves exact Adagrad's accumulator alone: a reused row kept
+    the old id's. Here the state is zeroed through the kernel's per-table views."""
+
+    def _evict(self, evictions_per_table: dict[str, torch.Tensor | None]) -> None:
+        for table, rows in evictions_per_table.items():
+            if rows is None:
+                continue
+            rows = rows.long()
+            tbe, index = self._table_to_tbe_and_index[table]
+            with torch.no_grad():
+                for state in tbe.split_optimizer_states()[int(index)]:
+                    state[rows] = 0
+                weight = self._embedding_module.embedding_bags.get_parameter(f"{table}.weight")
+                init = self._embedding_module._table_name_to_config[table].init_fn
+                weight.data[rows] = init(weight[rows])
+
+
+class ManagedTablesSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """Shards managed-collision tables as `ResettingEvictions`."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        return ResettingEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
+                                  env=env, device=device or torch.device("cuda"))
+
+
+def managed_plans(model: nn.Module, device: torch.device, local: int) -> dict:
+    """Row-wise plans of the managed tables: MCH splits its id range across ranks, and
+    TorchRec shards it row-wise only."""
+    world = dist.get_world_size()
+    return {path: sp.construct_module_sharding_plan(
+        mc, per_param_sharding={t.name: sp.row_wise(compute_kernel=FUSED)
+                                for t in mc._embedding_module.embedding_bag_configs()},
+        sharder=ManagedTablesSharder(), local_size=local, world_size=world, device_type=device.type)
+        for path, mc in managed_modules(model)}
+
+
