@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world
     assert summary["managed/user_id.occupancy"] == pytest.approx(occupied.item() / (2000 - world))
     assert 0 < summary["managed/user_id.miss_rate"] < 1 and summary["managed/user_id.evicted"] >= 0
     logged = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    assert any("managed/user_id.miss_rate" in r for r in logged if r["kind"] == "train")  # 5000 users for 2000 rows: ids were admitted and evicted
+    assert any("managed/user_id.miss_rate" in r for r in logged if r["kind"] == "train")
 
 
 def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
@@ -118,3 +119,14 @@ def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path
     assert (weight[~evicted] == 5).all()
     bound = weight.shape[0] ** -0.5  # TorchRec's default init: uniform(+-1/sqrt(rows))
     assert (weight[evicted].abs() <= bound).all() and (weight[evicted] != 0).any()
+
+
+def test_the_comparison_bench_prints_both_modes():
+    proc = subprocess.run([sys.executable, "bench/managed.py", "--seeds", "1", "--synth-rows", "4000", "--epochs", "1",
+                           "--rows", "500"], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [line[0] for line in lines] == ["modulo", "managed"]
+    assert lines[0][1] == "collision" and 0 < float(lines[0][2]) <= 1
+    assert lines[1][1] == "miss" and 0 <= float(lines[1][2]) <= 1 and lines[1][3] == "evicted"
