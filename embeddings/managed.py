@@ -46,7 +46,6 @@ def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
                                                   return_remapped_features=False)
 
 
-
 class TrackedMCH(MCHManagedCollisionModule, HookProvider):
     """TorchRec's MCH module that also counts, in training, the ids it looks up, those that
     fall on the miss row (ids not admitted yet), and the rows it evicts (taken from one id
