@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection
 from torchrec.distributed import sharding_plan as sp
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.mc_embeddingbag import (ManagedCollisionEmbeddingBagCollectionSharder,
                                                    ShardedManagedCollisionEmbeddingBagCollection)
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
@@ -18,11 +17,10 @@ from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, LRU_Evictio
                                          MCHManagedCollisionModule)
 
 from dense.hooks import HookProvider, TrainingHooks
-from embeddings.tables import fuse_optimizer, tables_of
+from embeddings.tables import FUSED, fuse_optimizer, tables_of
 from trainer.config import EmbeddingsConfig, FeatureSpec
 from trainer.data.ids import MANAGED_ID_RANGE
 
-FUSED = EmbeddingComputeKernel.FUSED.value
 EMPTY = torch.iinfo(torch.int64).max  # MCH's mark of a free slot
 
 

@@ -20,18 +20,17 @@ from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as sp
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from embeddings.managed import ManagedTablesSharder, managed_modules, managed_plans
+from embeddings.tables import FUSED
 from trainer.config import EmbeddingsConfig
 from trainer.registry import Registry
 
 PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]] = \
     Registry("embeddings.plan")
-FUSED = EmbeddingComputeKernel.FUSED.value
 
 
 def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection]:

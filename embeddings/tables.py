@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from trainer.config import EmbeddingsConfig, FeatureSpec
 
+FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 

@@ -220,7 +220,7 @@ def score(argv: list[str]) -> int:
     try:
         if args.model:
             from trainer.serving.predict import ArtifactModel
-            model = ArtifactModel(args.model)
+            model = ArtifactModel(args.model, cfg.features)
         else:
             model = CheckpointModel(cfg, args.checkpoint)
         summary = Scorer(cfg, model).score(args.data, args.out, args.batch_size, keep)

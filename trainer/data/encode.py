@@ -105,8 +105,8 @@ def raw_numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarr
 
 def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
     values = raw_numeric(column, f, where)
-    if column.null_count:
-        values[np.asarray(column.is_null())] = f.fill_null
+    if column.null_count:  # raw_numeric refused every other NaN: a NaN is a null here
+        np.copyto(values, f.fill_null, where=np.isnan(values))
     for op in f.transform:
         if op == "log1p":
             low = np.flatnonzero(values <= -1)

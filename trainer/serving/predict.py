@@ -17,15 +17,16 @@ from trainer.serving.export import load
 class ArtifactModel:
     """A serving artifact loaded as a server loads it (trainer/serving/export.py `load`)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, features: list[FeatureSpec]):
         self.folder = folder
+        self.features = features  # in the artifact's order (its config.toml), not the encoder's
         self.model, self.manifest = load(folder)
 
     def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:
         """(logits [B, K] float64, probabilities [B, K] as the artifact gives them, the batch
         of labels and users). The ids are checked here as in training, so that a bad one is
         reported with its file, column and row rather than by the artifact's own check."""
-        ids, lengths, numeric = raw_inputs(table, encoder.sparse + encoder.numeric, where)
+        ids, lengths, numeric = raw_inputs(table, self.features, where)
         labels_only = RowEncoder([], encoder.tasks, encoder.user_column)
         batch = labels_only.encode(table, where).to_batch()
         try:
