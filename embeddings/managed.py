@@ -139,3 +139,30 @@ def managed_plans(model: nn.Module, device: torch.device, local: int) -> dict:
         for path, mc in managed_modules(model)}
 
 
+
+
+_MCH = "managed._managed_collision_collection._managed_collision_modules."
+
+
+def served_tables(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """A RankingModel's whole-tensor state (`checkpoint.model_tensors`) -> (the same state with
+    the managed tables' weights beside the plain ones, under `ebc.embedding_bags.`; each managed
+    table's id map). An id map is what MCH's evaluation remap reads, whatever the world size
+    that trained it:
+
+        keys      [M] int64  the mapped (spread) ids, ascending
+        rows      [M] int64  their rows in the whole table
+        miss_rows [W] int64  the miss row of each rank's range, W the ranks that trained it
+    """
+    weights = "managed._embedding_module.embedding_bags."
+    plain = {("ebc.embedding_bags." + k[len(weights):] if k.startswith(weights) else k): v
+             for k, v in state.items() if not k.startswith(_MCH)}
+    maps = {}
+    for table in sorted({k[len(_MCH):].split(".")[0] for k in state if k.startswith(_MCH)}):
+        ids, rows = state[f"{_MCH}{table}._mch_sorted_raw_ids"], state[f"{_MCH}{table}._mch_remapped_ids_mapping"]
+        segments = state[f"{_MCH}{table}._output_segments_tensor"]  # [0, end of rank 0's rows, ...], then -1s
+        segments = segments[segments >= 0]
+        held = ids != EMPTY
+        order = torch.argsort(ids[held])  # each rank's part is sorted, and the parts' id ranges ascend
+        maps[table] = (ids[held][order], rows[held][order], segments[1:] - 1)
+    return plain, maps

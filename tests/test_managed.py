@@ -1,6 +1,7 @@
 """Managed-collision tables (`hashing = "managed"`, TorchRec's MCH): ids spread over the
 range MCH routes by, training on 1 and 2 ranks with row-wise tables, the optimizer rows of
-evicted ids reset, and exact resume from a checkpoint taken at an eviction."""
+evicted ids reset, exact resume from a checkpoint taken at an eviction, and serving
+artifacts that remap raw ids as each training rank's MCH does."""
 
 import json
 import os
@@ -11,19 +12,28 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from torchrec import JaggedTensor
+from torchrec.modules.mc_modules import _mch_remap
 
 from cli import rankmix, spawn
+from embeddings.managed import served_tables
 from object_store import free_port
 from test_checkpoint import assert_same_state, tensors
 from trainer.config import FeatureSpec
 from trainer.config_loader import load_config
 from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread
+from trainer.serving.model import ManagedRows
 
-MANAGED = ["--config", "configs/synth.toml", "--data.synth_rows=20000", "--features.user_id.hashing=managed",
-           "--features.user_id.num_embeddings=2000", "--features.user_id.eviction_interval=5",
-           "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.keep=0"]
+# The user table and the item table that item_id and hist_items share, both managed, both with
+# fewer rows than the log has ids.
+MANAGED = ["--config", "configs/synth.toml", "--data.synth_rows=20000", "--metrics.progress=false",
+           "--metrics.tensorboard=false", "--checkpoint.keep=0",
+           *(f"--features.{f}.{key}={value}" for f, rows in (("user_id", 2000), ("item_id", 1000), ("hist_items", 1000))
+             for key, value in (("hashing", "managed"), ("num_embeddings", rows), ("eviction_interval", 5)))]
+MCH = "model.managed._managed_collision_collection._managed_collision_modules."
 
 
 def test_ids_are_spread_over_the_routed_range_whatever_their_type():
@@ -32,6 +42,8 @@ def test_ids_are_spread_over_the_routed_range_whatever_their_type():
     assert len(set(spread_ids.tolist())) == len(ids) and ((0 <= spread_ids) & (spread_ids < MANAGED_ID_RANGE)).all()
     np.testing.assert_array_equal(spread(ids.astype(np.uint64)), spread_ids)  # the same bits, the same row
     np.testing.assert_array_equal(spread(ids[:4].astype(np.int32)), spread_ids[:4])
+    words = [0, 1, 5000, 2 ** 63 + 5, 2 ** 64 - 1]  # against splitmix64 in Python's own integers
+    np.testing.assert_array_equal(spread(np.array(words, dtype=np.uint64)), [_splitmix(w) for w in words])
     consecutive = spread(np.arange(10_000, dtype=np.int64))  # clustered ids reach every rank's part alike
     assert abs((consecutive < MANAGED_ID_RANGE // 2).mean() - 0.5) < 0.02
     spec = FeatureSpec(name="u", num_embeddings=10, hashing="managed")
@@ -39,6 +51,15 @@ def test_ids_are_spread_over_the_routed_range_whatever_their_type():
     np.testing.assert_array_equal(values, spread(np.array([3, 2 ** 63 + 5], dtype=np.uint64)))
     with pytest.raises(ValueError, match="f, column 'u': negative id -4 at row 1"):
         encode_ids(pa.array([1, -4]), spec, "f")
+
+
+def _splitmix(word: int) -> int:
+    mask = 2 ** 64 - 1
+    word ^= word >> 30
+    word = word * 0xBF58476D1CE4E5B9 & mask
+    word ^= word >> 27
+    word = word * 0x94D049BB133111EB & mask
+    return (word ^ word >> 31) % MANAGED_ID_RANGE
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -62,16 +83,23 @@ def train(world: int, run: Path, cache: Path, *args: str) -> subprocess.Complete
     return proc
 
 
+def trained(made_once, world: int) -> tuple[Path, Path]:
+    """(the run folder, the data cache) of 20 steps on `world` ranks, checkpointed at steps 10 and 20."""
+    cache = made_once("managed-cache", lambda folder: None)
+    folder = made_once(f"managed-{world}", lambda folder: train(world, folder / "run", cache, "--train.steps=20",
+                                                                 "--checkpoint.interval=10"))
+    return folder / "run", cache
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world, tmp_path, made_once):
-    cache = made_once("managed-cache", lambda folder: None)
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    train(world, reference, cache, "--train.steps=20", "--checkpoint.interval=10")
+    reference, cache = trained(made_once, world)
+    resumed = tmp_path / "resumed"
     assert "user_id | row_wise" in (reference / "plan.txt").read_text()
     shutil.copytree(reference / "checkpoints" / "step-10", resumed / "checkpoints" / "step-10")
     assert "at step 10" in train(world, resumed, cache, "--train.steps=20", "--checkpoint.interval=10").stdout
     assert_same_state(reference / "checkpoints" / "step-20", resumed / "checkpoints" / "step-20", tmp_path)
-    mch = "model.managed._managed_collision_collection._managed_collision_modules.user_id._mch_sorted_raw_ids"
+    mch = MCH + "user_id._mch_sorted_raw_ids"
     occupied = (tensors(reference / "checkpoints" / "step-20", tmp_path)[mch] != torch.iinfo(torch.int64).max).sum()
     assert 1000 < occupied.item() < 2000  # 5000 users for 2000 rows: ids were admitted
     # The logged figures: occupancy as the checkpoint's map has it (one miss row per rank).
@@ -130,3 +158,61 @@ def test_the_comparison_bench_prints_both_modes():
     assert [line[0] for line in lines] == ["modulo", "managed"]
     assert lines[0][1] == "collision" and 0 < float(lines[0][2]) <= 1
     assert lines[1][1] == "miss" and 0 <= float(lines[1][2]) <= 1 and lines[1][3] == "evicted"
+
+
+def _mch_reference(ids: torch.Tensor, state: dict[str, torch.Tensor], table: str) -> torch.Tensor:
+    """Rows of raw ids as the ranks' MCH modules remap them in evaluation: each spread id goes to
+    the rank whose range holds it (TorchRec's row-wise buckets), which runs TorchRec's own remap
+    on its part of the map."""
+    buffers = {k[len(MCH) + len(table) + 1:]: v for k, v in state.items() if k.startswith(f"{MCH}{table}.")}
+    segments = buffers["_output_segments_tensor"][buffers["_output_segments_tensor"] >= 0].tolist()
+    spread_ids = torch.from_numpy(spread(ids.numpy()))
+    bucket = spread_ids // -(-MANAGED_ID_RANGE // (len(segments) - 1))
+    out = torch.full_like(ids, -1)
+    for rank, (start, end) in enumerate(zip(segments, segments[1:])):
+        mine = bucket == rank
+        remapped = _mch_remap({"f": JaggedTensor(spread_ids[mine], lengths=torch.ones(int(mine.sum()), dtype=torch.int64))},
+                              buffers["_mch_sorted_raw_ids"][start:end], buffers["_mch_remapped_ids_mapping"][start:end],
+                              end - 1)
+        out[mine] = remapped["f"].values()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_artifacts_id_map_remaps_as_each_ranks_mch_does(world, made_once, tmp_path):
+    run, cache = trained(made_once, world)
+    state = tensors(run / "checkpoints" / "step-20", tmp_path)
+    _, maps = served_tables({k[len("model."):]: v for k, v in state.items()})
+    assert sorted(maps) == ["item", "user_id"]
+    rng = np.random.default_rng(0)
+    valid = pq.read_table(next(cache.glob("*/valid")))
+    for table, column in (("user_id", "user_id"), ("item", "item_id")):
+        logged = valid.column(column).to_numpy().astype(np.int64)
+        ids = torch.from_numpy(np.concatenate([logged, rng.integers(0, 2 ** 64, 1000, dtype=np.uint64).view(np.int64)]))
+        expected = _mch_reference(ids, state, table)
+        got = ManagedRows(*maps[table])(ids)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        missed = torch.isin(expected, maps[table][2])
+        assert 0 < missed[:len(logged)].float().mean() < 1  # the log's ids: in the map or not
+        assert missed[len(logged):].all() and len(set(expected[len(logged):].tolist())) == world  # one miss row a rank
+
+
+@pytest.mark.parametrize("world,fmt", [(1, "pt2"), (2, "torchscript")])
+def test_an_artifact_with_managed_tables_scores_as_its_training_run_evaluated(world, fmt, made_once, tmp_path):
+    run, cache = trained(made_once, world)
+    valid = next(cache.glob("*/valid"))
+    manifest = json.loads(rankmix("export", "--checkpoint", str(run), "--out", str(tmp_path / "model"),
+                                  "--format", fmt).stdout.splitlines()[-1])
+    assert manifest["managed"]["user_id"]["ranks"] == world and manifest["managed"]["item"]["ranks"] == world
+    assert 1000 < manifest["managed"]["user_id"]["ids"] <= 2000 - world
+    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(valid), "--out", str(tmp_path / "b"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.splitlines()[-1])
+    summary = json.loads((run / "summary.json").read_text())  # the run's own evaluation, on its ranks
+    for key in ("auc", "logloss"):
+        assert served[key] == pytest.approx(summary[key], abs=1e-6), key
+    if world == 1:  # the same weights and map in TorchRec's modules, prediction by prediction
+        proc = rankmix("score", "--checkpoint", str(run), "--data", str(valid), "--out", str(tmp_path / "a"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        np.testing.assert_allclose(pq.read_table(tmp_path / "b").column("pred_click").to_numpy(),
+                                   pq.read_table(tmp_path / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)

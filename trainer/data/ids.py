@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from trainer.config import FeatureSpec
 
@@ -92,13 +93,27 @@ def spread(values: np.ndarray) -> np.ndarray:
     over [0, MANAGED_ID_RANGE) by splitmix64's finaliser, a bijection of 64-bit words: ids
     that differ stay different (before the final reduction, which merges one in 4 at most
     of 2^64 values), and a log's ids, however clustered, fill every rank's part alike."""
-    z = values.astype(np.int64, copy=False).view(np.uint64).copy()
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z % np.uint64(MANAGED_ID_RANGE)).astype(np.int64)
+    return spread_ids(torch.from_numpy(np.ascontiguousarray(values.astype(np.int64, copy=False)))).numpy()
+
+
+_MIX = (0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)  # splitmix64's multipliers, as int64
+
+
+def spread_ids(ids: torch.Tensor) -> torch.Tensor:
+    """`spread` on a tensor: int64 [N] raw ids (bit patterns) -> int64 [N] in [0, MANAGED_ID_RANGE).
+    The one implementation, which the reader and the serving artifact (traced) both run:
+    int64 products wrap as unsigned ones do, and shifts are made logical by a mask."""
+    z = ids ^ _shift_right(ids, 30)
+    z = z * _MIX[0]
+    z = z ^ _shift_right(z, 27)
+    z = z * _MIX[1]
+    z = z ^ _shift_right(z, 31)
+    return z & (MANAGED_ID_RANGE - 1)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned (logical) right shift of int64 words; torch's `>>` keeps the sign."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,11 +28,12 @@ from torchrec import EmbeddingBagCollection
 
 from dense.hooks import serving_form
 from dense.model import build_dense
+from embeddings.managed import served_tables
 from embeddings.tables import table_configs
 from trainer.checkpoint import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
-from trainer.serving.model import ServingModel
+from trainer.serving.model import ManagedRows, ServingModel
 from trainer.serving.readme import write_readme
 from trainer.state import apply_trained_step
 
@@ -56,7 +57,7 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
     for option, value, choices in (("--format", fmt, FORMATS), ("--tables", tables, TABLES), ("--moe", moe, MOE)):
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
-    _check_exportable(cfg, tables)
+    _check_widths(cfg, tables)
     source = resolve_load_path(checkpoint, "--checkpoint").resolve()
     folder = _out_folder(out)
     cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
@@ -75,7 +76,8 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
         torch.save(outputs, tmp / "example_outputs.pt")
         manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
                     "checkpoint": str(source), "step": step, "table_bytes": tables_size,
-                    "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks]}
+                    "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks],
+                    "managed": managed_tables(model)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         dump_toml(cfg, tmp / "config.toml")
         write_readme(tmp / "README.md", cfg, manifest)
@@ -112,11 +114,7 @@ def _is_export(folder: Path) -> bool:
         {p.name for p in folder.iterdir()} <= ours
 
 
-def _check_exportable(cfg: Config, tables: str) -> None:
-    managed = [f.name for f in cfg.features if f.hashing == "managed"]
-    if managed:
-        raise ValueError(f"features {managed} have managed tables, whose id mapping the serving artifact "
-                         "does not carry yet: such a model cannot be exported")
+def _check_widths(cfg: Config, tables: str) -> None:
     multiple = _WIDTH_MULTIPLE[tables]
     for f in cfg.features:
         if f.kind != "numeric" and f.embedding_dim % multiple:
@@ -128,6 +126,7 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int | None,
                   source: Path | str = "the checkpoint") -> ServingModel:
     """The ServingModel of `cfg` with the weights `state` (RankingModel's names), loaded from
     `source`, trained to `step`."""
+    state, id_maps = served_tables(state)
     ebc = EmbeddingBagCollection(tables=table_configs(cfg.features), device=torch.device("meta"))
     ebc = ebc.to_empty(device="cpu")
     layout, tower, heads = build_dense(cfg.model, cfg.features)
@@ -143,7 +142,9 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int | None,
             raise ValueError(f"{source} does not fit this config's {name}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
     apply_trained_step(tower, step, source)
-    model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval()).eval().requires_grad_(False)
+    managed = {t: ManagedRows(*id_map) for t, id_map in id_maps.items()}
+    model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed)
+    model = model.eval().requires_grad_(False)
     if TABLES[tables] is not None:
         from torchrec.inference.modules import quantize_embeddings
 
@@ -175,6 +176,11 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
         if f.fill_null is not None:
             numeric[0, i] = float("nan")
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric
+
+
+def managed_tables(model: ServingModel) -> dict[str, dict[str, int]]:
+    """Per managed table: the ids its map holds, and the ranks (miss rows) that trained it."""
+    return {t: {"ids": len(m.keys) - 1, "ranks": len(m.miss_rows)} for t, m in model.managed.items()}
 
 
 def table_bytes(model: ServingModel) -> int:

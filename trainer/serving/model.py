@@ -22,6 +22,7 @@ from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
 from trainer.config import FeatureSpec
+from trainer.data.ids import MANAGED_ID_RANGE, spread_ids
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
 
@@ -40,11 +41,13 @@ class ServingModel(nn.Module):
     """(ids, lengths, numeric) -> probabilities [B, K]; see the module docstring."""
 
     def __init__(self, features: list[FeatureSpec], ebc: nn.Module, layout: InputLayout, tower: nn.Module,
-                 heads: nn.Module):
+                 heads: nn.Module, managed: dict[str, "ManagedRows"] | None = None):
         super().__init__()
         self.sparse = [f for f in features if f.kind != "numeric"]
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
+        self.managed = nn.ModuleDict(managed or {})  # table -> its id map (hashing = "managed")
+        assert set(self.managed) == {f.table for f in self.sparse if f.hashing == "managed"}
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
         # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
@@ -59,8 +62,9 @@ class ServingModel(nn.Module):
         return torch.sigmoid(self.heads(self.tower(e_input)))
 
     def hash_ids(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw ids [N], lengths [S, B] -> table rows, lengths: ids checked (hashing 'none') or
-        reduced modulo the table as unsigned 64-bit numbers, each bag cut to its last max_len ids."""
+        """Raw ids [N], lengths [S, B] -> table rows, lengths: ids checked (hashing 'none'),
+        reduced modulo the table as unsigned 64-bit numbers, or looked up in a managed table's
+        id map; each bag cut to its last max_len ids."""
         _require((lengths >= 0).all(), "lengths must not be negative")
         per_feature = lengths.sum(dim=1)
         n = ids.shape[0]
@@ -94,7 +98,11 @@ class ServingModel(nn.Module):
         # An id below 0 is an unsigned id of 2^63 or more: u % n = (id % n + 2^64 % n) % n.
         rows = torch.remainder(ids, sizes)
         wrap = per_id([2 ** 64 % f.num_embeddings for f in self.sparse])
-        return torch.where(ids < 0, torch.remainder(rows + wrap, sizes), rows)
+        rows = torch.where(ids < 0, torch.remainder(rows + wrap, sizes), rows)
+        for table, id_map in self.managed.items():  # every id is looked up: no data-dependent split to trace
+            in_table = per_id([int(f.table == table) for f in self.sparse]) == 1
+            rows = torch.where(in_table, id_map(ids), rows)
+        return rows
 
     def transform_numeric(self, numeric: torch.Tensor) -> torch.Tensor:
         """[B, F] float64 raw -> [B, F] float32: nulls filled, transforms applied in order."""
@@ -116,3 +124,28 @@ class ServingModel(nn.Module):
         if not columns:
             return numeric.new_zeros(numeric.shape[0], 0, dtype=torch.float32)
         return torch.stack(columns, dim=1).to(torch.float32)
+
+
+class ManagedRows(nn.Module):
+    """Raw ids [N] int64 -> rows [N] of one managed table, as TorchRec's MCH maps them in
+    evaluation on the ranks that trained it: the id spread as the reader spreads it
+    (trainer/data/ids.py), then its row in the map, or else the miss row of the rank whose
+    range holds it. The map (embeddings/managed.py `served_tables`) is fixed: serving admits
+    and evicts nothing.
+
+    keys [M] ascending spread ids, rows [M] their rows, miss_rows [W] one per training rank.
+    """
+
+    def __init__(self, keys: torch.Tensor, rows: torch.Tensor, miss_rows: torch.Tensor):
+        super().__init__()
+        # A last key above every spread id, so that a search never runs past the end (MCH's own
+        # sorted ids end with such a free slot).
+        self.register_buffer("keys", torch.cat([keys, torch.tensor([torch.iinfo(torch.int64).max])]))
+        self.register_buffer("rows", torch.cat([rows, miss_rows[-1:]]))
+        self.register_buffer("miss_rows", miss_rows.clone())
+        self.range_per_rank = -(-MANAGED_ID_RANGE // len(miss_rows))  # TorchRec's row-wise bucket size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        spread = spread_ids(ids)
+        at = torch.searchsorted(self.keys, spread)
+        return torch.where(self.keys[at] == spread, self.rows[at], self.miss_rows[spread // self.range_per_rank])

@@ -47,7 +47,9 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "feature in this order, and within a feature row after row (the values of a KeyedJaggedTensor). "
         "Unsigned 64-bit ids are passed as their bit pattern (numpy's `.view(np.int64)`). Hashing happens "
         "inside: `modulo` reduces an id modulo the table size as an unsigned number, `none` refuses an "
-        "id outside the table; a list keeps its last `max_len` ids.",
+        "id outside the table, `managed` looks the id up in the map of ids its table held at the "
+        "checkpoint (`manifest.json`: `managed`), and an id not in it takes the miss row that training "
+        "gave it; a list keeps its last `max_len` ids.",
         f"- `lengths`: int64 `[{len(sparse)}, B]`, how many ids each row has of each feature "
         "(0 for a null or empty one).",
         f"- `numeric`: float64 `[B, {len(numeric)}]`, the numeric features below before their transforms, "
