@@ -128,10 +128,9 @@ class ManagedTablesSharder(ManagedCollisionEmbeddingBagCollectionSharder):
                                   env=env, device=device or torch.device("cuda"))
 
 
-def managed_plans(model: nn.Module, device: torch.device, local: int) -> dict:
-    """Row-wise plans of the managed tables: MCH splits its id range across ranks, and
-    TorchRec shards it row-wise only."""
-    world = dist.get_world_size()
+def managed_plans(model: nn.Module, device: torch.device, local: int, world: int) -> dict:
+    """Row-wise plans of the managed tables on `world` ranks, `local` per host: MCH splits its id
+    range across ranks, and TorchRec shards it row-wise only."""
     return {path: sp.construct_module_sharding_plan(
         mc, per_param_sharding={t.name: sp.row_wise(compute_kernel=FUSED)
                                 for t in mc._embedding_module.embedding_bag_configs()},

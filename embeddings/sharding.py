@@ -141,7 +141,7 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
     plan = build_plan(model, cfg, device)
     inside = tuple(path + "." for path, _ in managed_modules(model))
     plan.plan = {path: p for path, p in plan.plan.items() if not path.startswith(inside)}  # the planner saw them too
-    plan.plan.update(managed_plans(model, device, _local_size()))
+    plan.plan.update(managed_plans(model, device, _local_size(), dist.get_world_size()))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],

@@ -28,7 +28,8 @@ class RankMemory:
 
     tables: int
     optimizer: int
-    estimate: int  # TorchRec's storage estimate of the rank's shards (HBM + DDR)
+    estimate: int  # TorchRec's storage estimate of the rank's planned shards (HBM + DDR), plus managed shards
+    id_maps: int = 0  # managed tables' MCH buffers (sorted ids, rows, eviction metadata)
 
 
 @dataclass
@@ -49,7 +50,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
 
     from dense.model import build_dense
     from embeddings.sharding import FUSED
-    from embeddings.tables import build_embedding_bags
+    from embeddings.tables import build_embedding_bags, table_configs
     from trainer.train import per_rank_batch_size
 
     if world_size < 1 or world_size % local_world_size:
@@ -58,9 +59,6 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
         raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
     if not cfg.features:
         raise ValueError("features is empty: give the config's [[features]] schema")
-    managed = [f.name for f in cfg.features if f.hashing == "managed"]
-    if managed:
-        raise ValueError(f"features {managed} have managed tables, which rankmix plan does not size yet")
     ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device
     holder = nn.Module()
     holder.ebc = ebc
@@ -76,11 +74,12 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
             plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
     except PlannerError as e:
         return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
-    for sharding in plan.plan["ebc"].values():
+    for sharding in plan.plan.get("ebc", {}).values():  # none when every table is managed
         # a table kept whole on one rank is table-wise, whatever label cost ties gave it
         if len(set(sharding.ranks or [])) == 1:
             sharding.sharding_type = "table_wise"
-    memory = _rank_memory(planner._best_plan, world_size, cfg.embeddings)
+    memory = _rank_memory(planner._best_plan or [], world_size, cfg.embeddings)
+    managed_text = _add_managed_tables(cfg, memory, device, local_world_size)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
     # weights, gradients and RMSProp's square average (plus its momentum buffer when used), fp32
@@ -88,13 +87,13 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     capacity = (hbm_gb if device == "cuda" else ddr_gb) * GB
     lines = [f"{world_size} x {device} ({local_world_size} per host), "
              + (f"HBM {hbm_gb:g} GB, " if device == "cuda" else "") + f"DDR {ddr_gb:g} GB each; "
-             f"{batch} rows per rank and step", "", str(plan), "",
-             f"{'rank':>4} {'tables GB':>10} {'optimizer GB':>13} {'dense GB':>9} {'TorchRec estimate GB':>21} "
-             f"{'free GB':>8}"]
+             f"{batch} rows per rank and step", *(["", str(plan)] if plan.plan else []), *managed_text, "",
+             f"{'rank':>4} {'tables GB':>10} {'optimizer GB':>13} {'id maps GB':>11} {'dense GB':>9} "
+             f"{'estimate GB':>12} {'free GB':>8}"]
     for rank, m in enumerate(memory):
-        lines.append(f"{rank:>4} {m.tables / GB:>10.3f} {m.optimizer / GB:>13.3f} {dense / GB:>9.3f} "
-                     f"{m.estimate / GB:>21.3f} {(capacity - m.estimate - dense) / GB:>8.2f}")
-    pooled, ids = _all_to_all_bytes(cfg, ebc, batch, world_size)
+        lines.append(f"{rank:>4} {m.tables / GB:>10.3f} {m.optimizer / GB:>13.3f} {m.id_maps / GB:>11.3f} "
+                     f"{dense / GB:>9.3f} {m.estimate / GB:>12.3f} {(capacity - m.estimate - dense) / GB:>8.2f}")
+    pooled, ids = _all_to_all_bytes(table_configs(cfg.features), batch, world_size)
     lines += ["", f"all-to-all per rank and step: pooled embeddings {pooled / 2**20:.1f} MB forward and "
               f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB",
               f"dense tower and heads: {dense_params:,} parameters, replicated"]
@@ -105,25 +104,61 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
 
 
 def _rank_memory(options: list, world_size: int, cfg: EmbeddingsConfig) -> list[RankMemory]:
-    """Bytes per rank from the planner's chosen sharding options (the optimizer state is fp32)."""
-    weight_bytes = {"fp32": 4, "fp16": 2}[cfg.data_type]
+    """Bytes per rank from the planner's chosen sharding options."""
     memory = [RankMemory(0, 0, 0) for _ in range(world_size)]
     for option in options:
         for shard in option.shards:
-            rows, cols = shard.size
             m = memory[shard.rank]
-            m.tables += rows * cols * weight_bytes
-            m.optimizer += rows * 4 * (1 if cfg.optimizer == "rowwise_adagrad" else cols)
+            m.tables, m.optimizer = _shard_bytes(m, *shard.size, cfg)
             m.estimate += shard.storage.hbm + shard.storage.ddr
     return memory
 
 
-def _all_to_all_bytes(cfg: Config, ebc: nn.Module, batch: int, world_size: int) -> tuple[int, int]:
+def _shard_bytes(m: RankMemory, rows: int, cols: int, cfg: EmbeddingsConfig) -> tuple[int, int]:
+    """`m`'s (table, optimizer) bytes with a shard of rows x cols added (the optimizer state is fp32)."""
+    weight_bytes = {"fp32": 4, "fp16": 2}[cfg.data_type]
+    return (m.tables + rows * cols * weight_bytes,
+            m.optimizer + rows * 4 * (1 if cfg.optimizer == "rowwise_adagrad" else cols))
+
+
+def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, local_world_size: int) -> list[str]:
+    """Add the managed tables' shards to `memory` (TorchRec's planner does not plan them: they are
+    row-wise, as training shards them, embeddings/managed.py) and return their lines of the plan.
+    A shard's estimate is its weights, optimizer state and MCH map; MCH's id history (ids of
+    one eviction interval, allocated at the first step) is not counted."""
+    import torch
+
+    from embeddings.managed import build_managed_bags, managed_plans
+
+    world_size = len(memory)
+    collection = build_managed_bags(cfg.features, cfg.embeddings, buckets=world_size)  # meta device
+    if collection is None:
+        return []
+    holder = nn.Module()
+    holder.managed = collection
+    plans = managed_plans(holder, torch.device(device), local_world_size, world_size)["managed"]
+    lines = ["", "managed table | sharding type | rows per rank"]
+    for table, sharding in plans.items():
+        mch = collection._managed_collision_collection._managed_collision_modules[table]
+        per_row = sum(b.element_size() for name, b in mch.state_dict().items() if name.startswith("_mch_"))
+        for shard in sharding.sharding_spec.shards:
+            rows, cols = shard.shard_sizes
+            m = memory[shard.placement.rank()]
+            before = m.tables + m.optimizer
+            m.tables, m.optimizer = _shard_bytes(m, rows, cols, cfg.embeddings)
+            m.id_maps += rows * per_row
+            m.estimate += m.tables + m.optimizer - before + rows * per_row
+        rows = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
+        lines.append(f"{table} | row_wise | " + (f"{len(rows)} x {rows[0]:,}" if len(set(rows)) == 1 else str(rows)))
+    return lines
+
+
+def _all_to_all_bytes(tables: list, batch: int, world_size: int) -> tuple[int, int]:
     """(pooled-embedding bytes, id bytes) a rank exchanges per step: each of its rows needs every
     feature's pooled vector, of which the shards on other ranks hold (W-1)/W on balance."""
     remote = (world_size - 1) / world_size
-    dims = sum(t.embedding_dim * len(t.feature_names) for t in ebc.embedding_bag_configs())
-    id_features = sum(len(t.feature_names) for t in ebc.embedding_bag_configs())
+    dims = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    id_features = sum(len(t.feature_names) for t in tables)
     return int(batch * dims * 4 * remote), int(batch * id_features * 8 * remote)
 
 

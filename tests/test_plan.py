@@ -1,5 +1,5 @@
 """`rankmix plan`: TorchRec's planner on the meta device, checked against the bytes that real
-sharded tables and their fused optimizer state take on two gloo ranks."""
+sharded tables, their fused optimizer state and managed tables' id maps take on two gloo ranks."""
 
 import json
 import os
@@ -14,20 +14,22 @@ from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
-def small_config(optimizer: str, data_type: str = "fp32"):
+def small_config(optimizer: str, data_type: str = "fp32", managed: bool = False):
     """The synthetic schema with two tables big enough that the planner's input and output
-    buffers (batch x dims) are a small part of its estimate."""
+    buffers (batch x dims) are a small part of its estimate; `managed`: the user table managed."""
     cfg = load_config(None, [f"--embeddings.optimizer={optimizer}", f"--embeddings.data_type={data_type}",
                              "--data.batch_size=32"])
     cfg.features = synth_features()
     for feature in cfg.features:
         if feature.table in ("user_id", "item"):
             feature.num_embeddings = 200_000
+        if managed and feature.table == "user_id":
+            feature.hashing = "managed"
     return cfg
 
 
-def _measure(rank: int, port: int, optimizer: str, data_type: str, out: str) -> None:
-    """This rank's bytes of sharded tables and of the fused optimizer's state."""
+def _measure(rank: int, port: int, optimizer: str, data_type: str, managed: bool, out: str) -> None:
+    """This rank's bytes of sharded tables, of the fused optimizer's state and of MCH's maps."""
     import torch
     import torch.distributed as dist
 
@@ -36,28 +38,33 @@ def _measure(rank: int, port: int, optimizer: str, data_type: str, out: str) -> 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    cfg = small_config(optimizer, data_type)
+    cfg = small_config(optimizer, data_type, managed)
     model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
     tables = sum(t.numel() * t.element_size() for key, value in model.state_dict().items()
                  if ".embedding_bags." in key for t, _ in local_shards(value))
     state = model.fused_optimizer.state_dict()["state"]
     optim = sum(t.numel() * t.element_size() for per_param in state.values() for value in per_param.values()
                 for t, _ in local_shards(value))
-    Path(f"{out}/{rank}.json").write_text(json.dumps({"tables": tables, "optimizer": optim}))
+    maps = sum(t.numel() * t.element_size() for key, value in model.state_dict().items()
+               if "._mch_" in key for t, _ in local_shards(value))
+    Path(f"{out}/{rank}.json").write_text(json.dumps({"tables": tables, "optimizer": optim, "maps": maps}))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer,data_type", [("adagrad", "fp32"), ("rowwise_adagrad", "fp32"),
-                                                 ("rowwise_adagrad", "fp16")])
-def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, data_type, tmp_path):
-    spawn(_measure, (free_port(), optimizer, data_type, str(tmp_path)), 2)
+@pytest.mark.parametrize("optimizer,data_type,managed", [("adagrad", "fp32", False), ("rowwise_adagrad", "fp32", False),
+                                                         ("rowwise_adagrad", "fp16", False), ("adagrad", "fp32", True)])
+def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, data_type, managed, tmp_path):
+    spawn(_measure, (free_port(), optimizer, data_type, managed, str(tmp_path)), 2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     tables, optim = (sum(m[k] for m in measured) for k in ("tables", "optimizer"))
-    plan = plan_cluster(small_config(optimizer, data_type), 2, "cpu", 0.0, 24.0, 2)
+    plan = plan_cluster(small_config(optimizer, data_type, managed), 2, "cpu", 0.0, 24.0, 2)
     assert sum(m.tables for m in plan.memory) == tables
     assert sum(m.optimizer for m in plan.memory) == optim
+    assert [m.id_maps for m in plan.memory] == [m["maps"] for m in measured]
+    assert ("user_id | row_wise | 2 x 100,000" in plan.text) == managed, plan.text
     estimate = sum(m.estimate for m in plan.memory)
-    assert abs(estimate - (tables + optim)) <= 0.2 * (tables + optim), (estimate, tables, optim)
+    stored = tables + optim + sum(m["maps"] for m in measured)
+    assert abs(estimate - stored) <= 0.2 * stored, (estimate, tables, optim)
 
 
 @pytest.mark.parametrize("gpus", [8, 64])
@@ -77,3 +84,17 @@ def test_a_config_that_does_not_fit_says_so_and_exits_1():
                    "--hbm-gb", "16")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.startswith("fits: no (TorchRec's planner found no plan)")
+
+
+def test_a_config_whose_tables_are_all_managed_is_sized_without_the_planner():
+    cfg = load_config(None, ["--embeddings.optimizer=rowwise_adagrad"])
+    cfg.features = synth_features()
+    for feature in cfg.features:
+        if feature.kind != "numeric":
+            feature.hashing = "managed"
+    plan = plan_cluster(cfg, 2, "cpu", 0.0, 24.0, 2)
+    tables = {f.table: (f.num_embeddings, f.embedding_dim) for f in cfg.features if f.kind != "numeric"}
+    assert sum(m.tables for m in plan.memory) == sum(rows * dim * 4 for rows, dim in tables.values())
+    assert sum(m.optimizer for m in plan.memory) == sum(rows * 4 for rows, _ in tables.values())
+    assert sum(m.id_maps for m in plan.memory) == sum(rows * 32 for rows, _ in tables.values())  # LFU: 4 int64
+    assert "user_id | row_wise | [2501, 2500]" in plan.text and plan.fits
