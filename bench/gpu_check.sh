@@ -40,3 +40,16 @@ if [ "$NGPU" -ge 2 ]; then
         --data.synth_rows=200000 --train.steps=30 --train.run_dir=runs/gpu-check-multi \
         --metrics.progress=false | tail -n 1
 fi
+# Managed tables (TorchRec MCH, row-wise on every GPU): evictions every 10 steps reset the
+# freed rows' optimizer state on the device; the export reads the CUDA checkpoint's id maps.
+MANAGED="--config configs/synth.toml --train.device=cuda --data.synth_rows=200000 --train.steps=30
+    --checkpoint.interval=10 --features.user_id.hashing=managed --features.user_id.num_embeddings=2000
+    --features.user_id.eviction_interval=10 --train.run_dir=runs/gpu-check-managed --metrics.progress=false"
+rm -rf runs/gpu-check-managed runs/gpu-check-managed-export
+echo "== training on CUDA with managed tables: $NGPU process(es), then its serving artifact"
+if [ "$NGPU" -ge 2 ]; then
+    $RANKMIX launch --nproc-per-node "$NGPU" $MANAGED | tail -n 1
+else
+    $RANKMIX train $MANAGED | tail -n 1
+fi
+$RANKMIX export --checkpoint runs/gpu-check-managed --out runs/gpu-check-managed-export | tail -n 1

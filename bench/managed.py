@@ -7,8 +7,8 @@ MCH: each admitted id its own row, the rest on a miss row until the next evictio
 prints, per mode and averaged over seeds:
 
     collision: share of the training log's id lookups whose row other ids of the log share too
-               (modulo; computed from the log) | miss: share of lookups on the miss row
-               (managed; from the run's metrics), and rows evicted
+               (modulo; computed from the log) | miss: share of the test split's lookups on
+               the miss row (managed; the run's final evaluation), and rows evicted in training
     auc        test AUC (mean and spread over seeds)
     ex/s       training examples per second, and its ratio to modulo's in the same seed
 

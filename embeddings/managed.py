@@ -45,23 +45,24 @@ def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
 
 
 class TrackedMCH(MCHManagedCollisionModule, HookProvider):
-    """TorchRec's MCH module that also counts, in training, the ids it looks up, those that
-    fall on the miss row (ids not admitted yet), and the rows it evicts (taken from one id
-    for another; filling a free row is no eviction); each shard keeps its own counts,
-    summed over ranks when logged."""
+    """TorchRec's MCH module that also counts the ids it looks up and those that fall on the
+    miss row (ids not admitted yet), in training and in evaluation apart, and the rows it
+    evicts (taken from one id for another; filling a free row is no eviction); each shard
+    keeps its own counts, summed over ranks when logged."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.register_buffer("_counts", torch.zeros(3, dtype=torch.int64, device=self.device), persistent=False)
-        self._logged = torch.zeros(3, dtype=torch.int64)  # counts at the last training log
+        # [train | eval] x [lookups, miss-row lookups, rows evicted]
+        self.register_buffer("_counts", torch.zeros(2, 3, dtype=torch.int64, device=self.device), persistent=False)
+        self._logged = torch.zeros(2, 3, dtype=torch.int64)  # counts at the last log of each kind
 
     def remap(self, features, mutate_miss_lengths=True, write_weights=None):
         out = super().remap(features, mutate_miss_lengths, write_weights)
-        if self.training:
-            miss_row = self._output_global_offset + self._zch_size - 1
-            for jagged in out.values():
-                self._counts[0] += jagged.values().numel()
-                self._counts[1] += (jagged.values() == miss_row).sum()
+        counts = self._counts[0 if self.training else 1]
+        miss_row = self._output_global_offset + self._zch_size - 1
+        for jagged in out.values():
+            counts[0] += jagged.values().numel()
+            counts[1] += (jagged.values() == miss_row).sum()
         return out
 
     def _update_and_evict(self, *args) -> None:
@@ -71,7 +72,7 @@ class TrackedMCH(MCHManagedCollisionModule, HookProvider):
         before = self._occupied()
         super()._update_and_evict(*args)
         if fresh:
-            self._counts[2] += self._evicted_emb_indices.numel() - (self._occupied() - before)
+            self._counts[0, 2] += self._evicted_emb_indices.numel() - (self._occupied() - before)
 
     def _occupied(self) -> torch.Tensor:
         return (self._mch_sorted_raw_ids != EMPTY).sum()
@@ -80,20 +81,25 @@ class TrackedMCH(MCHManagedCollisionModule, HookProvider):
         hooks.metrics.append(self.log_values)
 
     def log_values(self, kind: str) -> dict[str, float]:
-        """`managed/<table>.miss_rate` and `.evicted` since the last training log (over the whole
-        run for an evaluation), `.occupancy` now: each a sum over ranks (collective)."""
+        """`managed/<table>.miss_rate` of the lookups since the last log of this kind (`train`
+        steps, or `eval` batches: an evaluation's, or what `rankmix score` scored), `.evicted`
+        since the last training log (over the whole run for an evaluation), `.occupancy` now:
+        each a sum over ranks (collective)."""
         occupied = self._occupied().reshape(1)
-        totals = torch.cat([self._counts, occupied, torch.tensor([self._zch_size - 1], device=occupied.device)])
+        totals = torch.cat([self._counts.flatten(), occupied,
+                            torch.tensor([self._zch_size - 1], device=occupied.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)
         totals = totals.cpu()
-        counts = totals[:3] - self._logged if kind == "train" else totals[:3]
-        if kind == "train":
-            self._logged = totals[:3].clone()
+        counts, (occupied, rows) = totals[:6].view(2, 3), totals[6:]
+        row = 0 if kind == "train" else 1
+        since = counts[row] - self._logged[row]
+        self._logged[row] = counts[row]
+        evicted = since[2] if kind == "train" else counts[0, 2]
         table = self._name
-        return {f"managed/{table}.miss_rate": float(counts[1] / max(int(counts[0]), 1)),
-                f"managed/{table}.evicted": float(counts[2]),
-                f"managed/{table}.occupancy": float(totals[3] / totals[4])}
+        return {f"managed/{table}.miss_rate": float(since[1] / max(int(since[0]), 1)),
+                f"managed/{table}.evicted": float(evicted),
+                f"managed/{table}.occupancy": float(occupied / rows)}
 
 
 def managed_modules(model: nn.Module) -> list[tuple[str, ManagedCollisionEmbeddingBagCollection]]:

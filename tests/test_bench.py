@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli import run_env
+from trainer.config_loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TOWERS = ("rankmixer", "rankmixer_moe", "unimixer", "unimixer_lite", "mlp", "dcnv2")
@@ -99,3 +100,12 @@ def test_tower_bench_compiles_the_towers_with_hand_written_steps():
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()[1:]] == list(towers)
+
+
+def test_gpu_check_trains_managed_tables_with_a_config_that_loads():
+    """The managed-table run of bench/gpu_check.sh needs a GPU; its options must load here."""
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    args = shlex.split(re.search(r'^MANAGED="(.*?)"$', script, re.M | re.S).group(1))
+    assert args[0] == "--config"
+    cfg = load_config(str(REPO / args[1]), args[2:])
+    assert cfg.train.device == "cuda" and [f.name for f in cfg.features if f.hashing == "managed"] == ["user_id"]

@@ -22,6 +22,7 @@ from cli import rankmix, spawn
 from embeddings.managed import served_tables
 from object_store import free_port
 from test_checkpoint import assert_same_state, tensors
+from trainer.checkpoint import model_tensors
 from trainer.config import FeatureSpec
 from trainer.config_loader import load_config
 from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread
@@ -216,3 +217,9 @@ def test_an_artifact_with_managed_tables_scores_as_its_training_run_evaluated(wo
         assert proc.returncode == 0, proc.stderr[-3000:]
         np.testing.assert_allclose(pq.read_table(tmp_path / "b").column("pred_click").to_numpy(),
                                    pq.read_table(tmp_path / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)
+        # score reports the share of the scored users that fell on the miss row
+        _, maps = served_tables(model_tensors(run / "checkpoints" / "step-20"))
+        users = torch.from_numpy(pq.read_table(valid).column("user_id").to_numpy().astype(np.int64))
+        missed = torch.isin(ManagedRows(*maps["user_id"])(users), maps["user_id"][2]).double().mean()
+        scored = json.loads(proc.stdout.splitlines()[-1])
+        assert 0 < missed < 1 and scored["managed/user_id.miss_rate"] == pytest.approx(float(missed), abs=1e-6)
