@@ -6,7 +6,7 @@ For each seed it trains the config twice, user and item tables cut to --rows row
 MCH: each admitted id its own row, the rest on a miss row until the next eviction). It
 prints, per mode and averaged over seeds:
 
-    collision: share of the training log's id lookups whose row other ids of the log share too
+    collision: share of the test split's id lookups whose row other ids of the log share too
                (modulo; computed from the log) | miss: share of the test split's lookups on
                the miss row (managed; the run's final evaluation), and rows evicted in training
     auc        test AUC (mean and spread over seeds)
@@ -57,14 +57,16 @@ def train(run: Path, cache: Path, seed: int, mode: str, args) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def collision_share(train_dir: Path, rows: int) -> float:
-    """Share of the log's lookups (all features of the user and item tables) whose row
-    `id % rows` is also the row of another id in the log."""
-    table = ds.dataset(train_dir).to_table(columns=[f for fs in TABLES.values() for f in fs])
+def collision_share(log: Path, rows: int) -> float:
+    """Share of the test split's lookups (all features of the user and item tables) whose row
+    `id % rows` is also the row of another id in the log (both splits), as managed tables'
+    miss rate is measured on the test split."""
+    columns = [f for fs in TABLES.values() for f in fs]
+    test, whole = (ds.dataset(path).to_table(columns=columns) for path in (log / "valid", log))
     shares = []
     for features in TABLES.values():
-        ids = np.concatenate([_flat(table.column(f)) for f in features])
-        distinct = np.unique(ids)
+        ids = np.concatenate([_flat(test.column(f)) for f in features])
+        distinct = np.unique(np.concatenate([_flat(whole.column(f)) for f in features]))
         per_row = np.bincount(distinct % rows, minlength=rows)
         shares.append((per_row[ids % rows] > 1).mean())
     return float(np.mean(shares))
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.seeds):
             for mode in results:
                 results[mode].append(train(Path(tmp) / f"{mode}-{seed}", cache, seed, mode, args))
-        collision = [collision_share(next(cache.glob(f"synth-*-seed{seed}")) / "train", args.rows)
+        collision = [collision_share(next(cache.glob(f"synth-*-seed{seed}")), args.rows)
                      for seed in range(args.seeds)]
     print(f"synthetic log, {args.synth_rows} rows x {args.epochs} epochs, user and item tables of {args.rows} rows, "
           f"{args.seeds} seeds")

@@ -38,13 +38,14 @@ class TaskHeads(nn.Module):
 
 
 class RankingModel(nn.Module):
-    """Batch -> logits [B, K]. `ebc` (and `managed`, the managed-collision tables fed by
-    `batch.managed`, when there are any) is sharded by DMP; the rest is replicated (DDP).
+    """Batch -> logits [B, K]. `ebc`, the plain tables, and `managed`, the managed-collision
+    tables fed by `batch.managed` (each None when there are none), are sharded by DMP; the
+    rest is replicated (DDP).
 
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
     """
 
-    def __init__(self, ebc: EmbeddingBagCollection, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
+    def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
                  managed: nn.Module | None = None):
         super().__init__()
@@ -57,9 +58,15 @@ class RankingModel(nn.Module):
         self.autocast_device = autocast_device
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        pooled = self.ebc(batch.sparse).to_dict()  # by name: key order depends on the plan
+        # By name: the key order is the plan's. Merged in place, as TorchRec's pipeline traces
+        # this forward and a traced dict cannot be unpacked.
+        pooled = {} if self.ebc is None else self.ebc(batch.sparse).to_dict()
         if self.managed is not None:
-            pooled.update(self.managed(batch.managed)[0].to_dict())
+            managed = self.managed(batch.managed)[0].to_dict()
+            if self.ebc is None:
+                pooled = managed
+            else:
+                pooled.update(managed)
         e_input = self.layout.assemble(pooled, batch.dense)
         if self.autocast_dtype is None:
             return self.heads(self.tower(e_input))

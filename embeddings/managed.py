@@ -33,6 +33,12 @@ def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
     if not tables:
         return None
     spec = {f.table: f for f in features if f.hashing == "managed"}
+    for t in tables:
+        parts = row_wise_rows(t.num_embeddings, buckets)
+        if min(parts) < 2:
+            raise ValueError(f"features.{spec[t.name].name}.num_embeddings={t.num_embeddings} is too few rows for a "
+                             f"managed table on {buckets} ranks: row-wise, its parts have {parts} rows, and each "
+                             "needs 2 at least (a miss row, and a row for ids); 2 x the world size is enough")
     policies = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}
     modules = {t.name: TrackedMCH(
         zch_size=t.num_embeddings, device=torch.device("meta"),
@@ -42,6 +48,12 @@ def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
     fuse_optimizer(ebc, cfg)
     return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, tables),
                                                   return_remapped_features=False)
+
+
+def row_wise_rows(rows: int, ranks: int) -> list[int]:
+    """Each rank's rows of a table TorchRec shards row-wise: blocks of ceil(rows / ranks)."""
+    block = -(-rows // ranks)
+    return [max(0, min(block, rows - rank * block)) for rank in range(ranks)]
 
 
 class TrackedMCH(MCHManagedCollisionModule, HookProvider):
@@ -56,6 +68,15 @@ class TrackedMCH(MCHManagedCollisionModule, HookProvider):
         self.register_buffer("_counts", torch.zeros(2, 3, dtype=torch.int64, device=self.device), persistent=False)
         self._logged = torch.zeros(2, 3, dtype=torch.int64)  # counts at the last log of each kind
 
+    def profile(self, features):
+        if self.training and self._current_iter == -1:  # the first training step since the module was built
+            # TorchRec restarts the eviction schedule at the loaded iteration, so after a resume from
+            # between evictions no later checkpoint would fall on one. Keep the schedule on multiples
+            # of the interval, where an uninterrupted run evicts.
+            self._current_iter = int(self._current_iter_tensor.item())
+            self._last_eviction_iter = self._current_iter - self._current_iter % self._eviction_interval
+        return super().profile(features)
+
     def remap(self, features, mutate_miss_lengths=True, write_weights=None):
         out = super().remap(features, mutate_miss_lengths, write_weights)
         counts = self._counts[0 if self.training else 1]
@@ -68,11 +89,10 @@ class TrackedMCH(MCHManagedCollisionModule, HookProvider):
     def _update_and_evict(self, *args) -> None:
         """TorchRec's admission step, counting the rows taken from other ids: of the slots it
         hands out, those that were not free."""
-        fresh = not self._evicted  # else TorchRec adds to a set not yet consumed
+        assert not self._evicted, "TorchRec consumes each admission's evictions before the next admission"
         before = self._occupied()
         super()._update_and_evict(*args)
-        if fresh:
-            self._counts[0, 2] += self._evicted_emb_indices.numel() - (self._occupied() - before)
+        self._counts[0, 2] += self._evicted_emb_indices.numel() - (self._occupied() - before)
 
     def _occupied(self) -> torch.Tensor:
         return (self._mch_sorted_raw_ids != EMPTY).sum()
@@ -83,7 +103,7 @@ class TrackedMCH(MCHManagedCollisionModule, HookProvider):
     def log_values(self, kind: str) -> dict[str, float]:
         """`managed/<table>.miss_rate` of the lookups since the last log of this kind (`train`
         steps, or `eval` batches: an evaluation's, or what `rankmix score` scored), `.evicted`
-        since the last training log (over the whole run for an evaluation), `.occupancy` now:
+        since the last training log (for an evaluation: since this process began), `.occupancy` now:
         each a sum over ranks (collective)."""
         occupied = self._occupied().reshape(1)
         totals = torch.cat([self._counts.flatten(), occupied,
@@ -142,8 +162,6 @@ def managed_plans(model: nn.Module, device: torch.device, local: int, world: int
                                 for t in mc._embedding_module.embedding_bag_configs()},
         sharder=ManagedTablesSharder(), local_size=local, world_size=world, device_type=device.type)
         for path, mc in managed_modules(model)}
-
-
 
 
 _MCH = "managed._managed_collision_collection._managed_collision_modules."

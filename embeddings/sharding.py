@@ -33,29 +33,35 @@ PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPl
     Registry("embeddings.plan")
 
 
-def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection]:
+def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection] | None:
     """The model's (single) EmbeddingBagCollection of plain tables and its path (not the one
-    inside the managed-collision collection, which has a plan of its own)."""
+    inside the managed-collision collection, which has a plan of its own), or None when every
+    table is managed."""
     inside = [name + "." for name, _ in managed_modules(model)]
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)
              and not any(name.startswith(prefix) for prefix in inside)]
-    assert len(found) == 1, f"expected one EmbeddingBagCollection, found {len(found)}"
-    return found[0]
+    assert len(found) <= 1, f"expected one EmbeddingBagCollection, found {len(found)}"
+    return found[0] if found else None
 
 
 @PLANS.register("auto")
 def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
-    """TorchRec's planner, run collectively so that every rank gets the same plan."""
+    """TorchRec's planner over the plain tables, run collectively so that every rank gets the
+    same plan. It sees them alone: the managed tables are row-wise on every rank whatever it
+    would choose, and counted as whole tables they would crowd one rank out."""
+    found = embedding_module(model)
+    if found is None:
+        return ShardingPlan({})
+    path, ebc = found
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type,
                         local_world_size=_local_size())
-    _, ebc = embedding_module(model)
     constraints = {t.name: ParameterConstraints(sharding_types=list(cfg.sharding_types), compute_kernels=[FUSED])
                    for t in ebc.embedding_bag_configs()}
-    for _, mc in managed_modules(model):  # planned only because they hold an EBC; replaced in shard_model
-        constraints.update({t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[FUSED])
-                            for t in mc._embedding_module.embedding_bag_configs()})
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    holder = nn.Module()
+    holder.ebc = ebc
+    plan = planner.collective_plan(holder, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    plan = ShardingPlan({path: plan.plan["ebc"]})
     _whole_tables_as_table_wise(plan, model, device)
     return plan
 
@@ -77,8 +83,10 @@ def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, device: to
 
 def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]:
     def build(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
-        _, ebc = embedding_module(model)
-        return _construct(model, device, {t.name: kind for t in ebc.embedding_bag_configs()})
+        found = embedding_module(model)
+        if found is None:
+            return ShardingPlan({})
+        return _construct(model, device, {t.name: kind for t in found[1].embedding_bag_configs()})
     build.__doc__ = f"Every table {kind}."
     return build
 
@@ -121,8 +129,8 @@ def build_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) ->
     """The configured plan with `embeddings.table_sharding` applied on top."""
     plan = PLANS.get(cfg.plan)(model, cfg, device)
     if cfg.table_sharding:
-        path, ebc = embedding_module(model)
-        unknown = set(cfg.table_sharding) - {t.name for t in ebc.embedding_bag_configs()}
+        path, ebc = embedding_module(model) or ("", None)
+        unknown = set(cfg.table_sharding) - ({t.name for t in ebc.embedding_bag_configs()} if ebc else set())
         if unknown:
             raise ValueError(f"embeddings.table_sharding names unknown tables: {sorted(unknown)}")
         # TorchRec's constructor wants every table; keep only the overridden ones' entries.
@@ -139,8 +147,6 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
     `output_dtensor` makes the state dict hold DTensors instead of ShardedTensors, which
     DCP's async_save needs (docs/design.md §4.8)."""
     plan = build_plan(model, cfg, device)
-    inside = tuple(path + "." for path, _ in managed_modules(model))
-    plan.plan = {path: p for path, p in plan.plan.items() if not path.startswith(inside)}  # the planner saw them too
     plan.plan.update(managed_plans(model, device, _local_size(), dist.get_world_size()))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,

@@ -43,11 +43,15 @@ def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
     return list(tables.values())
 
 
-def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingBagCollection:
+def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingBagCollection | None:
     """An EmbeddingBagCollection of the tables that are not managed, on the meta device
     (DMP materialises only local shards), its parameters marked for the fused optimizer
-    that runs inside the backward pass."""
-    ebc = EmbeddingBagCollection(tables=tables_of(features, cfg, managed=False), device=torch.device("meta"))
+    that runs inside the backward pass; None when every table is managed (TorchRec's
+    collection needs a table)."""
+    tables = tables_of(features, cfg, managed=False)
+    if not tables:
+        return None
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     fuse_optimizer(ebc, cfg)
     return ebc
 

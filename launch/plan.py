@@ -47,6 +47,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.planner.types import PlannerError
+    from torchrec.distributed.types import ShardingPlan
 
     from dense.model import build_dense
     from embeddings.sharding import FUSED
@@ -59,26 +60,28 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
         raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
     if not cfg.features:
         raise ValueError("features is empty: give the config's [[features]] schema")
-    ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device
-    holder = nn.Module()
-    holder.ebc = ebc
-    kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
-    constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
-                   for t in ebc.embedding_bag_configs()}
     batch = per_rank_batch_size(cfg, world_size)
-    try:
-        with _quiet_torchrec():
-            topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
-                                hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
-            planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
-            plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
-    except PlannerError as e:
-        return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
-    for sharding in plan.plan.get("ebc", {}).values():  # none when every table is managed
-        # a table kept whole on one rank is table-wise, whatever label cost ties gave it
-        if len(set(sharding.ranks or [])) == 1:
-            sharding.sharding_type = "table_wise"
-    memory = _rank_memory(planner._best_plan or [], world_size, cfg.embeddings)
+    plan, options = ShardingPlan({}), []
+    ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device; None when every table is managed
+    if ebc is not None:
+        holder = nn.Module()
+        holder.ebc = ebc
+        kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
+        constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
+                       for t in ebc.embedding_bag_configs()}
+        try:
+            with _quiet_torchrec():
+                topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
+                                    hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
+                planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
+                plan, options = planner.plan(holder, [EmbeddingBagCollectionSharder()]), planner._best_plan
+        except PlannerError as e:
+            return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
+        for sharding in plan.plan["ebc"].values():
+            # a table kept whole on one rank is table-wise, whatever label cost ties gave it
+            if len(set(sharding.ranks or [])) == 1:
+                sharding.sharding_type = "table_wise"
+    memory = _rank_memory(options, world_size, cfg.embeddings)
     managed_text = _add_managed_tables(cfg, memory, device, local_world_size)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())

@@ -86,15 +86,27 @@ def test_a_config_that_does_not_fit_says_so_and_exits_1():
     assert proc.stdout.startswith("fits: no (TorchRec's planner found no plan)")
 
 
-def test_a_config_whose_tables_are_all_managed_is_sized_without_the_planner():
+def all_managed(min_rows: int):
     cfg = load_config(None, ["--embeddings.optimizer=rowwise_adagrad"])
     cfg.features = synth_features()
     for feature in cfg.features:
         if feature.kind != "numeric":
             feature.hashing = "managed"
+            feature.num_embeddings = max(feature.num_embeddings, min_rows)
+    return cfg
+
+
+def test_a_config_whose_tables_are_all_managed_is_sized_without_the_planner():
+    cfg = all_managed(min_rows=4)
     plan = plan_cluster(cfg, 2, "cpu", 0.0, 24.0, 2)
     tables = {f.table: (f.num_embeddings, f.embedding_dim) for f in cfg.features if f.kind != "numeric"}
     assert sum(m.tables for m in plan.memory) == sum(rows * dim * 4 for rows, dim in tables.values())
     assert sum(m.optimizer for m in plan.memory) == sum(rows * 4 for rows, _ in tables.values())
     assert sum(m.id_maps for m in plan.memory) == sum(rows * 32 for rows, _ in tables.values())  # LFU: 4 int64
     assert "user_id | row_wise | [2501, 2500]" in plan.text and plan.fits
+
+
+def test_a_managed_table_needs_two_rows_on_every_rank():
+    with pytest.raises(ValueError, match=r"features.user_gender.num_embeddings=3 is too few rows for a managed table "
+                                         r"on 2 ranks: row-wise, its parts have \[2, 1\] rows"):
+        plan_cluster(all_managed(min_rows=0), 2, "cpu", 0.0, 24.0, 2)

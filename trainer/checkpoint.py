@@ -185,11 +185,20 @@ def trained_step(path: Path) -> int | None:
     """How many optimizer steps trained the weights of checkpoint `path`: its `trainer` part's
     step (best-weights folders carry one too), or None when it has none (best weights saved
     before they did)."""
-    if "trainer.step" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+    return _trainer_value(path, "step")
+
+
+def saved_world_size(path: Path) -> int | None:
+    """How many ranks saved checkpoint `path` (None: best weights saved before they said)."""
+    return _trainer_value(path, "world_size")
+
+
+def _trainer_value(path: Path, key: str) -> int | None:
+    if f"trainer.{key}" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
         return None
-    progress = {"step": 0}
+    progress = {key: 0}
     dcp.load({"trainer": progress}, checkpoint_id=str(path), planner=LoadPlanner())
-    return progress["step"]
+    return progress[key]
 
 
 class LoadPlanner(DefaultLoadPlanner):

@@ -282,6 +282,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} must be a multiple of every managed table's "
                          f"eviction_interval (not of {bad}): only a checkpoint taken right after an eviction "
                          "resumes exactly, since the ids seen since the last one are not saved")
+    managed = sorted({f.table for f in cfg.features if f.hashing == "managed"} & set(cfg.embeddings.table_sharding))
+    if managed:
+        raise ValueError(f"embeddings.table_sharding names managed tables {managed}: those are always row-wise "
+                         "(TorchRec shards managed-collision tables no other way)")
 
 
 HASHINGS = ("modulo", "none", "managed")

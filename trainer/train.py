@@ -390,7 +390,8 @@ class Trainer:
         self.logger.log(self.step, "valid", {**metrics, "epochs": epochs})
         self.checkpoints.wait()  # one save at a time
         self.selection.record(metrics, self.step, epochs, {"model": self.checkpoint_parts["model"],
-                                                            "trainer": {"step": self.step}})
+                                                            "trainer": {"step": self.step,
+                                                                        "world_size": self.env.world_size}})
         return metrics
 
     def restore_best(self) -> None:
@@ -451,6 +452,12 @@ class Trainer:
 
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""
+        managed = sorted({f.table for f in self.cfg.features if f.hashing == "managed"})
+        saved = checkpoint.saved_world_size(path)
+        if managed and saved not in (None, self.env.world_size):
+            raise ValueError(f"{path} was saved at world size {saved}: managed tables {managed} load only at the "
+                             f"world size that trained them (each rank's id map holds the ids of its own range), "
+                             f"not at {self.env.world_size}")
         if not full:
             checkpoint.load(path, {"model": self.checkpoint_parts["model"]})
             self.logger.write(f"initialised weights from {path}")

@@ -149,7 +149,6 @@ class Rows:
             weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
         )
 
-
     def _jagged(self, features: range) -> KeyedJaggedTensor:
         """Sparse features `features` of these rows as one KeyedJaggedTensor (copies)."""
         n = self.num_rows

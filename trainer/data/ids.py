@@ -89,11 +89,12 @@ that owns its part of that range, and marks an empty slot with INT64_MAX."""
 
 
 def spread(values: np.ndarray) -> np.ndarray:
-    """Raw ids (any integer type; negative ones as their unsigned bit pattern) mixed evenly
-    over [0, MANAGED_ID_RANGE) by splitmix64's finaliser, a bijection of 64-bit words: ids
-    that differ stay different (before the final reduction, which merges one in 4 at most
-    of 2^64 values), and a log's ids, however clustered, fill every rank's part alike."""
-    return spread_ids(torch.from_numpy(np.ascontiguousarray(values.astype(np.int64, copy=False)))).numpy()
+    """Raw ids (any integer type; uint64 ones by their bit pattern) mixed evenly over
+    [0, MANAGED_ID_RANGE) by splitmix64's finaliser, a bijection of 64-bit words: ids that
+    differ stay different until the final reduction to 62 bits, which gives each value to 4
+    words (two ids meet with chance 2^-62), and a log's ids, however clustered, fill every
+    rank's part alike."""
+    return spread_ids(torch.from_numpy(values.astype(np.int64))).numpy()  # a copy: Arrow's arrays are read-only
 
 
 _MIX = (0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)  # splitmix64's multipliers, as int64
