@@ -25,7 +25,7 @@ from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint import model_tensors
 from trainer.config import FeatureSpec
 from trainer.config_loader import load_config
-from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread
+from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread, spread_ids
 from trainer.serving.model import ManagedRows
 
 # The user table and the item table that item_id and hist_items share, both managed, both with
@@ -39,12 +39,14 @@ MCH = "model.managed._managed_collision_collection._managed_collision_modules."
 
 def test_ids_are_spread_over_the_routed_range_whatever_their_type():
     ids = np.array([0, 1, 2, 5000, 2 ** 40, 2 ** 62, 2 ** 63 - 1], dtype=np.int64)
-    spread_ids = spread(ids)
-    assert len(set(spread_ids.tolist())) == len(ids) and ((0 <= spread_ids) & (spread_ids < MANAGED_ID_RANGE)).all()
-    np.testing.assert_array_equal(spread(ids.astype(np.uint64)), spread_ids)  # the same bits, the same row
-    np.testing.assert_array_equal(spread(ids[:4].astype(np.int32)), spread_ids[:4])
+    mixed = spread(ids)
+    assert len(set(mixed.tolist())) == len(ids) and ((0 <= mixed) & (mixed < MANAGED_ID_RANGE)).all()
+    np.testing.assert_array_equal(spread(ids.astype(np.uint64)), mixed)  # the same bits, the same row
+    np.testing.assert_array_equal(spread(ids[:4].astype(np.int32)), mixed[:4])
     words = [0, 1, 5000, 2 ** 63 + 5, 2 ** 64 - 1]  # against splitmix64 in Python's own integers
     np.testing.assert_array_equal(spread(np.array(words, dtype=np.uint64)), [_splitmix(w) for w in words])
+    many = np.random.default_rng(0).integers(0, 2 ** 64, 100_000, dtype=np.uint64)
+    np.testing.assert_array_equal(spread_ids(torch.from_numpy(many.view(np.int64))).numpy(), spread(many))  # served
     consecutive = spread(np.arange(10_000, dtype=np.int64))  # clustered ids reach every rank's part alike
     assert abs((consecutive < MANAGED_ID_RANGE // 2).mean() - 0.5) < 0.02
     spec = FeatureSpec(name="u", num_embeddings=10, hashing="managed")
@@ -179,12 +181,12 @@ def _mch_reference(ids: torch.Tensor, state: dict[str, torch.Tensor], table: str
     on its part of the map."""
     buffers = {k[len(MCH) + len(table) + 1:]: v for k, v in state.items() if k.startswith(f"{MCH}{table}.")}
     segments = buffers["_output_segments_tensor"][buffers["_output_segments_tensor"] >= 0].tolist()
-    spread_ids = torch.from_numpy(spread(ids.numpy()))
-    bucket = spread_ids // -(-MANAGED_ID_RANGE // (len(segments) - 1))
+    mixed = torch.from_numpy(spread(ids.numpy()))
+    bucket = mixed // -(-MANAGED_ID_RANGE // (len(segments) - 1))
     out = torch.full_like(ids, -1)
     for rank, (start, end) in enumerate(zip(segments, segments[1:])):
         mine = bucket == rank
-        remapped = _mch_remap({"f": JaggedTensor(spread_ids[mine], lengths=torch.ones(int(mine.sum()), dtype=torch.int64))},
+        remapped = _mch_remap({"f": JaggedTensor(mixed[mine], lengths=torch.ones(int(mine.sum()), dtype=torch.int64))},
                               buffers["_mch_sorted_raw_ids"][start:end], buffers["_mch_remapped_ids_mapping"][start:end],
                               end - 1)
         out[mine] = remapped["f"].values()

@@ -94,20 +94,27 @@ def spread(values: np.ndarray) -> np.ndarray:
     differ stay different until the final reduction to 62 bits, which gives each value to 4
     words (two ids meet with chance 2^-62), and a log's ids, however clustered, fill every
     rank's part alike."""
-    return spread_ids(torch.from_numpy(values.astype(np.int64))).numpy()  # a copy: Arrow's arrays are read-only
+    z = values.astype(np.int64, copy=False).view(np.uint64).copy()
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_MIX[0])
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MIX[1])
+    z ^= z >> np.uint64(31)
+    return (z % np.uint64(MANAGED_ID_RANGE)).astype(np.int64)
 
 
-_MIX = (0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)  # splitmix64's multipliers, as int64
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's multipliers
 
 
 def spread_ids(ids: torch.Tensor) -> torch.Tensor:
-    """`spread` on a tensor: int64 [N] raw ids (bit patterns) -> int64 [N] in [0, MANAGED_ID_RANGE).
-    The one implementation, which the reader and the serving artifact (traced) both run:
-    int64 products wrap as unsigned ones do, and shifts are made logical by a mask."""
+    """`spread` in tensor ops, which the serving artifact traces: int64 [N] raw ids (bit
+    patterns) -> int64 [N] in [0, MANAGED_ID_RANGE). int64 products wrap as unsigned ones do,
+    and shifts are made logical by a mask. The reader keeps numpy's: torch's thread pool,
+    started from the reader's thread, competed with the training step (0.85x its examples/s)."""
     z = ids ^ _shift_right(ids, 30)
-    z = z * _MIX[0]
+    z = z * (_MIX[0] - 2 ** 64)
     z = z ^ _shift_right(z, 27)
-    z = z * _MIX[1]
+    z = z * (_MIX[1] - 2 ** 64)
     z = z ^ _shift_right(z, 31)
     return z & (MANAGED_ID_RANGE - 1)
 
