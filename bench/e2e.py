@@ -139,13 +139,13 @@ class StepParts:
     def time_embedding(self) -> tuple[float, float]:
         """Lookup [B, sum of dims], backward of sum() (gradient of ones) incl. fused Adagrad."""
         with Clock() as clock:
-            self.model.ebc(self.batch.sparse).values().sum().backward()
+            sum(v.sum() for v in self.model.pooled(self.batch).values()).backward()
         return clock.times
 
     def _inputs(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Pooled embeddings (leaves) and the dense features, as the tower's input sees them."""
         with torch.no_grad():
-            pooled = self.model.ebc(self.batch.sparse).to_dict()
+            pooled = self.model.pooled(self.batch)
         return {k: v.detach().requires_grad_() for k, v in pooled.items()}, self.batch.dense
 
     def time_tokenizer(self) -> tuple[float, float]:

@@ -58,8 +58,19 @@ class RankingModel(nn.Module):
         self.autocast_device = autocast_device
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        # By name: the key order is the plan's. Merged in place, as TorchRec's pipeline traces
-        # this forward and a traced dict cannot be unpacked.
+        e_input = self.layout.assemble(self.pooled(batch), batch.dense)
+        if self.autocast_dtype is None:
+            return self.heads(self.tower(e_input))
+        # A fixed device type rather than e_input.device: TorchRec's pipeline traces this
+        # forward symbolically, where e_input is a proxy.
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
+            return self.heads(self.tower(e_input)).float()
+
+
+    def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
+        from the plain and the managed tables. Merged in place: TorchRec's pipeline traces
+        forward, and a traced dict cannot be unpacked."""
         pooled = {} if self.ebc is None else self.ebc(batch.sparse).to_dict()
         if self.managed is not None:
             managed = self.managed(batch.managed)[0].to_dict()
@@ -67,13 +78,7 @@ class RankingModel(nn.Module):
                 pooled = managed
             else:
                 pooled.update(managed)
-        e_input = self.layout.assemble(pooled, batch.dense)
-        if self.autocast_dtype is None:
-            return self.heads(self.tower(e_input))
-        # A fixed device type rather than e_input.device: TorchRec's pipeline traces this
-        # forward symbolically, where e_input is a proxy.
-        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
-            return self.heads(self.tower(e_input)).float()
+        return pooled
 
 
 def build_dense(model: ModelConfig, features: list[FeatureSpec]) -> tuple[InputLayout, nn.Module, TaskHeads]:

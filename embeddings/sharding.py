@@ -23,6 +23,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 
 from embeddings.managed import ManagedTablesSharder, managed_modules, managed_plans
 from embeddings.tables import FUSED
@@ -47,21 +48,23 @@ def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection] | N
 @PLANS.register("auto")
 def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
     """TorchRec's planner over the plain tables, run collectively so that every rank gets the
-    same plan. It sees them alone: the managed tables are row-wise on every rank whatever it
-    would choose, and counted as whole tables they would crowd one rank out."""
+    same plan. It sees the model without its managed tables: those are row-wise on every rank
+    whatever it would choose, and counted as whole tables they would crowd one rank out. The
+    dense modules stay, since the planner reserves memory for them."""
     found = embedding_module(model)
     if found is None:
         return ShardingPlan({})
-    path, ebc = found
+    _, ebc = found
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type,
                         local_world_size=_local_size())
     constraints = {t.name: ParameterConstraints(sharding_types=list(cfg.sharding_types), compute_kernels=[FUSED])
                    for t in ebc.embedding_bag_configs()}
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    holder = nn.Module()
-    holder.ebc = ebc
-    plan = planner.collective_plan(holder, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
-    plan = ShardingPlan({path: plan.plan["ebc"]})
+    unmanaged = nn.Module()
+    for name, child in model.named_children():
+        if not isinstance(child, ManagedCollisionEmbeddingBagCollection):
+            unmanaged.add_module(name, child)
+    plan = planner.collective_plan(unmanaged, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     _whole_tables_as_table_wise(plan, model, device)
     return plan
 

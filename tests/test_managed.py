@@ -123,6 +123,12 @@ def test_managed_tables_resume_only_at_the_world_size_that_trained_them(made_onc
     assert proc.returncode == 2
     assert (f"rankmix: error: {tmp_path}/checkpoints/step-10 was saved at world size 1: managed tables ['item', "
             "'user_id'] load only at the world size that trained them") in proc.stderr
+    two_ranks, _ = trained(made_once, 2)  # scored on one rank: ids outside the maps would take other miss rows
+    proc = rankmix("score", "--checkpoint", str(two_ranks), "--data", str(next(cache.glob("*/valid"))),
+                   "--out", str(tmp_path / "scored"))
+    assert proc.returncode == 2 and "was saved at world size 2: managed tables ['item', 'user_id'] load only at" \
+        in proc.stderr and f"rankmix export --checkpoint {two_ranks} --out DIR, then rankmix score --model DIR" \
+        in proc.stderr
 
 
 def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:

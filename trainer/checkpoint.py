@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan, TensorStorageMetadata
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, FeatureSpec
 
 PREFIX = "step-"
 
@@ -188,9 +188,16 @@ def trained_step(path: Path) -> int | None:
     return _trainer_value(path, "step")
 
 
-def saved_world_size(path: Path) -> int | None:
-    """How many ranks saved checkpoint `path` (None: best weights saved before they said)."""
-    return _trainer_value(path, "world_size")
+def require_saved_world_size(features: list[FeatureSpec], path: Path, world_size: int, advice: str = "") -> None:
+    """Refuse checkpoint `path` at `world_size` when it holds managed tables saved at another:
+    each rank's MCH map holds the ids of its own range, with its own miss row, and TorchRec's
+    resharding moves neither."""
+    managed = sorted({f.table for f in features if f.hashing == "managed"})
+    saved = _trainer_value(path, "world_size") if managed else None  # None: best weights saved before they said
+    if saved not in (None, world_size):
+        raise ValueError(f"{path} was saved at world size {saved}: managed tables {managed} load only at the "
+                         f"world size that trained them (each rank's id map holds the ids of its own range), "
+                         f"not at {world_size}{advice}")
 
 
 def _trainer_value(path: Path, key: str) -> int | None:

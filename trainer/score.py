@@ -51,6 +51,9 @@ class CheckpointModel:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
         source = checkpoint.resolve_load_path(checkpoint_path, "--checkpoint")
+        checkpoint.require_saved_world_size(cfg.features, source, 1, advice=(
+            f"; its serving artifact keeps every rank's map: rankmix export --checkpoint {checkpoint_path} "
+            "--out DIR, then rankmix score --model DIR"))
         checkpoint.load(source, {"model": ModelState(self.model)})
         apply_trained_step(self.model, checkpoint.trained_step(source), source)
         self.model.eval()

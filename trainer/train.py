@@ -452,12 +452,7 @@ class Trainer:
 
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""
-        managed = sorted({f.table for f in self.cfg.features if f.hashing == "managed"})
-        saved = checkpoint.saved_world_size(path)
-        if managed and saved not in (None, self.env.world_size):
-            raise ValueError(f"{path} was saved at world size {saved}: managed tables {managed} load only at the "
-                             f"world size that trained them (each rank's id map holds the ids of its own range), "
-                             f"not at {self.env.world_size}")
+        checkpoint.require_saved_world_size(self.cfg.features, path, self.env.world_size)
         if not full:
             checkpoint.load(path, {"model": self.checkpoint_parts["model"]})
             self.logger.write(f"initialised weights from {path}")
