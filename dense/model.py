@@ -66,7 +66,6 @@ class RankingModel(nn.Module):
         with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
             return self.heads(self.tower(e_input)).float()
 
-
     def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
         from the plain and the managed tables. Merged in place: TorchRec's pipeline traces

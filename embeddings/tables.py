@@ -8,7 +8,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from trainer.config import EmbeddingsConfig, FeatureSpec
+from trainer.config import EmbeddingsConfig, FeatureSpec, managed_tables
 
 FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
@@ -58,8 +58,8 @@ def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> 
 
 def tables_of(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool) -> list[EmbeddingBagConfig]:
     """The managed tables (hashing = "managed") or the others, in the configured data type."""
-    tables = [t for t in table_configs(features)
-              if (t.name in {f.table for f in features if f.hashing == "managed"}) == managed]
+    managed_names = managed_tables(features)
+    tables = [t for t in table_configs(features) if (t.name in managed_names) == managed]
     for table in tables:
         table.data_type = _DATA_TYPES[cfg.data_type]
     return tables

@@ -112,16 +112,16 @@ def _rank_memory(options: list, world_size: int, cfg: EmbeddingsConfig) -> list[
     for option in options:
         for shard in option.shards:
             m = memory[shard.rank]
-            m.tables, m.optimizer = _shard_bytes(m, *shard.size, cfg)
+            tables, optimizer = _shard_bytes(*shard.size, cfg)
+            m.tables, m.optimizer = m.tables + tables, m.optimizer + optimizer
             m.estimate += shard.storage.hbm + shard.storage.ddr
     return memory
 
 
-def _shard_bytes(m: RankMemory, rows: int, cols: int, cfg: EmbeddingsConfig) -> tuple[int, int]:
-    """`m`'s (table, optimizer) bytes with a shard of rows x cols added (the optimizer state is fp32)."""
+def _shard_bytes(rows: int, cols: int, cfg: EmbeddingsConfig) -> tuple[int, int]:
+    """(table, optimizer) bytes of a shard of rows x cols (the optimizer state is fp32)."""
     weight_bytes = {"fp32": 4, "fp16": 2}[cfg.data_type]
-    return (m.tables + rows * cols * weight_bytes,
-            m.optimizer + rows * 4 * (1 if cfg.optimizer == "rowwise_adagrad" else cols))
+    return rows * cols * weight_bytes, rows * 4 * (1 if cfg.optimizer == "rowwise_adagrad" else cols)
 
 
 def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, local_world_size: int) -> list[str]:
@@ -147,12 +147,11 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
         for shard in sharding.sharding_spec.shards:
             rows, cols = shard.shard_sizes
             m = memory[shard.placement.rank()]
-            before = m.tables + m.optimizer
-            m.tables, m.optimizer = _shard_bytes(m, rows, cols, cfg.embeddings)
-            m.id_maps += rows * per_row
-            m.estimate += m.tables + m.optimizer - before + rows * per_row
-        rows = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
-        lines.append(f"{table} | row_wise | " + (f"{len(rows)} x {rows[0]:,}" if len(set(rows)) == 1 else str(rows)))
+            tables, optimizer = _shard_bytes(rows, cols, cfg.embeddings)
+            m.tables, m.optimizer, m.id_maps = m.tables + tables, m.optimizer + optimizer, m.id_maps + rows * per_row
+            m.estimate += tables + optimizer + rows * per_row
+        sizes = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
+        lines.append(f"{table} | row_wise | " + (f"{len(sizes)} x {sizes[0]:,}" if len(set(sizes)) == 1 else str(sizes)))
     return lines
 
 

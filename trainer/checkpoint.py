@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan, TensorStorageMetadata
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-from trainer.config import CheckpointConfig, FeatureSpec
+from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
 
 PREFIX = "step-"
 
@@ -192,7 +192,7 @@ def require_saved_world_size(features: list[FeatureSpec], path: Path, world_size
     """Refuse checkpoint `path` at `world_size` when it holds managed tables saved at another:
     each rank's MCH map holds the ids of its own range, with its own miss row, and TorchRec's
     resharding moves neither."""
-    managed = sorted({f.table for f in features if f.hashing == "managed"})
+    managed = managed_tables(features)
     saved = _trainer_value(path, "world_size") if managed else None  # None: best weights saved before they said
     if saved not in (None, world_size):
         raise ValueError(f"{path} was saved at world size {saved}: managed tables {managed} load only at the "

@@ -69,6 +69,11 @@ class FeatureSpec:
             self.table = self.table or self.name
 
 
+def managed_tables(features: list[FeatureSpec]) -> list[str]:
+    """The tables with managed collisions (hashing = "managed"), sorted by name."""
+    return sorted({f.table for f in features if f.hashing == "managed"})
+
+
 @dataclass
 class TaskSpec:
     """One prediction task: a binary label column and its loss weight."""

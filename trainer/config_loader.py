@@ -28,7 +28,8 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
                                  redact_uri, with_placeholders, without_credentials)
 
 from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConfig, FeatureSpec, LaunchConfig,
-                            MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig)
+                            MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig,
+                            managed_tables)
 
 FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
 NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
@@ -282,7 +283,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} must be a multiple of every managed table's "
                          f"eviction_interval (not of {bad}): only a checkpoint taken right after an eviction "
                          "resumes exactly, since the ids seen since the last one are not saved")
-    managed = sorted({f.table for f in cfg.features if f.hashing == "managed"} & set(cfg.embeddings.table_sharding))
+    managed = [t for t in managed_tables(cfg.features) if t in cfg.embeddings.table_sharding]
     if managed:
         raise ValueError(f"embeddings.table_sharding names managed tables {managed}: those are always row-wise "
                          "(TorchRec shards managed-collision tables no other way)")

@@ -21,7 +21,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
-from trainer.config import FeatureSpec
+from trainer.config import FeatureSpec, managed_tables
 from trainer.data.ids import MANAGED_ID_RANGE, spread_ids
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
@@ -47,7 +47,7 @@ class ServingModel(nn.Module):
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
         self.managed = nn.ModuleDict(managed or {})  # table -> its id map (hashing = "managed")
-        assert set(self.managed) == {f.table for f in self.sparse if f.hashing == "managed"}
+        assert sorted(self.managed) == managed_tables(features)
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
         # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
