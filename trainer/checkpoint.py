@@ -10,6 +10,7 @@ another world size or sharding plan.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, LoadPlan, TensorStorageMetadata
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint import CheckpointException, TensorStorageMetadata
 
 from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
+from trainer.run_folder import swap_folder
+from trainer.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
 
 PREFIX = "step-"
 
@@ -147,29 +149,29 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_weights(path: Path, parts: dict[str, Any]) -> None:
-    """Write `parts` to `path` in place of what is there, synchronously (collective): into
-    a sibling folder first, renamed when complete, so `path` only ever holds a whole save."""
-    tmp = path.with_name(path.name + ".tmp")
+def save_weights(path: Path, parts: dict[str, Any], step: int) -> None:
+    """Write `parts` as the weights at `path`, synchronously (collective): into the sibling
+    folder `<path>.step-<step>`, then `path`, a symbolic link, is renamed onto it
+    (`run_folder.swap_folder`), so `path` always holds a whole save."""
+    new = path.with_name(f"{path.name}.step-{step}")
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)  # an interrupted save of this step
     dist.barrier()
-    dcp.save(parts, checkpoint_id=str(tmp))
+    dcp.save(parts, checkpoint_id=str(new))
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        swap_folder(path, new)
     dist.barrier()
 
 
 def model_tensors(path: Path) -> dict[str, Any]:
     """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
     world size that saved it, read without a process group and without the optimizer's state."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    dcp.load({"model": model}, checkpoint_id=str(path), planner=LoadPlanner())
+    _dcp_load({"model": model}, path)
     return model
 
 
@@ -177,7 +179,9 @@ def export_weights(path: str, out: str) -> int:
     """The model weights of checkpoint `path` as one torch.save file of whole tensors
     (no process group needed); returns the number of tensors."""
     model = model_tensors(resolve_load_path(path, "--checkpoint"))
-    torch.save(model, out)
+    tmp = Path(out).with_name(f".{Path(out).name}.tmp")
+    torch.save(model, tmp)
+    os.replace(tmp, out)  # a reader never sees half a file
     return len(model)
 
 
@@ -201,30 +205,34 @@ def require_saved_world_size(features: list[FeatureSpec], path: Path, world_size
 
 
 def _trainer_value(path: Path, key: str) -> int | None:
-    if f"trainer.{key}" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+    if f"trainer.{key}" not in read_metadata(path).state_dict_metadata:
         return None
     progress = {key: 0}
-    dcp.load({"trainer": progress}, checkpoint_id=str(path), planner=LoadPlanner())
+    _dcp_load({"trainer": progress}, path)
     return progress[key]
 
 
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner without its fallback for checkpoints older than torch 2.4.
-    That fallback starts whenever the checkpoint holds a key this rank does not (always so on
-    several ranks: each rank's fused optimizer holds the state of its own tables only), and
-    its old flattening turns a part of plain values, like `trainer`, into one unknown key.
-    Every rankmix checkpoint is newer."""
-
-    def create_local_plan(self) -> LoadPlan:
-        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+def _dcp_load(parts: dict[str, Any], path: Path) -> None:
+    """dcp.load through rankmix's safe reader and planner (trainer/safe_load.py): nothing
+    in `path` is unpickled unchecked. A refused file is reported as itself."""
+    try:
+        dcp.load(parts, storage_reader=SafeReader(str(path)), planner=LoadPlanner())
+    except CheckpointException as e:
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeFileError)]
+        if refused:
+            raise UnsafeFileError(f"{path}: {refused[0]}") from None
+        raise
 
 
 def load(path: Path, parts: dict[str, Any]) -> None:
     """Load `parts` (state dicts, or Stateful components, see trainer/state.py) in place from
     the DCP checkpoint at `path` (collective). A part that cannot take up its saved state
     raises ValueError, reported here with the checkpoint's path."""
+    read_metadata(path)  # a refused or unreadable file is one line on every rank, before any collective
     try:
-        dcp.load(parts, checkpoint_id=str(path), planner=LoadPlanner())
+        _dcp_load(parts, path)
+    except UnsafeFileError:
+        raise
     except ValueError as e:
         raise ValueError(f"{path} {e}") from None
     except CheckpointException as e:  # a rank's plan failed: the checkpoint is of another model

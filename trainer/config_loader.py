@@ -30,6 +30,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
 from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConfig, FeatureSpec, LaunchConfig,
                             MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig,
                             managed_tables)
+from trainer.run_folder import write_atomic
 
 FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
 NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
@@ -399,7 +400,7 @@ def dump_toml(cfg: Config, path: str | Path) -> None:
     """Write the resolved config so that `--config path` reproduces the run. URI credentials
     are redacted: such a run is resumed with them given again (on the command line, or by
     the environment: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE)."""
-    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))
+    write_atomic(Path(path), tomli_w.dumps(to_dict(cfg)))
 
 
 def field_docs(cls: type) -> dict[str, str]:

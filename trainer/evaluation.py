@@ -72,7 +72,7 @@ class ModelSelection:
         """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
         improved = self.best.update({k: v for k, v in metrics.items() if "/" not in k}, step, epochs)
         if improved and self.keep_weights:
-            checkpoint.save_weights(self.folder, weights)
+            checkpoint.save_weights(self.folder, weights, step)
         return improved
 
     def restore(self, weights: dict, step: int) -> str | None:

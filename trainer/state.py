@@ -7,7 +7,7 @@ parts it is given; nothing is assembled by hand or depends on the order of loadi
     optim     OptimizerState: fused sparse Adagrad and dense RMSProp (one CombinedOptimizer)
     trainer   the Trainer: step, world size and epoch position, the same on every rank
     ranks     PerRankState: every rank's data position, RNG and LR schedule, gathered into
-              one value, because DCP writes non-tensor values from the coordinator only
+              one JSON text, because DCP writes non-tensor values from the coordinator only
 
 A checkpoint loads into another world size: tensors reshard, and per-rank parts rebuild
 their state from the saved ranks' (`RankLocal.load_resized`).
@@ -15,7 +15,8 @@ their state from the saved ranks' (`RankLocal.load_resized`).
 
 from __future__ import annotations
 
-import pickle
+import base64
+import json
 import random
 import sys
 from collections import deque
@@ -88,27 +89,83 @@ class RankLocal(Protocol):
 
 
 class PerRankState:
-    """Rank-local parts, gathered from every rank into one opaque value (a collective in
-    `state_dict`); on load each rank takes its own entry, or, when the world size changed,
-    each part rebuilds its state from all the saved ones."""
+    """Rank-local parts, gathered from every rank into one JSON text (a collective in
+    `state_dict`; see `encode_state`); on load each rank takes its own entry, or, when the
+    world size changed, each part rebuilds its state from all the saved ones."""
 
     def __init__(self, parts: dict[str, RankLocal]):
         self.parts = parts
 
-    def state_dict(self) -> bytes:
+    def state_dict(self) -> str:
         mine = {name: part.state_dict() for name, part in self.parts.items()}
         states: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(states, mine)
-        return pickle.dumps(states)
+        return encode_state(states)
 
-    def load_state_dict(self, blob: bytes) -> None:
-        states = pickle.loads(blob)
+    def load_state_dict(self, text: str) -> None:
+        states = decode_state(text, "the checkpoint's `ranks` part")
+        if not isinstance(states, list) or not all(isinstance(s, dict) and s.keys() == self.parts.keys()
+                                                   for s in states):
+            raise ValueError(f"has a `ranks` part without the parts {sorted(self.parts)} for every rank")
         if len(states) == dist.get_world_size():
             for name, part in self.parts.items():
                 part.load_state_dict(states[dist.get_rank()][name])
         else:
             for name, part in self.parts.items():
                 part.load_resized([s[name] for s in states])
+
+
+def encode_state(value: Any) -> str:
+    """`value` (dicts with str keys, lists, tuples, numbers, strings, None, NumPy arrays and CPU
+    tensors) as JSON text that `decode_state` turns back into equal values, types included:
+    a checkpoint holds data, never a pickle (docs/design.md §2.10)."""
+    return json.dumps(_tagged(value), allow_nan=True, separators=(",", ":"))
+
+
+def decode_state(text: str, what: str) -> Any:
+    """The value `encode_state` wrote; ValueError naming `what` for anything else."""
+    try:
+        return _untagged(json.loads(text))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{what} is not rankmix's per-rank state ({type(e).__name__}: {e})") from None
+
+
+def _tagged(v: Any) -> Any:
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise TypeError(f"per-rank state keys must be strings, got {list(v)}")
+        return {"dict": {k: _tagged(x) for k, x in v.items()}}
+    if isinstance(v, (list, tuple)):
+        return {type(v).__name__: [_tagged(x) for x in v]}
+    if isinstance(v, (np.ndarray, torch.Tensor)):
+        array = v.numpy() if isinstance(v, torch.Tensor) else v
+        return {"torch" if isinstance(v, torch.Tensor) else "numpy": {
+            "dtype": array.dtype.str, "shape": list(array.shape),
+            "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()}}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"per-rank state holds a {type(v).__name__}, which a checkpoint does not store")
+
+
+def _untagged(v: Any) -> Any:
+    if not isinstance(v, dict):
+        if isinstance(v, list):
+            raise ValueError("an untagged list")
+        return v
+    (kind, x), = v.items()
+    if kind == "dict":
+        return {k: _untagged(y) for k, y in x.items()}
+    if kind in ("list", "tuple"):
+        items = [_untagged(y) for y in x]
+        return items if kind == "list" else tuple(items)
+    if kind in ("numpy", "torch"):
+        dtype = np.dtype(x["dtype"])
+        if dtype.kind not in "biuf":
+            raise ValueError(f"an array of dtype {dtype}")
+        array = np.frombuffer(base64.b64decode(x["data"], validate=True), dtype=dtype)
+        array = array.reshape(x["shape"]).copy()
+        return torch.from_numpy(array) if kind == "torch" else array
+    raise ValueError(f"unknown tag {kind!r}")
 
 
 class RNGState:

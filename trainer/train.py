@@ -29,7 +29,7 @@ from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
-from trainer import checkpoint
+from trainer import checkpoint, run_folder
 from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.pipeline import CheckedSparseDistPipeline
@@ -54,6 +54,18 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
+        self.run_dir = Path(cfg.train.run_dir)
+        self.run_lock = run_folder.claim(self.run_dir, self.env.is_main)  # one run per folder
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        """Everything the run needs, its checkpoint restored; the run folder's config and plan
+        are written last, once the restore accepted this config."""
         seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
         files = build_dataset(cfg)
         cfg.features = files.features
@@ -91,16 +103,6 @@ class Trainer:
         if self.total_steps == 0:
             raise ValueError(f"{redact_uri(files.train_path)}: not one batch of {self.batch_size} rows "
                              f"per rank in {cfg.train.epochs} epoch(s)")
-        self.run_dir = Path(cfg.train.run_dir)
-        if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_toml(cfg, self.run_dir / "config.toml")
-            plan = str(self.model.plan)
-            (self.run_dir / "plan.txt").write_text(plan + "\n")
-            print(f"world size {self.env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{plan}",
-                  flush=True)
-            print(f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU",
-                  flush=True)
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
@@ -114,6 +116,16 @@ class Trainer:
         if self.valid_split:
             self.checkpoint_parts["best"] = self.selection.best
         self.restore()
+        if self.env.is_main:
+            self._describe_run()
+
+    def _describe_run(self) -> None:
+        """The resolved config and sharding plan into the run folder, and onto the console."""
+        dump_toml(self.cfg, self.run_dir / "config.toml")
+        plan = str(self.model.plan)
+        run_folder.write_atomic(self.run_dir / "plan.txt", plan + "\n")
+        print(f"world size {self.env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{plan}", flush=True)
+        print(f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU", flush=True)
 
     # ------------------------------------------------------------------ building
 
@@ -189,6 +201,8 @@ class Trainer:
             self.pipeline.reset()  # its read-ahead batches and their input-dist outputs
         self.checkpoints.close(wait=ok)
         self.logger.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
@@ -306,7 +320,7 @@ class Trainer:
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            run_folder.write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
     def fetch(self, batches) -> Batch:

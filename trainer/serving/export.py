@@ -33,6 +33,7 @@ from embeddings.tables import table_configs
 from trainer.checkpoint import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
+from trainer.safe_load import UnsafeFileError, inside, load_pt2
 from trainer.serving.model import ManagedRows, ServingModel
 from trainer.serving.readme import write_readme
 from trainer.state import apply_trained_step
@@ -217,20 +218,25 @@ def needs_fbgemm(program, fmt: str) -> bool:
 
 def load(folder: str | Path) -> tuple[nn.Module, dict]:
     """(the artifact's model, its manifest), loaded as a server would: torch alone, plus
-    FBGEMM's operators when the manifest says it needs them."""
+    FBGEMM's operators when the manifest says it needs them. A pt2 artifact is read as data
+    (trainer/safe_load.py); a TorchScript one is a program (README, Trust)."""
     folder = Path(folder)
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"--model {folder}: no manifest.json there (not a `rankmix export` folder)")
     try:
         manifest = json.loads(manifest_path.read_text())
+        path = inside(folder, manifest["file"], manifest_path)
+        if manifest["format"] not in FORMATS or path.name != FORMATS[manifest["format"]]:
+            raise ValueError(f"format {manifest['format']!r} with file {manifest['file']!r}")
         if manifest["needs_fbgemm"]:
             import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
-        path = folder / manifest["file"]
         if not zipfile.is_zipfile(path):  # checked first: torch's loaders log a traceback before raising
             raise ValueError(f"{manifest['file']} is missing or not a saved model")
         scripted = manifest["format"] == "torchscript"
-        model = torch.jit.load(str(path)) if scripted else torch.export.load(str(path)).module()
-    except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as e:  # a partial or damaged copy
+        model = torch.jit.load(str(path)) if scripted else load_pt2(path).module()
+    except UnsafeFileError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, zipfile.BadZipFile) as e:  # a partial or damaged copy
         raise ValueError(f"--model {folder}: cannot load the artifact ({type(e).__name__}: {e})") from None
     return model, manifest
