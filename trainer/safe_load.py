@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import pickle
 import zipfile
@@ -184,10 +183,3 @@ def load_pt2(path: Path) -> torch.export.ExportedProgram:
         except pickle.UnpicklingError as e:
             raise UnsafeFileError(f"{path}: refused: a payload is not plain tensors ({_first_line(e)})") from None
 
-
-def read_json(path: Path) -> Any:
-    """A JSON file, errors naming it."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
