@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from cli import rankmix
 from trainer import checkpoint
-from trainer.run_folder import LOCK_FILE, RunLock, swap_folder, write_atomic
+from trainer.files import swap_folder, write_atomic
+from trainer.run_folder import LOCK_FILE, RunLock
 from trainer.safe_load import UnsafeFileError
 from trainer.state import decode_state, encode_state
 

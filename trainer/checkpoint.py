@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, TensorStorageMetadata
 
 from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
-from trainer.run_folder import swap_folder
+from trainer.files import swap_folder
 from trainer.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
 
 PREFIX = "step-"

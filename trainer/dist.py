@@ -109,6 +109,17 @@ def shutdown(wait_for_peers: bool = True) -> None:
     gc.collect()  # what held the groups goes now, while the interpreter is whole
 
 
+def raise_on_every_rank(error: str | None) -> None:
+    """Raise ValueError(`error`) on every rank when rank 0 found one (collective): a check
+    that only rank 0 makes stops the others too, instead of leaving them in a collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ValueError(error)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

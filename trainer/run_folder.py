@@ -1,21 +1,16 @@
-"""A run folder has one run at a time, and its files are whole whenever anyone reads them.
+"""A run folder has one run at a time (docs/design.md §2.10).
 
-- `RunLock`: `<run_dir>/.lock` names the run that holds the folder (host, pid, start time).
-  A second run stops with one line naming that holder. A lock whose holder is dead on this
-  host is taken over with a warning; one held from another host counts as live while its
-  holder refreshes it (every `HEARTBEAT_SECONDS`), and is taken over, with a warning, once
-  it has not been refreshed for `STALE_SECONDS`.
-- `write_atomic`: a file written next to its destination and renamed over it, so a reader
-  (or a run killed mid-write) never sees half of it.
-- `swap_folder`: `best/` and the like are a symbolic link renamed onto a complete folder:
-  the old folder stays whole until the link points at the new one.
+`<run_dir>/.lock` names the run that holds the folder (host, pid, start time). A second run
+stops with one line naming that holder. A lock whose holder is dead on this host is taken
+over with a warning; one held from another host counts as live while its holder refreshes
+it (every `HEARTBEAT_SECONDS`), and is taken over, with a warning, once it has not been
+refreshed for `STALE_SECONDS`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -23,36 +18,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch.distributed as dist
-
 LOCK_FILE = ".lock"
 HEARTBEAT_SECONDS = 60.0
 STALE_SECONDS = 600.0
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def swap_folder(link: Path, new: Path) -> None:
-    """Make `link` (a symbolic link beside `new`) point at folder `new` with one rename, then
-    delete the folder it pointed at before. A real folder at `link` (not a link) is replaced."""
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.link")
-    tmp.unlink(missing_ok=True)
-    os.symlink(new.name, tmp)
-    old = link.parent / os.readlink(link) if link.is_symlink() else None
-    if link.exists() and not link.is_symlink():
-        shutil.rmtree(link)  # a folder written before `best` became a link
-    os.replace(tmp, link)
-    if old is not None and old.resolve() != new.resolve():
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class RunLock:
@@ -126,24 +94,6 @@ class RunLock:
                 os.utime(self.path)
             except OSError:
                 pass  # the folder went away: the run notices at its next write
-
-
-def claim(folder: Path, is_main: bool) -> RunLock | None:
-    """Rank 0 takes `folder`'s lock; every rank raises the same ValueError when it cannot
-    (collective: no rank waits on one that gave up)."""
-    lock, error = (RunLock(folder), None) if is_main else (None, None)
-    if lock is not None:
-        try:
-            lock.acquire()
-        except (ValueError, OSError) as e:
-            error = f"{e}" if isinstance(e, ValueError) else f"{folder}: cannot take the run folder ({e})"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise ValueError(error)
-    return lock
 
 
 def _alive(pid: int) -> bool:

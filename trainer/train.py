@@ -28,14 +28,16 @@ from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
-from trainer.dist import DistEnv, init_distributed
-from trainer import checkpoint, run_folder
+from trainer.dist import DistEnv, init_distributed, raise_on_every_rank
+from trainer.files import write_atomic
+from trainer import checkpoint
 from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
 from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import StopSignal
+from trainer.run_folder import RunLock
 from trainer.evaluation import Evaluator, ModelSelection
 from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
@@ -55,13 +57,24 @@ class Trainer:
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
         self.run_dir = Path(cfg.train.run_dir)
-        self.run_lock = run_folder.claim(self.run_dir, self.env.is_main)  # one run per folder
+        self.run_lock = self._claim_run_folder()
         try:
             self._build(cfg)
         except BaseException:
             if self.run_lock is not None:
                 self.run_lock.release()
             raise
+
+    def _claim_run_folder(self) -> RunLock | None:
+        """Rank 0 takes the run folder's lock (one run per folder); every rank stops when it cannot."""
+        lock, error = (RunLock(self.run_dir), None) if self.env.is_main else (None, None)
+        if lock is not None:
+            try:
+                lock.acquire()
+            except ValueError as e:
+                error = str(e)
+        raise_on_every_rank(error)
+        return lock
 
     def _build(self, cfg: Config) -> None:
         """Everything the run needs, its checkpoint restored; the run folder's config and plan
@@ -123,7 +136,7 @@ class Trainer:
         """The resolved config and sharding plan into the run folder, and onto the console."""
         dump_toml(self.cfg, self.run_dir / "config.toml")
         plan = str(self.model.plan)
-        run_folder.write_atomic(self.run_dir / "plan.txt", plan + "\n")
+        write_atomic(self.run_dir / "plan.txt", plan + "\n")
         print(f"world size {self.env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{plan}", flush=True)
         print(f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU", flush=True)
 
@@ -320,7 +333,7 @@ class Trainer:
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if self.env.is_main:
-            run_folder.write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+            write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
     def fetch(self, batches) -> Batch:
