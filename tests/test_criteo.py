@@ -152,7 +152,7 @@ def test_gzip_and_resume(tmp_path):
     assert again["rows"] == 200  # the earlier report is reused
     assert part.stat().st_mtime_ns == mtime
     # an interrupted run (tmp part, no marker) is redone from scratch
-    (out / "_DONE_day_0.gz").unlink()
+    (out / "_DONE_day_0").unlink()
     (out / "day_0-00001.parquet.tmp").write_bytes(b"partial")
     redo = convert_criteo([str(gz)], str(out))
     assert redo["skipped_files"] == 0 and not list(out.glob("*.tmp"))

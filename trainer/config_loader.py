@@ -30,7 +30,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
 from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConfig, FeatureSpec, LaunchConfig,
                             MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig,
                             managed_tables)
-from trainer.run_folder import write_atomic
+from trainer.files import write_atomic
 
 FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
 NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
@@ -233,6 +233,8 @@ def validate(cfg: Config) -> None:
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
                        "checkpoint.signal_grace_steps", "metrics.valid_every", "train.early_stopping_patience",
                        "optim.dense_warmup_steps")
+    if not math.isfinite(cfg.data.retry_seconds):  # inf (or nan) would retry an outage forever
+        raise ValueError(f"data.retry_seconds must be a finite number of seconds, got {cfg.data.retry_seconds}")
     _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
     _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
     _check_choice(cfg, "model.tokenizer", ("slice", "group"))

@@ -1,7 +1,9 @@
 """`rankmix score`: batch scoring of Parquet files with a trained checkpoint, or with a
 serving artifact of `rankmix export` (trainer/serving/predict.py).
 
-Every input file gets an output file of the same name, row for row: the kept columns
+Every input file gets an output file, row for row, at the input's path relative to the
+inputs' common folder under `--out` (so inputs of one name in different folders each keep
+theirs), written to a hidden temporary file and renamed when complete: the kept columns
 (the task labels and the user column when present, plus `keep`) and one `pred_<task>`
 probability per task. The model runs in evaluation mode, so a Sparse-MoE tower uses its
 inference router alone (or the dense training router with model.moe_inference=dense).
@@ -10,7 +12,9 @@ When the files carry the task labels, AUC, UAUC and logloss are computed too.
 
 from __future__ import annotations
 
+import os
 import posixpath
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +32,21 @@ from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics import task_metrics
 from trainer.state import ModelState, apply_trained_step
+
+
+def _output_paths(fs, files: list[str], out: str) -> list[Path]:
+    """Each input's output: its path relative to the inputs' common folder, under `out`.
+    Refuses an input listed twice, and an output that would replace an input."""
+    twice = [path for path, n in Counter(files).items() if n > 1]
+    if twice:
+        raise ValueError(f"--data lists {twice[0]} twice")
+    base = posixpath.commonpath([posixpath.dirname(p) for p in files])  # '' for inputs in two buckets
+    targets = [Path(out) / (posixpath.relpath(p, base) if base else p) for p in files]
+    inputs = {Path(p).resolve(): p for p in files} if fs.type_name == "local" else {}
+    for target in targets:
+        if target.resolve() in inputs:
+            raise ValueError(f"--out {out} would overwrite the input {inputs[target.resolve()]}")
+    return targets
 
 
 def find_config(path: str) -> Path:
@@ -85,17 +104,14 @@ class Scorer:
         """Write predictions of every file of `data` into folder `out`; return a summary."""
         fs, files = resolve_files(data, retry_seconds=self.cfg.data.retry_seconds,
                                   retry_attempts=self.cfg.data.retry_attempts)
-        Path(out).mkdir(parents=True, exist_ok=True)
+        targets = _output_paths(fs, files, out)
         names = pq.ParquetFile(files[0], filesystem=fs).schema_arrow.names
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
         user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
         encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user)
         logits, labels, users = [], [], []
         rows = 0
-        for path in files:
-            target = Path(out) / posixpath.basename(path)
-            if target.resolve() == Path(path).resolve():
-                raise ValueError(f"--out {out} would overwrite the input {path}")
+        for path, target in zip(files, targets):
             for chunk_logits, batch in self._score_file(fs, path, target, encoder, batch_size, keep):
                 logits.append(chunk_logits)
                 labels.append(batch.labels)
@@ -110,11 +126,14 @@ class Scorer:
 
     @torch.no_grad()
     def _score_file(self, fs, path: str, target: Path, encoder: RowEncoder, batch_size: int, keep: list[str]):
-        """Score one file batch by batch, writing `target`; yields (logits [B, K], batch)."""
+        """Score one file batch by batch, writing `target` through a hidden temporary file
+        renamed when complete; yields (logits [B, K], batch)."""
         parquet = pq.ParquetFile(path, filesystem=fs)
         schema = parquet.schema_arrow
         encoder.check_schema(schema, path)
         kept = _kept_columns(schema.names, keep, encoder, path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         writer = None
         try:
             for i, record_batch in enumerate(parquet.iter_batches(batch_size, columns=list(
@@ -126,12 +145,17 @@ class Scorer:
                 for k, name in enumerate(self.tasks):
                     scored = scored.append_column(f"pred_{name}", pa.array(probs[:, k]))
                 if writer is None:
-                    writer = pq.ParquetWriter(str(target), scored.schema)
+                    writer = pq.ParquetWriter(str(tmp), scored.schema)
                 writer.write_table(scored)
                 yield logits, batch
+            if writer is not None:
+                writer.close()
+                writer = None
+                os.replace(tmp, target)
         finally:
             if writer is not None:
                 writer.close()
+            tmp.unlink(missing_ok=True)
 
 
 def _kept_columns(names: list[str], keep: list[str], encoder: RowEncoder, path: str) -> list[str]:

@@ -8,9 +8,16 @@ The machinery shared by the converters (`rankmix data csv`, `rankmix data criteo
   `row_group_size` rows. Memory is about one block plus one row group, whatever the
   file size. Inputs ending in .gz / .bz2 / .zst / .lz4 are decompressed on the fly.
 - **Parallel**: one input file per worker process (`workers`).
+- **One name per input**: an input's parts are `<name>-NNNNN.parquet`, its name being its
+  stem (`day_0` of `day_0.gz`), plus a hash of its full path where that stem is another
+  input's name or reads as one's part (`a-1` next to `a`). An input keeps the name an
+  earlier run gave it, and only files of exactly its own part pattern are ever removed.
 - **Resumable per input**: parts are written as `*.parquet.tmp`, renamed when the whole
-  input is done, then a `_DONE_<input name>` marker (holding that input's report) is
-  written; a rerun skips every input with a marker and reports it as `skipped`.
+  input is done, then a `_DONE_<name>` marker (the input's path, a digest of the options
+  its output depends on and of its size and mtime, and its report) is written through a
+  temp file. A rerun skips every input whose marker matches and reports it as `skipped`;
+  any other input is converted again, its old parts replaced only once the new ones are
+  complete.
 - **Malformed rows are counted, never silently dropped**: a row with the wrong number of
   fields or a value that does not parse is left out of the output and counted; the
   per-file report gives the count, the first offending line number (1-based, physical
@@ -23,12 +30,15 @@ one block become typed output columns plus, per checked column, which rows are v
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
+import glob
 import hashlib
 import json
 import multiprocessing
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +47,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
+
+from trainer.files import write_atomic
 
 __all__ = ["CsvLayout", "FileReport", "convert_files", "convert_csv", "stable_hash"]
 
@@ -135,12 +147,15 @@ def label_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
 
 
 def number_column(raw: pa.Array) -> tuple[np.ndarray, pa.Array]:
-    """Decimal numbers -> float64, empty -> null; anything else is invalid."""
+    """Decimal numbers -> float64, empty -> null; anything else is invalid, a number beyond
+    float64's range (1e999, read as inf) too."""
     empty = pc.equal(pc.utf8_length(raw), 0)
     ok = pc.or_(empty, pc.match_substring_regex(raw, _NUMBER))
     good = pc.and_(ok, pc.invert(empty))
     values = pc.cast(pc.if_else(good, raw, pa.scalar(None, pa.string())), pa.float64())
-    return ok.to_numpy(zero_copy_only=False), values
+    finite = np.isfinite(values.to_numpy(zero_copy_only=False))  # a null is NaN here
+    empty = empty.to_numpy(zero_copy_only=False)
+    return ok.to_numpy(zero_copy_only=False) & (empty | finite), values
 
 
 _HEX = np.full(256, 255, np.uint8)
@@ -199,11 +214,29 @@ def _stem(name: str) -> str:
     return name
 
 
-class _PartWriter:
-    """Rows -> `<stem>-NNNNN.parquet.tmp` parts of exactly `row_group_size`-row row groups."""
+def _name_hash(path: str) -> str:
+    """8 hex digits of an input's full path, told apart from its stem."""
+    return hashlib.blake2b(path.encode(), digest_size=4).hexdigest()
 
-    def __init__(self, out: Path, stem: str, schema: pa.Schema, row_group_size: int, rows_per_file: int):
-        self.out, self.stem, self.schema = out, stem, schema
+
+def _part_of(name: str) -> str | None:
+    """The name whose part `name` reads as (`a` for `a-1`), if any."""
+    found = re.fullmatch(r"(.*)-\d+", name)
+    return found[1] if found else None
+
+
+def _parts_of(out: Path, name: str, suffix: str = "") -> list[Path]:
+    """The files of exactly `name`'s part pattern, `name-NNNNN.parquet` + `suffix`: none of
+    another name's, even one that starts as `name` does."""
+    exact = re.compile(re.escape(name) + r"-\d{5,}\.parquet" + re.escape(suffix))
+    return [p for p in out.glob(glob.escape(name) + "-*") if exact.fullmatch(p.name)]
+
+
+class _PartWriter:
+    """Rows -> `<name>-NNNNN.parquet.tmp` parts of exactly `row_group_size`-row row groups."""
+
+    def __init__(self, out: Path, name: str, schema: pa.Schema, row_group_size: int, rows_per_file: int):
+        self.out, self.name, self.schema = out, name, schema
         self.rg, self.per_file = row_group_size, rows_per_file
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
@@ -222,7 +255,7 @@ class _PartWriter:
         start = 0
         while table.num_rows - start >= self.rg or (final and start < table.num_rows):
             if self.writer is None:
-                path = self.out / f"{self.stem}-{len(self.parts):05d}.parquet.tmp"
+                path = self.out / f"{self.name}-{len(self.parts):05d}.parquet.tmp"
                 self.parts.append(path)
                 self.writer = pq.ParquetWriter(path, self.schema)
                 self.in_part = 0
@@ -239,6 +272,7 @@ class _PartWriter:
         self.pending, self.pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
 
     def finish(self) -> list[str]:
+        """Every part complete, then in place of the earlier run's parts; returns their names."""
         self._drain(final=True)
         if self.writer is not None:
             self.writer.close()
@@ -247,7 +281,7 @@ class _PartWriter:
             dest = tmp.with_name(tmp.name[: -len(".tmp")])
             os.replace(tmp, dest)
             final.append(dest.name)
-        for stale in self.out.glob(f"{self.stem}-*.parquet"):  # parts of an earlier, longer split
+        for stale in _parts_of(self.out, self.name):  # parts of an earlier, longer split
             if stale.name not in final:
                 stale.unlink()
         return final
@@ -259,7 +293,12 @@ def _header(src: str, delimiter: str) -> list[str]:
     with pa.input_stream(src) as f:
         while b"\n" not in head and (chunk := f.read(1 << 16)):
             head += chunk
-    return head.split(b"\n", 1)[0].decode("utf-8").rstrip("\r").split(delimiter)
+    line = head.split(b"\n", 1)[0]
+    try:
+        return line.decode("utf-8").rstrip("\r").split(delimiter)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{src}: the header is not UTF-8 (byte {line[e.start]:#04x} "
+                         f"at column {e.start + 1})") from None
 
 
 def _line_of(row: int, header_lines: int, skipped: list[int]) -> int:
@@ -347,23 +386,47 @@ def _open_csv(src: str, layout, block_size: int,
     return stream, reader, layout, header_lines
 
 
-def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
+_MARKER = "_DONE_"
+
+
+def _digest(src: str, layout, rows_per_file: int, row_group_size: int) -> str:
+    """What an input's output depends on: the layout the user gave (its instance fields),
+    the part options, and the input's size and mtime."""
+    stat = os.stat(src)
+    key = {"layout": type(layout).__name__, **vars(layout), "rows_per_file": rows_per_file,
+           "row_group_size": row_group_size, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _read_marker(marker: Path) -> dict | None:
+    """A done-marker's contents; None for one of an older converter (no digest), redone."""
+    try:
+        done = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{marker}: unreadable done-marker ({e}); delete it to convert its input again") from None
+    return done if isinstance(done, dict) and {"path", "digest", "report"} <= done.keys() else None
+
+
+
+
+def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = False,
                  rows_per_file: int = 0, row_group_size: int = DEFAULT_ROW_GROUP,
                  block_size: int = DEFAULT_BLOCK) -> FileReport:
-    """Convert one input file (see the module docstring); returns its report."""
+    """Convert one input file into parts called `name` (see the module docstring); returns its report."""
     out = Path(out_dir)
-    name = os.path.basename(src)
-    marker = out / f"_DONE_{name}"
-    if marker.exists():  # converted by an earlier run
-        return FileReport(**{**json.loads(marker.read_text()), "skipped": True})
-    for tmp in out.glob(f"{_stem(name)}-*.parquet.tmp"):
-        tmp.unlink()
     if not os.path.isfile(src):
         raise ValueError(f"input not found: {src}")
+    path, digest = os.path.abspath(src), _digest(src, layout, rows_per_file, row_group_size)
+    marker = out / f"{_MARKER}{name}"
+    done = _read_marker(marker) if marker.exists() else None
+    if done and (done["path"], done["digest"]) == (path, digest):  # converted by an earlier run
+        return FileReport(**{**done["report"], "skipped": True})
+    for tmp in _parts_of(out, name, ".tmp"):
+        tmp.unlink()
     report = FileReport(src=src)
     bad_rows = _BadRows(src, report, strict)
     stream, reader, layout, header_lines = _open_csv(src, layout, block_size, bad_rows.on_invalid)
-    writer = _PartWriter(out, _stem(name), layout.schema, row_group_size, rows_per_file)
+    writer = _PartWriter(out, name, layout.schema, row_group_size, rows_per_file)
     parsed = 0
     try:
         for batch in reader:
@@ -384,13 +447,37 @@ def convert_file(src: str, out_dir: str, layout, *, strict: bool = False,
         stream.close()
     bad_rows.finish()
     report.parts = writer.finish()
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(report)))
-    os.replace(tmp, marker)  # the marker last: a killed run redoes this file
+    # the marker last, written whole (its temporary file is hidden: never read as a marker)
+    write_atomic(marker, json.dumps({"path": path, "digest": digest, "report": asdict(report)}))
     return report
 
 
 # ----------------------------------------------------------------------------- many files
+
+
+def _names(srcs: list[str], out: Path) -> list[str]:
+    """Each input's output name: the one an earlier run's marker gives its path, else its
+    stem, plus a hash of its path where that stem is confusable with another input's name."""
+    paths = [os.path.abspath(s) for s in srcs]
+    counts = collections.Counter(paths)
+    twice = [s for s, p in zip(srcs, paths) if counts[p] > 1]
+    if twice:
+        raise ValueError(f"--src gives one file more than once: {twice}")
+    earlier = {}
+    for marker in out.glob(f"{_MARKER}*"):
+        done = _read_marker(marker)
+        if done:
+            earlier[done["path"]] = marker.name[len(_MARKER):]
+    claims = {**earlier, **{p: earlier.get(p, _stem(os.path.basename(p))) for p in paths}}
+    taken = collections.Counter(claims.values())
+    parents = collections.Counter(_part_of(n) for n in claims.values())
+    names = []
+    for p in paths:
+        name = claims[p]
+        # another input's name, or one of the two of `a` and `a-1` (read as a part of `a`)
+        clash = p not in earlier and (taken[name] > 1 or _part_of(name) in taken or parents[name] > 0)
+        names.append(f"{name}-h{_name_hash(p)}" if clash else name)
+    return names
 
 
 def convert_files(srcs: list[str], out_dir: str, layout, *, workers: int = 1, strict: bool = False,
@@ -401,19 +488,16 @@ def convert_files(srcs: list[str], out_dir: str, layout, *, workers: int = 1, st
         raise ValueError("no input files")
     if row_group_size <= 0 or rows_per_file < 0 or workers < 1:
         raise ValueError("--row-group-size and --workers must be positive, --rows-per-file >= 0")
-    stems = [_stem(os.path.basename(s)) for s in srcs]
-    dup = sorted({s for s in stems if stems.count(s) > 1})
-    if dup:
-        raise ValueError(f"inputs share output names {dup}: convert them into different --out folders")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    names = _names(srcs, Path(out_dir))
     job = functools.partial(convert_file, out_dir=out_dir, layout=layout, strict=strict,
                             rows_per_file=rows_per_file, row_group_size=row_group_size, block_size=block_size)
     workers = min(workers, len(srcs))
     if workers == 1:
-        reports = [job(s) for s in srcs]
+        reports = [job(s, n) for s, n in zip(srcs, names)]
     else:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            reports = pool.map(job, srcs, chunksize=1)
+            reports = pool.starmap(job, zip(srcs, names), chunksize=1)
     return {"out": str(out_dir), "rows": sum(r.rows for r in reports),
             "bad_rows": sum(r.bad_rows for r in reports),
             "skipped_files": sum(r.skipped for r in reports),

@@ -118,7 +118,14 @@ def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
             values = np.clip(values, f.clip_min, f.clip_max)
         elif op == "standardize":
             values = (values - f.mean) / f.std
-    return values.astype(np.float32)
+    out = values.astype(np.float32)
+    # A value finite in float64 may not be in float32 (1e39): the model would see inf.
+    bad = np.flatnonzero(~np.isfinite(out))
+    if bad.size:
+        after = f" (after {', '.join(f.transform)})" if f.transform else ""
+        raise ValueError(f"{where}, column {f.column!r}: {values[bad[0]]:g} at row {bad[0]} is beyond "
+                         f"float32's range{after}")
+    return out
 
 
 def _labels(column: pa.ChunkedArray, t: TaskSpec, where: str) -> np.ndarray:

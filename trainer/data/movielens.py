@@ -6,7 +6,9 @@ global time cut, so validation measures how well the model predicts the future, 
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,29 +138,49 @@ def _check_options(valid_fraction: float, history_len: int, row_group_size: int,
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without its line end) of each line; a line that is not UTF-8 is
+    a ValueError naming the file and the line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") \
+                    from None
+            yield lineno, text.rstrip("\r\n")
+
+
 def _read_rows(path: Path, columns: tuple[str, ...]) -> list[tuple[int, list[str]]]:
     """(line number, fields in ``columns`` order) for each data line, matching columns by header name."""
-    with open(path, encoding="utf-8") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
-        names = [h.split(":", 1)[0] for h in header]
-        missing = [c for c in columns if c not in names]
-        if missing:
-            raise ValueError(f"{path}:1: header lacks column(s) {missing}; got {header}")
-        pick = [names.index(c) for c in columns]
-        rows = []
-        for lineno, line in enumerate(f, start=2):
-            line = line.rstrip("\r\n")
-            if not line:
-                continue
-            fields = line.split("\t")
-            if len(fields) != len(names):
-                raise ValueError(f"{path}:{lineno}: expected {len(names)} tab-separated fields, got {len(fields)}")
-            rows.append((lineno, [fields[i] for i in pick]))
+    lines = _lines(path)
+    header = next(lines, (1, ""))[1].split("\t")
+    names = [h.split(":", 1)[0] for h in header]
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ValueError(f"{path}:1: header lacks column(s) {missing}; got {header}")
+    pick = [names.index(c) for c in columns]
+    rows = []
+    for lineno, line in lines:
+        if not line:
+            continue
+        fields = line.split("\t")
+        if len(fields) != len(names):
+            raise ValueError(f"{path}:{lineno}: expected {len(names)} tab-separated fields, got {len(fields)}")
+        rows.append((lineno, [fields[i] for i in pick]))
     return rows
 
 
 def _malformed(path: Path, lineno: int, what: str) -> ValueError:
     return ValueError(f"{path}:{lineno}: malformed line: {what}")
+
+
+def _finite(text: str) -> float:
+    """`float(text)`, refusing inf and nan."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not finite: {text!r}")
+    return value
 
 
 def _read_inter(path: Path) -> _Inter:
@@ -168,8 +190,8 @@ def _read_inter(path: Path) -> _Inter:
     rating, ts = np.empty(len(rows), np.float64), np.empty(len(rows), np.int64)
     for i, (lineno, (u, it, r, t)) in enumerate(rows):
         try:
-            user[i], item[i], rating[i], ts[i] = int(u), int(it), float(r), int(float(t))
-        except ValueError:
+            user[i], item[i], rating[i], ts[i] = int(u), int(it), _finite(r), int(_finite(t))
+        except (ValueError, OverflowError):  # OverflowError: a timestamp beyond int64
             raise _malformed(path, lineno, f"{u!r} {it!r} {r!r} {t!r}") from None
     if not len(rows):
         raise ValueError(f"{path}: no interactions")
