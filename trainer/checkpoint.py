@@ -185,10 +185,9 @@ def export_weights(path: str, out: str) -> int:
     return len(model)
 
 
-def trained_step(path: Path) -> int | None:
-    """How many optimizer steps trained the weights of checkpoint `path`: its `trainer` part's
-    step (best-weights folders carry one too), or None when it has none (best weights saved
-    before they did)."""
+def trained_step(path: Path) -> int:
+    """How many optimizer steps trained the weights of checkpoint `path` (its `trainer` part's
+    step; best-weights folders carry one too)."""
     return _trainer_value(path, "step")
 
 
@@ -197,16 +196,16 @@ def require_saved_world_size(features: list[FeatureSpec], path: Path, world_size
     each rank's MCH map holds the ids of its own range, with its own miss row, and TorchRec's
     resharding moves neither."""
     managed = managed_tables(features)
-    saved = _trainer_value(path, "world_size") if managed else None  # None: best weights saved before they said
-    if saved not in (None, world_size):
+    saved = _trainer_value(path, "world_size") if managed else world_size
+    if saved != world_size:
         raise ValueError(f"{path} was saved at world size {saved}: managed tables {managed} load only at the "
                          f"world size that trained them (each rank's id map holds the ids of its own range), "
                          f"not at {world_size}{advice}")
 
 
-def _trainer_value(path: Path, key: str) -> int | None:
+def _trainer_value(path: Path, key: str) -> int:
     if f"trainer.{key}" not in read_metadata(path).state_dict_metadata:
-        return None
+        raise ValueError(f"{path}: not a rankmix checkpoint (it has no trainer.{key})")
     progress = {key: 0}
     _dcp_load({"trainer": progress}, path)
     return progress[key]

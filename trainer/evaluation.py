@@ -1,21 +1,17 @@
-"""Metrics of the model over a whole split, and the validation split's part in a run."""
+"""Metrics of the model over a whole split."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dense.hooks import TrainingHooks
-from trainer import checkpoint
 from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv
 from trainer.metrics import task_metrics
-from trainer.selection import BestPoint
 
 
 class Evaluator:
@@ -54,41 +50,6 @@ class Evaluator:
         for hook in self.hooks.metrics:
             metrics.update(hook("eval"))
         return metrics
-
-
-class ModelSelection:
-    """What a validation split does for a run (docs/design.md §2.6): it tracks the best
-    validation (`best`, a checkpoint part), keeps that validation's weights in `folder`
-    (train.restore_best), and puts them back at the end."""
-
-    def __init__(self, cfg: Config, run_dir: Path):
-        t = cfg.train
-        self.best = BestPoint(t.select_metric, t.early_stopping_patience)
-        self.folder = run_dir / "best"
-        self.keep_weights = t.restore_best
-        self.restored = False
-
-    def record(self, metrics: dict[str, float], step: int, epochs: float, weights: dict) -> bool:
-        """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
-        improved = self.best.update({k: v for k, v in metrics.items() if "/" not in k}, step, epochs)
-        if improved and self.keep_weights:
-            checkpoint.save_weights(self.folder, weights, step)
-        return improved
-
-    def restore(self, weights: dict, step: int) -> str | None:
-        """Load the best validation's weights unless they are those of `step`; what was done."""
-        if not self.keep_weights or self.best.step in (0, step):
-            return None
-        checkpoint.load(self.folder, weights)
-        self.restored = True
-        return (f"restored the weights of step {self.best.step}, the best validation "
-                f"({self.best.metric} {self.best.value:.5f})")
-
-    def summary(self) -> dict:
-        """The best point and its validation metrics, for summary.json."""
-        return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self.restored,
-                "stopped_early": self.best.exhausted,
-                **{f"valid/{k}": v for k, v in self.best.metrics.items()}}
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Stopping on request: SIGTERM (what Slurm and Kubernetes send first) and SIGINT.
 
 A signal only sets a flag; the trainer acts on it at a step boundary, once every rank has
-seen it (the flag rides on the per-step all-reduce, see `Trainer._stop_if`), so that the
-ranks stop after the same step and write one consistent checkpoint. A second signal gets
+seen it (the flag rides on the per-step all-reduce, see
+`Trainer._agree_on_finite_and_stop`), so that the ranks stop after the same step and write
+one consistent checkpoint. A second signal gets
 the default action: a user who presses Ctrl-C twice means it.
 """
 

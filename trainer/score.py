@@ -74,7 +74,7 @@ class CheckpointModel:
             f"; its serving artifact keeps every rank's map: rankmix export --checkpoint {checkpoint_path} "
             "--out DIR, then rankmix score --model DIR"))
         checkpoint.load(source, {"model": ModelState(self.model)})
-        apply_trained_step(self.model, checkpoint.trained_step(source), source)
+        apply_trained_step(self.model, checkpoint.trained_step(source))
         self.model.eval()
 
     def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer import checkpoint
+from trainer.config import Config
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False}
 
@@ -61,3 +65,38 @@ class BestPoint:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epochs, self.since = int(state["step"]), float(state["epochs"]), int(state["since"])
         self.metrics = json.loads(state["metrics"])
+
+
+class ModelSelection:
+    """What a validation split does for a run (docs/design.md §2.6): it tracks the best
+    validation (`best`, a checkpoint part), keeps that validation's weights in `folder`
+    (train.restore_best), and puts them back at the end."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        t = cfg.train
+        self.best = BestPoint(t.select_metric, t.early_stopping_patience)
+        self.folder = run_dir / "best"
+        self.keep_weights = t.restore_best
+        self.restored = False
+
+    def record(self, metrics: dict[str, float], step: int, epochs: float, weights: dict) -> bool:
+        """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
+        improved = self.best.update({k: v for k, v in metrics.items() if "/" not in k}, step, epochs)
+        if improved and self.keep_weights:
+            checkpoint.save_weights(self.folder, weights, step)
+        return improved
+
+    def restore(self, weights: dict, step: int) -> str | None:
+        """Load the best validation's weights unless they are those of `step`; what was done."""
+        if not self.keep_weights or self.best.step in (0, step):
+            return None
+        checkpoint.load(self.folder, weights)
+        self.restored = True
+        return (f"restored the weights of step {self.best.step}, the best validation "
+                f"({self.best.metric} {self.best.value:.5f})")
+
+    def summary(self) -> dict:
+        """The best point and its validation metrics, for summary.json."""
+        return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self.restored,
+                "stopped_early": self.best.exhausted,
+                **{f"valid/{k}": v for k, v in self.best.metrics.items()}}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import sys
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,16 +33,11 @@ from dense.hooks import TrainingHooks
 from trainer.data.reader import ParquetReader
 
 
-def apply_trained_step(model: nn.Module, step: int | None, source: Path) -> None:
+def apply_trained_step(model: nn.Module, step: int) -> None:
     """Run `model`'s after_restore hooks (e.g. UniMixer's temperature) at `step`, the step the
-    weights loaded from `source` were trained to (None: unknown, so 0, with a warning)."""
-    hooks = TrainingHooks.of(model).after_restore
-    if hooks and step is None:
-        print(f"rankmix: warning: {source} records no training step (best weights saved by an older "
-              "rankmix); the model's step-dependent settings (UniMixer's temperature) are those of step 0",
-              file=sys.stderr)
-    for hook in hooks:
-        hook(step or 0)
+    loaded weights were trained to."""
+    for hook in TrainingHooks.of(model).after_restore:
+        hook(step)
 
 
 class ModelState:

@@ -38,7 +38,8 @@ from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import StopSignal
 from trainer.run_folder import RunLock
-from trainer.evaluation import Evaluator, ModelSelection
+from trainer.evaluation import Evaluator
+from trainer.selection import ModelSelection
 from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
 
@@ -353,20 +354,22 @@ class Trainer:
 
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop every rank before any update (the sparse update runs inside backward)."""
-        self._stop_if(loss.detach(), f"non-finite loss at step {self.step + 1} (rank {self.env.rank}: "
-                      f"{{value}}); training stopped before any update of this step")
+        self._agree_on_finite_and_stop(
+            loss.detach(), f"non-finite loss at step {self.step + 1} (rank {self.env.rank}: {{value}}); training "
+            "stopped before any update of this step")
 
     def check_gradients(self) -> None:
         """Stop every rank before the dense step if a dense gradient is not finite; clip."""
         grads = [p.grad for p in self.dense_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        self._stop_if(norm, f"non-finite dense gradient norm at step {self.step + 1} (rank {self.env.rank}: "
-                      "{value}); stopped before the optimizer step. The fused sparse update already ran "
-                      "inside backward: resume from the last checkpoint")
+        self._agree_on_finite_and_stop(
+            norm, f"non-finite dense gradient norm at step {self.step + 1} (rank {self.env.rank}: {{value}}); "
+            "stopped before the optimizer step. The fused sparse update already ran inside backward: resume "
+            "from the last checkpoint")
         if self.cfg.optim.grad_clip_norm:
             torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.grad_clip_norm, norm)
 
-    def _stop_if(self, value: torch.Tensor, message: str) -> None:
+    def _agree_on_finite_and_stop(self, value: torch.Tensor, message: str) -> None:
         """Raise NonFiniteLossError on every rank when `value` is not finite on any rank.
         The same all-reduce carries this rank's stop-signal vote, so every rank agrees on
         the step a signal takes effect without a collective of its own."""
@@ -410,7 +413,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Metrics over the validation split, logged as `valid`; the best so far keeps its
-        weights in <run_dir>/best (trainer/evaluation.py::ModelSelection)."""
+        weights in <run_dir>/best (trainer/selection.py::ModelSelection)."""
         path, split = self.valid_split
         metrics = self._metrics_on(path, **split)
         epochs = self.epochs_trained()

@@ -123,7 +123,7 @@ def _check_widths(cfg: Config, tables: str) -> None:
                              f"features.{f.name}.embedding_dim={f.embedding_dim}")
 
 
-def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int | None, tables: str = "fp32",
+def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables: str = "fp32",
                   source: Path | str = "the checkpoint") -> ServingModel:
     """The ServingModel of `cfg` with the weights `state` (RankingModel's names), loaded from
     `source`, trained to `step`."""
@@ -142,7 +142,7 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int | None,
         if missing or unexpected:
             raise ValueError(f"{source} does not fit this config's {name}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
-    apply_trained_step(tower, step, source)
+    apply_trained_step(tower, step)
     managed = {t: ManagedRows(*id_map) for t, id_map in id_maps.items()}
     model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed)
     model = model.eval().requires_grad_(False)
