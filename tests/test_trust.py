@@ -237,3 +237,15 @@ def test_best_is_swapped_by_a_rename(tmp_path):
         swap_folder(tmp_path / "best", folder)
         assert (tmp_path / "best" / "weights").read_text() == str(step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "best.step-5"]
+
+
+@pytest.mark.parametrize("fmt, says", [("pt2", "A pt2 file is data"),
+                                       ("torchscript", "A TorchScript file is a program: `torch.jit.load` runs")])
+def test_the_artifact_readme_says_what_loading_trusts(tmp_path, fmt, says):
+    from trainer.config_loader import load_config
+    from trainer.serving.readme import write_readme
+
+    manifest = {"tower": "rankmixer", "step": 4, "checkpoint": "runs/x", "format": fmt, "tables": "fp32",
+                "moe": "sparse", "needs_fbgemm": False, "file": "model.pt2" if fmt == "pt2" else "model.pt"}
+    write_readme(tmp_path / "README.md", load_config("configs/debug.toml", []), manifest)
+    assert says in (tmp_path / "README.md").read_text()

@@ -7,6 +7,16 @@ from pathlib import Path
 
 from trainer.config import Config
 
+# What loading each format means for trust (README.md, Trust).
+_TRUST = {
+    "pt2": "A pt2 file is data: `torch.export.load` rebuilds the program from its graph and tensors. "
+           "torch's own loader still falls back to unpickling some payloads; `rankmix score --model` refuses "
+           "those, and a server that loads files from elsewhere should load with "
+           "`TORCH_FORCE_WEIGHTS_ONLY_LOAD=1` set.",
+    "torchscript": "A TorchScript file is a program: `torch.jit.load` runs the code it holds. Load it only "
+                   "from a source you would let run code on the server, or export `--format pt2` (data) "
+                   "instead.",
+}
 _LOAD = {
     "pt2": 'model = torch.export.load("{file}").module()',
     "torchscript": 'model = torch.jit.load("{file}")',
@@ -27,6 +37,8 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "",
         "Needs PyTorch" + (", and fbgemm-gpu (or fbgemm-gpu-cpu) for its operators." if fbgemm else
                            " alone: neither rankmix nor TorchRec."),
+        "",
+        _TRUST[manifest["format"]],
         "",
         "From this folder:",
         "",
