@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from trainer.credentials import has_credentials, redact_uri
+from trainer.credentials import has_credentials, is_secret_name, redact_uri
 
 
 def train(
@@ -52,13 +52,14 @@ def train(
         python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a container image, its own, e.g. python3)
         name: job name
         max_retries: times the scheduler restarts a failed job
-        env: extra environment variables
+        env: extra environment variables (no secrets: the job spec shows them; see check_env)
         rdzv_port: c10d rendezvous port on the first host
     """
     for option in overrides:
         if has_credentials(option):
             raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
                              "spec; give them to the job as AWS_* environment variables or a secret")
+    check_env(env or {})
     app = ddp("train", "--config", config, *overrides,
               m="launch.cli", image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB,
               j=f"{nnodes}x{nproc_per_node}", env=env, max_retries=max_retries, rdzv_port=rdzv_port)
@@ -68,3 +69,13 @@ def train(
     assert flag == "-c" and command.startswith("torchrun "), role.args
     role.args = [flag, f"{shlex.quote(python)} -m torch.distributed.run {command[len('torchrun '):]}"]
     return app
+
+
+def check_env(env: Dict[str, str]) -> None:
+    """ValueError for a secret in `env`: Slurm's `srun --export` line and the Kubernetes pod
+    spec show env in plain text to whoever can read the job."""
+    for name, value in env.items():
+        if is_secret_name(name) or has_credentials(value):
+            raise ValueError(f"env {name}: a secret in env would be written into the job spec; give it through "
+                             "the scheduler's secret mechanisms instead: a Kubernetes Secret, a Slurm environment "
+                             "file (exported in the shell that submits), or an instance role")

@@ -15,9 +15,12 @@ OUT/fit.json, OUT/sweep.png, and where the runs validate (data.valid_fraction or
 data.valid_path), their validation curves in OUT/curves.json and OUT/curves.png. With
 early stopping a run's AUC is the test split's at its best validation (trainer/selection.py).
 
-Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) reach the runs as
-given, but everything the sweep writes or prints (folder names, labels, train.log's
-command line, sweep_point.json, the table) shows them redacted (trainer/credentials.py).
+Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) never reach a run's
+command line, which any user of the host can read (`ps`): a run gets its URIs without the
+user-info, and the key and secret in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which only
+its owner can read (trainer/credentials.py `to_environment`). Everything the sweep writes or
+prints (folder names, labels, train.log's command line, sweep_point.json, the table) shows
+them redacted.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.credentials import redact_config, redact_uri
+from trainer.credentials import redact_config, redact_uri, to_environment
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
@@ -183,6 +186,7 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
     costs = []
     for p in points:
         try:
+            to_environment(p.overrides)
             costs.append(cost_of_config(load(config, p.overrides)))
         except ValueError as e:
             raise ValueError(f"sweep point {p.tower} [{p.label}]: {e}") from None
@@ -234,17 +238,22 @@ def counted_cost(model, width: int) -> tuple[int, int]:
 
 def run_point(config: str | None, point: Point, python: str) -> None:
     """`rankmix train` for one point, its output logged to <run_dir>/train.log (the command
-    line there with URI credentials redacted)."""
+    line there as the point has it, URI credentials redacted; the run gets them in its
+    environment)."""
     point.run_dir.mkdir(parents=True, exist_ok=True)
-    command = [python, "-m", "launch.cli", "train", *(["--config", config] if config else []), *point.overrides]
+    overrides, credentials = to_environment(point.overrides)
+    command = [python, "-m", "launch.cli", "train", *(["--config", config] if config else [])]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if credentials:  # a session token of other credentials would spoil the key pair
+        env.pop("AWS_SESSION_TOKEN", None)
+    env.update(credentials)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = point.run_dir / "train.log"
     with log.open("w") as f:
-        f.write(redact_uri(" ".join(command)) + "\n")
+        f.write(redact_uri(" ".join(command + point.overrides)) + "\n")
         f.flush()
-        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(command + overrides, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not (point.run_dir / "summary.json").exists():
         tail = redact_uri("".join(log.read_text().splitlines(keepends=True)[-15:]))
         raise RuntimeError(f"{point.tower} [{point.label}] failed (exit {proc.returncode}), see {log}:\n{tail}")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,31 @@ def test_credentials_never_go_into_a_job_spec():
     assert ("--data.train_path=s3://***@bucket/train: credentials in a URI would be written into the job spec; "
             "give them to the job as AWS_* environment variables or a secret") in proc.stderr
     assert "s3cr3t" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
+@pytest.mark.parametrize("env", ["AWS_SECRET_ACCESS_KEY=s3cr3t", "AWS_SESSION_TOKEN=s3cr3t", "HF_TOKEN=s3cr3t",
+                                 "DATA=s3://AKID:s3cr3t@bucket/train"])
+def test_secrets_in_env_never_go_into_a_job_spec(scheduler, env):
+    """The sbatch script's `srun --export` line and the pod spec show env in plain text."""
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", scheduler, "launch/component.py:train",
+               "--image", "registry.example/rankmix:1", "--env", f"LOGLEVEL=INFO,{env}")
+    assert proc.returncode != 0
+    assert (f"ValueError: env {env.split('=')[0]}: a secret in env would be written into the job spec; give it "
+            "through the scheduler's secret mechanisms instead: a Kubernetes Secret, a Slurm environment file "
+            "(exported in the shell that submits), or an instance role") in proc.stderr
+    assert "s3cr3t" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
+def test_env_without_secrets_goes_into_the_job_spec(scheduler):
+    allowed = {"AWS_PROFILE": "prod", "AWS_ACCESS_KEY_ID": "AKID", "TOKENIZERS_PARALLELISM": "false",
+               "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/token", "DATA": "s3://bucket/train"}
+    proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", scheduler, "launch/component.py:train",
+               "--image", "registry.example/rankmix:1", "--env", ",".join(f"{k}={v}" for k, v in allowed.items()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if scheduler == "slurm":
+        assert "--export=ALL," + ",".join(f"{k}={v}" for k, v in allowed.items()) + "," in proc.stdout
+    else:
+        for name, value in allowed.items():
+            assert re.search(rf"- name: {name}\n +value: '?{re.escape(value)}'?\n", proc.stdout), name

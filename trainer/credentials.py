@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 MARKER = "***"
 """What replaces a URI's user-info or a secret query parameter's value."""
@@ -30,6 +31,12 @@ SECRET_QUERY_PARAMETERS = ("access_key", "secret_key", "session_token", "account
 """Query parameters whose values are redacted too (pyarrow rejects most of them for S3, but
 its "Unexpected query parameter" error quotes the whole URI)."""
 
+# Environment variables that hold a secret by convention (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+# HF_TOKEN, DB_PASSWORD, WANDB_API_KEY, AZURE_STORAGE_ACCOUNT_KEY), matched on whole `_` words so
+# that TOKENIZERS_PARALLELISM is none; a name ending in _FILE / _PATH / _DIR says where a secret
+# is (AWS_WEB_IDENTITY_TOKEN_FILE), which a job spec may show.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|API_?KEY|PRIVATE_KEY|ACCOUNT_KEY)(?:_|$)")
+_REFERENCE_NAME = re.compile(r"_(?:FILE|PATH|DIR)$")
 # `scheme://` not preceded by a scheme character (`xs3://` is one scheme, not `s3://`).
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 # Schemes whose host is a bucket name, which never holds a ':' (so `KEY:123/...` is no port).
@@ -108,6 +115,44 @@ def redact_config(value: Any) -> Any:
 def has_credentials(text: str) -> bool:
     """Whether `text` holds URI credentials (not already redacted)."""
     return redact_uri(text) != text
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether environment variable `name` holds a secret by convention (see `_SECRET_NAME`)."""
+    name = name.upper()
+    return bool(_SECRET_NAME.search(name)) and not _REFERENCE_NAME.search(name)
+
+
+def to_environment(options: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`options` with the user-info of their s3:// URIs dropped, and the AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY that carry it instead: the reader gives a URI without user-info the
+    AWS default chain, which reads them. A ValueError, quoting no secret, for credentials the
+    two variables cannot carry: another scheme's user-info, a secret query parameter, or two
+    different key pairs."""
+    out, pairs = [], set()
+    for option in options:
+        kept, pos = [], 0
+        for start, end, _ in _userinfo_spans(option):
+            scheme = re.search(r"[A-Za-z0-9+.\-]*$", option[:start - 3])[0].lower()
+            if scheme == "s3":
+                key, _, secret = option[start:end].partition(":")
+                pairs.add((unquote(key), unquote(secret)))
+                kept.append(option[pos:start])
+                pos = end + 1  # the '@' too
+        kept.append(option[pos:])
+        out.append("".join(kept))
+        if has_credentials(out[-1]):
+            raise ValueError(f"{redact_uri(option)} holds credentials that cannot reach a run through its "
+                             "environment (only an s3:// URI's KEY:SECRET can, as AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY), and its command line would show them; give them through "
+                             "the environment or a credentials file")
+        if len(pairs) > 1:
+            raise ValueError(f"{redact_uri(option)} holds another key than an earlier s3:// URI, but a run has "
+                             "one AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; use one key for all of them")
+    if not pairs:
+        return out, {}
+    (key, secret), = pairs
+    return out, {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
 
 def is_redacted(text: str) -> bool:

@@ -14,8 +14,16 @@ sizes of the row groups, in training and evaluation alike:
   reads, so runs at different world sizes train on the same global batches. The price:
   a row group larger than W*B rows is decoded by every rank (each keeps its pieces).
 
+Agreement. Each rank lists the files and reads their footers itself, so a file added or
+rewritten while a job starts could give the ranks different row groups: different step
+counts (one rank stops, the others hang in an all-reduce) or overlapping rows. So a reader
+of a share (world_size > 1) in a process group compares, over all ranks, a digest of
+(path, size, rows of each row group) of every file; a difference is a ValueError on every
+rank naming the first file that differs, and a rank that cannot list its input makes every
+rank raise. It is a collective: every rank builds such a reader at the same point.
+
 Data loss. A training epoch is steps_in_epoch = min over ranks of (rank rows // B) steps
-on every rank (all ranks compute it from the footers, without communicating), so at most
+on every rank (all ranks compute it from the footers they agree on), so at most
 W*B - 1 rows of an epoch are not trained on: contiguous slices leave each rank fewer than
 B rows of its own plus at most W-1 rows of imbalance; interleaving leaves only the last,
 partial round of W*B rows. `epoch_rows(epoch)` gives the split's rows and the rows used.
@@ -44,7 +52,9 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
+import hashlib
 import itertools
+import json
 import logging
 import posixpath
 import re
@@ -61,6 +71,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import torch.distributed as dist
 
 from trainer.credentials import redact_uri
 from trainer.data.batch import Batch, Rows
@@ -167,16 +178,16 @@ def resolve_files(spec: str, *, retry_seconds: float = 300.0,
                   retry_attempts: int = 3) -> tuple[pafs.FileSystem, list[str]]:
     """Comma-separated files, directories (every *.parquet below) or globs; local or URI."""
     store, files = _resolve(spec, retry_seconds, retry_attempts)
-    return store.fs, files
+    return store.fs, [f.path for f in files]
 
 
-def _resolve(spec: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, list[str]]:
+def _resolve(spec: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, list[pafs.FileInfo]]:
     if not retry_seconds >= 0:
         raise ValueError(f"retry_seconds must be >= 0, got {retry_seconds}")
     if retry_attempts < 1:
         raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
     store: Store | None = None
-    files: list[str] = []
+    files: list[pafs.FileInfo] = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         item_store, path = _open_store(item, retry_seconds, retry_attempts)
         if store is not None and item_store.key != store.key:
@@ -233,19 +244,20 @@ def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Stor
     return Store(fs, name, key_of, retry_seconds), (bucket + parts.path).rstrip("/")
 
 
-def _expand(store: Store, path: str, shown: str) -> list[str]:
+def _expand(store: Store, path: str, shown: str) -> list[pafs.FileInfo]:
+    """The files `path` names, sorted by path."""
     fs = store.fs
     if any(c in path for c in "*?["):
         parent, pattern = posixpath.split(path)
         infos = store.call(lambda: fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)), parent)
-        return sorted(i.path for i in infos if i.is_file and fnmatch.fnmatch(i.base_name, pattern))
+        return sorted((i for i in infos if i.is_file and fnmatch.fnmatch(i.base_name, pattern)), key=lambda i: i.path)
     info = store.call(lambda: fs.get_file_info(path), path)
     if info.type == pafs.FileType.NotFound:
         raise ValueError(f"data path not found: {shown}")
     if info.type == pafs.FileType.Directory:
         infos = store.call(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True)), path)
-        return sorted(i.path for i in infos if i.is_file and i.base_name.endswith(".parquet"))
-    return [path]
+        return sorted((i for i in infos if i.is_file and i.base_name.endswith(".parquet")), key=lambda i: i.path)
+    return [info]
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, list]:
@@ -284,16 +296,30 @@ class ParquetReader:
         # unshuffled training keeps the global batches of every world size in file order
         self.interleaved = drop_last and not shuffle and world_size > 1
         self.source = redact_uri(paths)
-        self.store, self.files = _resolve(paths, retry_seconds, retry_attempts)
-        self.fs = self.store.fs
         self.holdout_fraction, self.holdout = holdout_fraction, holdout
-        self.row_groups = self._split(self._discover())
+        self.row_groups = self._split(self._agreed_input(paths, retry_seconds, retry_attempts))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self.epoch, self.step = 0, 0
         self._filler: Rows | None = None
         self.peak_buffered_rows = 0
 
     # ------------------------------------------------------------------ metadata
+
+    def _agreed_input(self, paths: str, retry_seconds: float, retry_attempts: int) -> list[RowGroup]:
+        """The row groups of `paths`, the same on every rank (module docstring, Agreement)."""
+        view, failure = None, None
+        try:
+            self.store, infos = _resolve(paths, retry_seconds, retry_attempts)
+            self.fs, self.files = self.store.fs, [i.path for i in infos]
+            groups = self._discover()
+            view = _input_view(infos, groups)
+        except Exception as e:  # any failure: the other ranks must not wait for this rank in the check
+            failure = e
+        if self.world_size > 1 and dist.is_initialized():
+            _check_same_input(self.source, view, failure)
+        if failure is not None:
+            raise failure
+        return groups
 
     def _discover(self) -> list[RowGroup]:
         groups = []
@@ -494,6 +520,54 @@ class ParquetReader:
                 raise ValueError(f"data reader state was saved with {key}={state.get(key)} but this run has "
                                  f"{key}={mine}: the saved position cannot be honoured")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tuple[str, int, list[int]]]:
+    """(path, bytes, rows of each row group) of every file: what the ranks must agree on."""
+    rows: dict[str, list[int]] = {f.path: [] for f in files}
+    for g in groups:
+        rows[g.path].append(g.num_rows)
+    return [(f.path, f.size, rows[f.path]) for f in files]
+
+
+def _check_same_input(source: str, view: list | None, failure: Exception | None) -> None:
+    """Collective (module docstring, Agreement): raises on every rank where another rank
+    failed to list its input (`view` None, `failure` its error) or lists other files than
+    rank 0. Only plain data crosses: a digest and an error message, and the file lists when
+    the digests differ."""
+    digest = None if view is None else hashlib.sha256(json.dumps(view).encode()).hexdigest()
+    reports: list = [None] * dist.get_world_size()
+    message = None if failure is None else str(failure)
+    dist.all_gather_object(reports, (digest, message, isinstance(failure, DataUnavailableError)))
+    if failure is not None:
+        return  # this rank raises its own error
+    for rank, (_, message, unavailable) in enumerate(reports):
+        if message is not None:
+            raise (DataUnavailableError if unavailable else ValueError)(
+                f"{source}: rank {rank} cannot read its input: {message}")
+    if len({d for d, _, _ in reports}) > 1:
+        views: list = [None] * len(reports)
+        dist.all_gather_object(views, view)
+        raise ValueError(_first_difference(source, views))
+
+
+def _first_difference(source: str, views: list[list]) -> str:
+    """The first file, in path order, that a rank sees otherwise than rank 0, and how."""
+    seen = [{path: (size, list(rows)) for path, size, rows in view} for view in views]
+    for path in sorted(set().union(*seen)):
+        for rank in range(1, len(seen)):
+            if seen[rank].get(path) != seen[0].get(path):
+                return (f"{source}: the ranks see different files, so their steps would not match: {path} is "
+                        f"{_described(seen[0].get(path))} on rank 0 but {_described(seen[rank].get(path))} on rank "
+                        f"{rank}; were files added or rewritten while the job started? A run's input must not change")
+    return f"{source}: the ranks list the same files in another order or number; a run's input must not change"
+
+
+def _described(file: tuple[int, list[int]] | None) -> str:
+    if file is None:
+        return "missing"
+    size, rows = file
+    return f"{size} bytes in {len(rows)} row group(s) of {sum(rows)} rows"
 
 
 def _take_front(held: list[Rows], n: int) -> Rows | None:
