@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.credentials import redact_config, redact_uri, to_environment
+from trainer.files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
@@ -282,7 +283,7 @@ def run_all(config: str | None, points: list[Point], python: str) -> tuple[int, 
         try:
             (p.run_dir / POINT_FILE).unlink(missing_ok=True)
             run_point(config, p, python)
-            (p.run_dir / POINT_FILE).write_text(json.dumps(fingerprint(config, p), indent=1))
+            write_atomic(p.run_dir / POINT_FILE, json.dumps(fingerprint(config, p), indent=1))
         except RuntimeError as e:
             print(f"sweep: {e}", file=sys.stderr, flush=True)
             failures.append(str(p.run_dir))
@@ -516,14 +517,14 @@ def sweep(argv: list[str]) -> int:
     fits = fits_of(rows)
     write_csv(rows, out / "sweep.csv")
     baseline_name = "given" if baseline is None else f"{baseline.tower}, {baseline.run_dir}"
-    (out / "fit.json").write_text(json.dumps(
+    write_atomic(out / "fit.json", json.dumps(
         {"baseline_auc": baseline_auc, "baseline": baseline_name, "form": "dAUC = a * x^b", "fits": fits},
         indent=1))
     if rows:
         plot(rows, fits, baseline_auc, out / "sweep.png", title=f"{Path(args.config).name if args.config else 'defaults'}: AUC against size, 1 point per run")
     curves = validation_curves(done)
     if curves:
-        (out / "curves.json").write_text(json.dumps(curves, indent=1))
+        write_atomic(out / "curves.json", json.dumps(curves, indent=1))
         plot_curves(curves, out / "curves.png")
     print(format_table(rows, fits, baseline_auc, baseline_name))
     print(f"wrote {out / 'sweep.csv'}, {out / 'fit.json'}, {out / 'sweep.png'}"
