@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import sharding_plan as sp
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 
-from embeddings.managed import ManagedTablesSharder, managed_modules, managed_plans
+from embeddings.managed import managed_modules, managed_plans
 from embeddings.tables import FUSED
+from embeddings.torchrec_compat import ManagedTablesSharder, ReplicateAcrossRanks
 from trainer.config import EmbeddingsConfig
 from trainer.registry import Registry
 
@@ -155,18 +156,6 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],
                                     data_parallel_wrapper=ReplicateAcrossRanks())
-
-
-class ReplicateAcrossRanks(DefaultDataParallelWrapper):
-    """DDP for the dense side when there are ranks to replicate it on. In a world of one,
-    DDP would only copy every gradient into its buckets and all-reduce them with itself
-    (a tenth of a small model's CPU step); the state dict is the same either way."""
-
-    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
-        if env.world_size > 1:
-            super().wrap(dmp, env, device)
-        else:
-            dmp._dmp_wrapped_module.to(device)  # what DDP's wrapping does first
 
 
 def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -73,8 +74,10 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
             with _quiet_torchrec():
                 topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
                                     hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
-                planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
-                plan, options = planner.plan(holder, [EmbeddingBagCollectionSharder()]), planner._best_plan
+                # the callback keeps the chosen sharding options (per-shard sizes and storage), which the plan omits
+                planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints,
+                                                   callbacks=[_keeping(options)])
+                plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
         except PlannerError as e:
             return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
         for sharding in plan.plan["ebc"].values():
@@ -106,6 +109,15 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     return ClusterPlan("\n".join(lines), memory, worst <= capacity)
 
 
+def _keeping(options: list) -> Callable[[list], list]:
+    """A planner callback that copies the plan's sharding options into `options` and passes
+    them on unchanged."""
+    def keep(chosen: list) -> list:
+        options.extend(chosen)
+        return chosen
+    return keep
+
+
 def _rank_memory(options: list, world_size: int, cfg: EmbeddingsConfig) -> list[RankMemory]:
     """Bytes per rank from the planner's chosen sharding options."""
     memory = [RankMemory(0, 0, 0) for _ in range(world_size)]
@@ -132,6 +144,7 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
     import torch
 
     from embeddings.managed import build_managed_bags, managed_plans
+    from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 
     world_size = len(memory)
     collection = build_managed_bags(cfg.features, cfg.embeddings, buckets=world_size)  # meta device
@@ -142,8 +155,7 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
     plans = managed_plans(holder, torch.device(device), local_world_size, world_size)["managed"]
     lines = ["", "managed table | sharding type | rows per rank"]
     for table, sharding in plans.items():
-        mch = collection._managed_collision_collection._managed_collision_modules[table]
-        per_row = sum(b.element_size() for name, b in mch.state_dict().items() if name.startswith("_mch_"))
+        per_row = mch_bytes_per_slot(mch_module(collection, table))
         for shard in sharding.sharding_spec.shards:
             rows, cols = shard.shard_sizes
             m = memory[shard.placement.rank()]

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from embeddings.torchrec_compat import SparseDistPipelineWithBackwardHooks
 
 
-class CheckedSparseDistPipeline(TrainPipelineSparseDist):
-    """TrainPipelineSparseDist whose backward first runs `check(loss)` then `after(…)`."""
+class CheckedSparseDistPipeline(SparseDistPipelineWithBackwardHooks):
+    """TrainPipelineSparseDist whose backward first runs `check(loss)` then `after_backward()`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  loss_fn: Callable, check: Callable[[torch.Tensor], None], after_backward: Callable[[], None]):
@@ -23,7 +24,8 @@ class CheckedSparseDistPipeline(TrainPipelineSparseDist):
         self._check = check
         self._after_backward = after_backward
 
-    def _backward(self, losses: torch.Tensor) -> None:
+    def before_backward(self, losses: torch.Tensor) -> None:
         self._check(losses)
-        super()._backward(losses)
+
+    def after_backward(self) -> None:
         self._after_backward()
