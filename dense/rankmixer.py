@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from trainer.config import BlockNorm, TowerPooling
 
 
 def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -132,8 +135,8 @@ def check_mixing_width(dim: int, num_tokens: int) -> None:
                          f"tokens {num_tokens} (token mixing uses H = T heads)")
 
 
-NORMS = ("post", "pre")
-POOLINGS = ("mean", "flatten")
+NORMS = get_args(BlockNorm)
+POOLINGS = get_args(TowerPooling)
 
 
 class RankMixerBlock(nn.Module):

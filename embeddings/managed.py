@@ -21,6 +21,7 @@ from embeddings.torchrec_compat import (FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_
 from trainer.config import EmbeddingsConfig, FeatureSpec
 from trainer.data.ids import MANAGED_ID_RANGE
 
+EVICTION_POLICIES = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}  # features.*.eviction_policy
 
 def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
                        buckets: int) -> ManagedCollisionEmbeddingBagCollection | None:
@@ -37,10 +38,9 @@ def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
             raise ValueError(f"features.{spec[t.name].name}.num_embeddings={t.num_embeddings} is too few rows for a "
                              f"managed table on {buckets} ranks: row-wise, its parts have {parts} rows, and each "
                              "needs 2 at least (a miss row, and a row for ids); 2 x the world size is enough")
-    policies = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}
     modules = {t.name: TrackedMCH(
         zch_size=t.num_embeddings, device=torch.device("meta"),
-        eviction_policy=policies[spec[t.name].eviction_policy](), eviction_interval=spec[t.name].eviction_interval,
+        eviction_policy=EVICTION_POLICIES[spec[t.name].eviction_policy](), eviction_interval=spec[t.name].eviction_interval,
         input_hash_size=MANAGED_ID_RANGE, buckets=buckets, name=t.name) for t in tables}
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     fuse_optimizer(ebc, cfg)

@@ -13,6 +13,7 @@ from trainer.config import EmbeddingsConfig, FeatureSpec, managed_tables
 FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+_OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 
 
 def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
@@ -67,5 +68,4 @@ def tables_of(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool)
 
 def fuse_optimizer(ebc: EmbeddingBagCollection, cfg: EmbeddingsConfig) -> None:
     """Mark `ebc`'s tables for the sparse optimizer that runs fused inside the backward pass."""
-    optimizer = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[cfg.optimizer]
-    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})
+    apply_optimizer_in_backward(_OPTIMIZERS[cfg.optimizer], ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})

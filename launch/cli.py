@@ -26,6 +26,9 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import get_args
+
+from trainer.config import SynthTeacherName
 
 USAGE = __doc__
 
@@ -258,7 +261,7 @@ def data(argv: list[str]) -> int:
     s.add_argument("--rows", type=int, default=200_000)
     s.add_argument("--files", type=int, default=4)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--teacher", choices=("default", "capacity"), default="default",
+    s.add_argument("--teacher", choices=get_args(SynthTeacherName), default="default",
                    help="capacity: high-order crosses over 16 Zipf fields and a behaviour sequence "
                         "(trainer/data/capacity.py), streamed in bounded memory")
     m = sub.add_parser("movielens", help="MovieLens-100K (RecBole layout) to Parquet")

@@ -107,8 +107,8 @@ def test_missing_and_invalid_toml_file(tmp_path):
     ("toplevel = 1\n", "toplevel"),
     ("[data]\nbatch_sise = 1\n", "data.batch_sise"),
     ("[model]\n[model.extra]\nx = 1\n", "model.extra"),
-    ("[[features]]\nname = 'a'\nnum_embeddings = 3\nbogus = 1\n", "features[0].bogus"),
-    ("[[model.tasks]]\nname = 'a'\nlable = 'x'\n", "model.tasks[0].lable"),
+    ("[[features]]\nname = 'a'\nnum_embeddings = 3\nbogus = 1\n", "features.a.bogus"),
+    ("[[model.tasks]]\nname = 'a'\nlable = 'x'\n", "model.tasks.a.lable"),
 ])
 def test_unknown_key_in_toml(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -145,12 +145,13 @@ def test_malformed_override(override):
     ("[train]\ndeterministic = 1\n", "config key train.deterministic must be bool, got 1"),
     ("[train]\nrun_dir = 3\n", "config key train.run_dir must be str, got 3"),
     ('[embeddings]\nsharding_types = "row_wise"\n', "config key embeddings.sharding_types must be a list"),
-    ("[embeddings]\nsharding_types = [1]\n", "config key embeddings.sharding_types[0] must be str, got 1"),
+    ("[embeddings]\nsharding_types = [1]\n", "embeddings.sharding_types[0] must be one of ('table_wise', 'column_wise', "
+     "'table_column_wise', 'row_wise', 'table_row_wise'), got 1"),
     ("data = 3\n", "config key data must be a table, got int"),
     ("[[features]]\nname = 'a'\nnum_embeddings = 'many'\n",
-     "config key features[0].num_embeddings must be int, got 'many'"),
+     "config key features.a.num_embeddings must be int, got 'many'"),
     ("[[features]]\nname = 'p'\nkind = 'numeric'\nfill_null = 'zero'\n",
-     "config key features[0].fill_null has the wrong type: 'zero'"),
+     "config key features.p.fill_null has the wrong type: 'zero'"),
 ])
 def test_wrong_type_in_toml(tmp_path, text, message):
     with pytest.raises(ValueError, match=err(message)):
@@ -278,13 +279,13 @@ def features_toml(*tables: str) -> str:
     (features_toml("name = 'x'\nkind = 'dense'\nnum_embeddings = 3"),
      "features.x.kind must be one of ('id', 'id_list', 'sequence', 'numeric'), got 'dense'"),
     (features_toml("name = 'p'\nkind = 'numeric'\ntransform = ['log1p', 'sqrt']"),
-     "features.p.transform: unknown ['sqrt']; choose from ('log1p', 'clip', 'standardize')"),
+     "features.p.transform[1] must be one of ('log1p', 'clip', 'standardize'), got 'sqrt'"),
     (features_toml("name = 'p'\nkind = 'numeric'\nstd = 0"), "features.p.std must be positive, got 0.0"),
     (features_toml("name = 'a'"), "features.a: num_embeddings and embedding_dim must be positive"),
     (features_toml("name = 'a'\nnum_embeddings = 3\nhashing = 'xor'"),
      "features.a.hashing must be one of ('modulo', 'none', 'managed'), got 'xor'"),
     (features_toml("name = 'a'\nnum_embeddings = 3\npooling = 'max'"),
-     "features.a.pooling must be sum or mean, got 'max'"),
+     "features.a.pooling must be one of ('sum', 'mean'), got 'max'"),
     (features_toml("name = 'a'\nnum_embeddings = 3", "name = 'a'\nnum_embeddings = 3"),
      "features.a: duplicate feature name"),
     (features_toml("num_embeddings = 3"), "features: every feature needs a name"),
@@ -292,8 +293,9 @@ def features_toml(*tables: str) -> str:
     ("[data]\nshuffle_buffer = -1\n", "data.shuffle_buffer must be >= 0, got -1"),
     ("[train]\ndevice = 'tpu'\n", "train.device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'"),
     ("[train]\nepochs = 0\n", "train.steps and train.epochs are both 0: nothing to train"),
-    ("[embeddings]\nsharding_types = ['data_parallel']\n", "embeddings.sharding_types: ['data_parallel']"),
-    ("[embeddings]\nsharding_types = []\n", "embeddings.sharding_types: empty"),
+    ("[embeddings]\nsharding_types = ['data_parallel']\n", "embeddings.sharding_types[0] must be one of ('table_wise', 'column_wise', "
+     "'table_column_wise', 'row_wise', 'table_row_wise'), got 'data_parallel'"),
+    ("[embeddings]\nsharding_types = []\n", "embeddings.sharding_types is empty"),
     ("[model]\ntasks = []\n", "model.tasks is empty"),
     ("[[model.tasks]]\nname = 'a'\n[[model.tasks]]\nname = 'a'\n", "model.tasks has duplicate names: ['a', 'a']"),
 ])

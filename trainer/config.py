@@ -15,11 +15,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from trainer.credentials import redact_uri
 
-SPARSE_SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+# The choices of the config's fixed-choice fields. The loader checks a value against its
+# field's Literal; the code that acts on a choice reads the allowed values from here
+# (`typing.get_args`), never from a list of its own.
+ShardingType = Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"]
+SPARSE_SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
 """TorchRec sharding types the planner may choose from."""
+FeatureKind = Literal["id", "id_list", "sequence", "numeric"]
+Hashing = Literal["modulo", "none", "managed"]
+EvictionPolicy = Literal["lfu", "lru"]
+Pooling = Literal["sum", "mean"]
+NumericTransform = Literal["log1p", "clip", "standardize"]
+SynthTeacherName = Literal["default", "capacity"]
+SparseOptimizer = Literal["adagrad", "rowwise_adagrad"]
+TableDataType = Literal["fp32", "fp16"]
+Tokenizer = Literal["slice", "group"]
+TokenizerBias = Literal["uniform", "zero"]
+BlockNorm = Literal["post", "pre"]
+TowerPooling = Literal["mean", "flatten"]
+MoEInference = Literal["sparse", "dense"]
+Device = Literal["auto", "cpu", "cuda"]
+PipelineChoice = Literal["auto", "sparse_dist", "none"]
+MixedPrecision = Literal["none", "bf16"]
+SelectMetric = Literal["auc", "logloss"]
+LoadMode = Literal["full", "weights"]
+DataPosition = Literal["exact", "next_epoch"]
+Backend = Literal["auto", "gloo", "nccl"]
 
 
 @dataclass
@@ -30,7 +55,7 @@ class FeatureSpec:
     """Feature name: the key in the KeyedJaggedTensor, in logs and in CLI overrides."""
     column: str = ""
     """Source column in the Parquet files (defaults to `name`)."""
-    kind: str = "id"
+    kind: FeatureKind = "id"
     """id (one id per row) | id_list (multi-hot) | sequence (behaviour ids, most recent last) | numeric."""
     table: str = ""
     """Embedding table (defaults to `name`); features naming one table share it."""
@@ -38,19 +63,19 @@ class FeatureSpec:
     """Rows of the embedding table."""
     embedding_dim: int = 16
     """Width of the embedding table."""
-    hashing: str = "modulo"
+    hashing: Hashing = "modulo"
     """modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own row (TorchRec MCH), stale ones evicted."""
-    eviction_policy: str = "lfu"
+    eviction_policy: EvictionPolicy = "lfu"
     """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
     eviction_interval: int = 100
     """managed: training steps between evictions; a new id gets a row at the next one (until then the shard's miss row)."""
-    pooling: str = "sum"
+    pooling: Pooling = "sum"
     """How an id list is pooled into one vector: sum | mean."""
     group: str = "default"
     """Semantic group (user, item, context, sequence, cross...) the feature's token slice belongs to."""
     max_len: int = 0
     """id_list / sequence: keep only the last max_len ids (0 keeps all)."""
-    transform: list[str] = field(default_factory=list)
+    transform: list[NumericTransform] = field(default_factory=list)
     """numeric: transforms applied in order, from log1p | clip | standardize."""
     clip_min: float = -math.inf
     """numeric `clip`: lower bound."""
@@ -117,7 +142,7 @@ class DataConfig:
     """Column that identifies the user for UAUC ('' disables UAUC)."""
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
-    synth_teacher: str = "default"
+    synth_teacher: SynthTeacherName = "default"
     """synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf fields and a sequence)."""
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
@@ -133,19 +158,19 @@ class DataConfig:
 class EmbeddingsConfig:
     """Sparse side: TorchRec tables, sharding and the fused optimizer."""
 
-    optimizer: str = "adagrad"
+    optimizer: SparseOptimizer = "adagrad"
     """Fused sparse optimizer: adagrad | rowwise_adagrad."""
     lr: float = 0.1
     """Sparse learning rate."""
     eps: float = 1e-8
     """Adagrad epsilon."""
-    data_type: str = "fp32"
+    data_type: TableDataType = "fp32"
     """Table weights: fp32 | fp16 (half the memory; the optimizer state stays fp32)."""
     plan: str = "auto"
     """Registered sharding plan builder (auto: TorchRec's planner)."""
-    sharding_types: list[str] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))
+    sharding_types: list[ShardingType] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))
     """Sharding types the planner may choose; data_parallel would train tables densely, outside Adagrad."""
-    table_sharding: dict[str, str] = field(default_factory=dict)
+    table_sharding: dict[str, ShardingType] = field(default_factory=dict)
     """Per-table sharding type overriding the plan, e.g. {item = "row_wise"}."""
 
 
@@ -155,11 +180,11 @@ class ModelConfig:
 
     tower: str = "rankmixer"
     """Registered dense tower: rankmixer | rankmixer_moe | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
-    tokenizer: str = "slice"
+    tokenizer: Tokenizer = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
     """T, tokens for the slice tokenizer (the group tokenizer uses the number of groups)."""
-    tokenizer_bias: str = "uniform"
+    tokenizer_bias: TokenizerBias = "uniform"
     """Initial tokenizer biases: uniform (nn.Linear's +-1/sqrt(fan-in)) | zero (tokens start from the embeddings alone)."""
     token_dim: int = 0
     """d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
@@ -169,11 +194,11 @@ class ModelConfig:
     """L, RankMixer blocks."""
     ffn_ratio: int = 4
     """k, per-token FFN hidden width is k x D."""
-    norm: str = "post"
+    norm: BlockNorm = "post"
     """RankMixer blocks: post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
     dropout: float = 0.0
     """RankMixer blocks: dropout on the per-token FFN's output before its residual add (0: none)."""
-    pooling: str = "mean"
+    pooling: TowerPooling = "mean"
     """RankMixer output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
     block_size: int = 0
     """UniMixer block size over the flattened T x D tokens (0: D, one block per token)."""
@@ -203,7 +228,7 @@ class ModelConfig:
     """Adaptation speed: lambda += rate * (active - budget) / budget * max(|lambda|, moe_l1_init) per step."""
     moe_consistency: float = 1.0
     """Weight of the loss that teaches the inference router to reproduce the dense training output."""
-    moe_inference: str = "sparse"
+    moe_inference: MoEInference = "sparse"
     """MoE at evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
     mlp_hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Hidden widths of the ReLU MLP (mlp, and dcnv2's deep part); the last is the tower's output."""
@@ -253,15 +278,15 @@ class TrainConfig:
     """Seed for initialisation, data order and shuffling."""
     run_dir: str = "runs/default"
     """Run folder: resolved config, metrics.jsonl, TensorBoard events."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when available) | cpu | cuda."""
     deterministic: bool = True
     """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
-    pipeline: str = "auto"
+    pipeline: PipelineChoice = "auto"
     """auto (sparse_dist on CUDA, none on CPU) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
-    mixed_precision: str = "none"
+    mixed_precision: MixedPrecision = "none"
     """none | bf16: autocast the dense tower to bfloat16 on CUDA (fp32 master weights)."""
-    select_metric: str = "auc"
+    select_metric: SelectMetric = "auc"
     """Validation metric that ranks the points of a run: auc (higher is better) | logloss (lower is better)."""
     early_stopping_patience: int = 0
     """Stop after this many validations without a better select_metric (0: train to the end)."""
@@ -291,9 +316,9 @@ class CheckpointConfig:
     """Resume from the newest complete checkpoint in `folder` when there is one."""
     load_path: str = ""
     """Initialise a new run from another run's checkpoint (a step-N folder or a run folder)."""
-    load_mode: str = "full"
+    load_mode: LoadMode = "full"
     """load_path: full (weights, optimizer, schedule, data position) | weights."""
-    data_position: str = "exact"
+    data_position: DataPosition = "exact"
     """On a world-size change mid-epoch: exact (refuse) | next_epoch (start the next epoch)."""
     signal_grace_steps: int = 0
     """On SIGTERM/SIGINT: train on to a scheduled save due within this many steps, else save at once."""
@@ -323,7 +348,7 @@ class MetricsConfig:
 class LaunchConfig:
     """Process-group set-up."""
 
-    backend: str = "auto"
+    backend: Backend = "auto"
     """Collective backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
 
 

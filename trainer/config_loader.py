@@ -32,8 +32,6 @@ from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConf
                             managed_tables)
 from trainer.files import write_atomic
 
-FEATURE_KINDS = ("id", "id_list", "sequence", "numeric")
-NUMERIC_TRANSFORMS = ("log1p", "clip", "standardize")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -182,7 +180,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise ValueError(f"config key {where} must be a list, got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, _entry(where, i, v)) for i, v in enumerate(value)]
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        if isinstance(value, str) and value in choices:
+            return value
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):
             try:
@@ -200,6 +203,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     elif hint in (str, bool) and isinstance(value, hint):
         return value
     raise ValueError(f"config key {where} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _entry(where: str, index: int, value: Any) -> str:
+    """A list entry's key: by its name when it has one (`features.item_id`), else its index."""
+    name = value.get("name") if isinstance(value, dict) else None
+    return f"{where}.{name}" if isinstance(name, str) and name else f"{where}[{index}]"
 
 
 def _join(where: str, key: str) -> str:
@@ -235,21 +244,8 @@ def validate(cfg: Config) -> None:
                        "optim.dense_warmup_steps")
     if not math.isfinite(cfg.data.retry_seconds):  # inf (or nan) would retry an outage forever
         raise ValueError(f"data.retry_seconds must be a finite number of seconds, got {cfg.data.retry_seconds}")
-    _check_choice(cfg, "train.device", ("auto", "cpu", "cuda"))
-    _check_choice(cfg, "launch.backend", ("auto", "gloo", "nccl"))
-    _check_choice(cfg, "model.tokenizer", ("slice", "group"))
-    _check_choice(cfg, "train.pipeline", ("auto", "sparse_dist", "none"))
-    _check_choice(cfg, "checkpoint.load_mode", ("full", "weights"))
-    _check_choice(cfg, "checkpoint.data_position", ("exact", "next_epoch"))
-    _check_choice(cfg, "train.mixed_precision", ("none", "bf16"))
-    _check_choice(cfg, "model.moe_inference", ("sparse", "dense"))
-    _check_choice(cfg, "train.select_metric", ("auc", "logloss"))
-    _check_choice(cfg, "model.norm", ("post", "pre"))
-    _check_choice(cfg, "model.tokenizer_bias", ("uniform", "zero"))
     if not 0 <= cfg.model.dropout < 1:
         raise ValueError(f"model.dropout={cfg.model.dropout} must be a probability in [0, 1)")
-    _check_choice(cfg, "data.synth_teacher", ("default", "capacity"))
-    _check_choice(cfg, "model.pooling", ("mean", "flatten"))
     if not 0 <= cfg.data.valid_fraction < 1:
         raise ValueError(f"data.valid_fraction={cfg.data.valid_fraction} must be a share of the rows in [0, 1)")
     if cfg.data.valid_fraction and cfg.data.valid_path:
@@ -259,14 +255,8 @@ def validate(cfg: Config) -> None:
                          "data.valid_fraction")
     if not 0 < cfg.model.moe_budget <= 1:
         raise ValueError(f"model.moe_budget={cfg.model.moe_budget} must be a fraction of the experts in (0, 1]")
-    for table, kind in cfg.embeddings.table_sharding.items():
-        if kind not in SPARSE_SHARDING_TYPES:
-            raise ValueError(f"embeddings.table_sharding.{table}={kind!r}; choose from {SPARSE_SHARDING_TYPES}")
-    _check_choice(cfg, "embeddings.optimizer", ("adagrad", "rowwise_adagrad"))
-    _check_choice(cfg, "embeddings.data_type", ("fp32", "fp16"))
-    bad = [t for t in cfg.embeddings.sharding_types if t not in SPARSE_SHARDING_TYPES]
-    if bad or not cfg.embeddings.sharding_types:
-        raise ValueError(f"embeddings.sharding_types: {bad or 'empty'}; choose from {SPARSE_SHARDING_TYPES}")
+    if not cfg.embeddings.sharding_types:
+        raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
     if cfg.train.steps == 0 and cfg.train.epochs == 0:
         raise ValueError("train.steps and train.epochs are both 0: nothing to train")
     if cfg.model.tau_anneal_steps and cfg.model.tau_end > cfg.model.tau_start:
@@ -274,8 +264,6 @@ def validate(cfg: Config) -> None:
                          "eq. 21 anneals the temperature downwards")
     if not cfg.model.tasks:
         raise ValueError("model.tasks is empty: at least one task is needed")
-    for task in cfg.model.tasks:
-        task.label = task.label or task.name
     names = [t.name for t in cfg.model.tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"model.tasks has duplicate names: {names}")
@@ -292,12 +280,9 @@ def validate(cfg: Config) -> None:
                          "(TorchRec shards managed-collision tables no other way)")
 
 
-HASHINGS = ("modulo", "none", "managed")
-EVICTION_POLICIES = ("lfu", "lru")
-
-
 def validate_features(features: list[FeatureSpec]) -> None:
-    """Fill defaults (column, table) and check each feature and table sharing."""
+    """Check each feature and table sharing (the choices are checked by the loader's types;
+    column and table defaults are FeatureSpec's own)."""
     seen: set[str] = set()
     tables: dict[str, FeatureSpec] = {}
     for f in features:
@@ -307,32 +292,18 @@ def validate_features(features: list[FeatureSpec]) -> None:
         if f.name in seen:
             raise ValueError(f"{where}: duplicate feature name")
         seen.add(f.name)
-        f.column = f.column or f.name
-        if f.kind not in FEATURE_KINDS:
-            raise ValueError(f"{where}.kind must be one of {FEATURE_KINDS}, got {f.kind!r}")
         if f.kind == "numeric":
-            bad = [t for t in f.transform if t not in NUMERIC_TRANSFORMS]
-            if bad:
-                raise ValueError(f"{where}.transform: unknown {bad}; choose from {NUMERIC_TRANSFORMS}")
             if f.std <= 0:
                 raise ValueError(f"{where}.std must be positive, got {f.std}")
             if f.fill_null is not None and not math.isfinite(f.fill_null):
                 raise ValueError(f"{where}.fill_null must be a finite number, got {f.fill_null}")
             continue
-        f.table = f.table or f.name
         if f.max_len < 0:
             raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
         if f.num_embeddings <= 0 or f.embedding_dim <= 0:
             raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
-        if f.hashing not in HASHINGS:
-            raise ValueError(f"{where}.hashing must be one of {HASHINGS}, got {f.hashing!r}")
-        if f.hashing == "managed":
-            if f.eviction_policy not in EVICTION_POLICIES:
-                raise ValueError(f"{where}.eviction_policy must be one of {EVICTION_POLICIES}, got {f.eviction_policy!r}")
-            if f.eviction_interval < 1:
-                raise ValueError(f"{where}.eviction_interval must be at least 1, got {f.eviction_interval}")
-        if f.pooling not in ("sum", "mean"):
-            raise ValueError(f"{where}.pooling must be sum or mean, got {f.pooling!r}")
+        if f.hashing == "managed" and f.eviction_interval < 1:
+            raise ValueError(f"{where}.eviction_interval must be at least 1, got {f.eviction_interval}")
         if f.table in _taken_table_names():
             raise ValueError(f"{where}.table: {f.table!r} is a name TorchRec cannot give a table (it keeps "
                              "tables in a torch ModuleDict, which has an attribute of that name); rename it")
@@ -372,11 +343,6 @@ def _check_nonnegative(cfg: Config, *keys: str) -> None:
     for key in keys:
         if _get(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0, got {_get(cfg, key)}")
-
-
-def _check_choice(cfg: Config, key: str, choices: tuple[str, ...]) -> None:
-    if _get(cfg, key) not in choices:
-        raise ValueError(f"{key} must be one of {choices}, got {_get(cfg, key)!r}")
 
 
 # ---------------------------------------------------------------------------- writing

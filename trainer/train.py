@@ -23,7 +23,7 @@ from dense.model import build_model
 from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
 from trainer.config import Config
-from trainer.config_loader import dump_toml, validate_features
+from trainer.config_loader import dump_toml
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
@@ -83,7 +83,6 @@ class Trainer:
         seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
         files = build_dataset(cfg)
         cfg.features = files.features
-        validate_features(cfg.features)
         self.eval_path = files.eval_path
         self.task_names = [t.name for t in cfg.model.tasks]
         self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=self.env.device)

@@ -10,12 +10,11 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import torch.distributed as dist
 
-from trainer.config import Config, FeatureSpec
-from trainer.config_loader import validate_features
+from trainer.config import Config, FeatureSpec, SynthTeacherName
 from trainer.registry import Registry
 
 
@@ -91,14 +90,13 @@ SYNTH_TEACHERS: dict[str, SynthTeacher] = {
     "default": SynthTeacher(_write_default, lambda: synth_features(), "synth-v1"),  # defined below
     "capacity": SynthTeacher(_write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
 }
+assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher per data.synth_teacher choice"
 
 
 @DATASETS.register("synth")
 def synth(cfg: Config) -> DatasetFiles:
     """Synthetic logs with a hidden teacher (data.synth_teacher: trainer/data/synth.py or
     trainer/data/capacity.py), generated on first use."""
-    if cfg.data.synth_teacher not in SYNTH_TEACHERS:
-        raise ValueError(f"data.synth_teacher must be one of {tuple(SYNTH_TEACHERS)}, got {cfg.data.synth_teacher!r}")
     teacher = SYNTH_TEACHERS[cfg.data.synth_teacher]
     rows, seed = cfg.data.synth_rows, cfg.train.seed
     folder = _prepared(Path(cfg.data.cache_dir) / f"{teacher.cache_prefix}-{rows}-seed{seed}",
@@ -144,7 +142,6 @@ def synth_features() -> list[FeatureSpec]:
         f(name="hist_items", kind="sequence", table="item", num_embeddings=s.NUM_ITEMS + 1, embedding_dim=16,
           hashing="none", pooling="mean", max_len=s.MAX_HIST, group="behaviour"),
     ]
-    validate_features(features)
     return features
 
 
@@ -161,5 +158,4 @@ def capacity_features() -> list[FeatureSpec]:
         FeatureSpec(name="hist", kind="sequence", table="item", num_embeddings=c.NUM_ITEMS + 1, embedding_dim=16,
                     hashing="none", pooling="mean", max_len=c.MAX_HIST, group="behaviour"),
     ]
-    validate_features(features)
     return features
