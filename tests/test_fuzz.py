@@ -7,9 +7,9 @@ what was written, or ends in one ValueError of one line that names the file. Nev
 exception, a hang or a changed value.
 
 Derandomized, so CI sees the same cases on every run. The seed corpus: the `@example`s of
-each property, and a `test_seed_*` for each failure found in code this file's owner does
-not own, a strict xfail until it is fixed (the generators steer clear of those inputs, or
-`known_csv_failure` lets them by, so that the properties guard everything else).
+each property, and a `test_seed_*` for each failure the fuzzing found (now fixed), so that
+each keeps being tried whatever the generators draw. An exception Python could only print
+as ignored (a traceback on stderr, as from pyarrow's invalid-row callback) fails a test.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from trainer.data.csvlog import convert_csv
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 U64 = 2 ** 64 - 1
@@ -57,10 +59,9 @@ def _int_range(typ: pa.DataType) -> tuple[int, int]:
 
 
 def ints(typ: pa.DataType, dirty: bool) -> st.SearchStrategy[int]:
-    """Ids of `typ`: from 0 to the type's maximum (2^64-1 for uint64), negative ones when `dirty`
-    (only in int64 columns: test_seed_reader_refuses_negative_ids_of_narrow_types)."""
+    """Ids of `typ`: from 0 to the type's maximum (2^64-1 for uint64), any value of the type
+    (negative ones too) when `dirty`."""
     lo, hi = _int_range(typ)
-    lo = lo if typ == pa.int64() else 0
     clean = st.one_of(st.integers(0, min(hi, 60)), st.sampled_from([0, 1, hi]), st.integers(0, hi))
     return st.one_of(clean, st.sampled_from([lo, -1 if lo else hi]), st.integers(lo, hi)) if dirty else clean
 
@@ -104,8 +105,6 @@ def column(draw, kind: str, rows: int) -> pa.Array:
         return pa.array(draw(rows_of(values, rows, nulls)), typ)
     if kind == "numeric":
         typ = draw(st.sampled_from(INT_TYPES + FLOAT_TYPES * 4))
-    elif kind == "user":  # no uint64: test_seed_reader_names_the_file_of_a_user_id_past_int64
-        typ = draw(st.sampled_from(INT_TYPES[:-1] + (FLOAT_TYPES if dirty else [])))
     else:
         typ = draw(st.sampled_from(INT_TYPES + (FLOAT_TYPES if dirty else [])))
     values = floats(typ, dirty) if pa.types.is_floating(typ) else ints(typ, dirty)
@@ -222,9 +221,10 @@ def expected_label(value) -> float:
 
 
 def expected_user(value) -> int:
-    if value is None or not -2 ** 63 <= value < 2 ** 63:
+    """A user id as int64; a uint64 one past int64 by its bit pattern (distinct keys for UAUC)."""
+    if value is None:
         raise Refused("user id")
-    return value
+    return value - 2 ** 64 if value >= 2 ** 63 else value
 
 
 def _accepts(typ: pa.DataType, kind: str) -> bool:
@@ -331,22 +331,18 @@ def test_reader_reads_exactly_or_refuses_in_one_line(case):
     check_reader(case)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "trainer/data/encode.py: a uint64 user id of 2^63 or more ends in pyarrow's 'Integer value ... not in "
-    "range' from the int64 cast, a message without the file, column or row"))
-def test_seed_reader_names_the_file_of_a_user_id_past_int64():
+def test_seed_reader_reads_a_user_id_past_int64_by_its_bit_pattern():
+    """Was pyarrow's 'Integer value ... not in range' from an int64 cast: no file, column or row."""
     check_reader(case_of({"f0": pa.array([1, 2, 3]), "click": CLICKS, "user": pa.array([1, U64, 2], pa.uint64())},
                          ID))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "trainer/data/ids.py: _hash's fast path views int8/16/32 ids as unsigned ints of the same width, so a "
-    "negative id (-128 as 128) below num_embeddings passes unchecked, as a negative row for the model"))
 @pytest.mark.parametrize("column,feature", [
     (pa.array([[-128], [1], []], pa.list_(pa.int8())), FeatureSpec(name="f0", kind="id_list", num_embeddings=1000)),
     (pa.array([1, -5, 2], pa.int32()), FeatureSpec(name="f0", num_embeddings=2 ** 40, hashing="none")),
 ])
 def test_seed_reader_refuses_negative_ids_of_narrow_types(column, feature):
+    """Seen as unsigned (-128 as 128) they were below num_embeddings: negative rows for the model."""
     check_reader(case_of({"f0": column, "click": CLICKS}, feature))
 
 
@@ -485,17 +481,7 @@ def csv_reference(case: CsvCase) -> tuple[dict[str, list], int]:
 # ---------------------------------------------------------------------------- CSV: run
 
 
-def known_csv_failure(e: Exception, src: Path) -> str | None:
-    """The seed test of a failure this fuzzing found in trainer/data/csvlog.py, which is not fixed
-    yet: tolerated here, so that the property guards everything else. Delete with the fix."""
-    if isinstance(e, pa.ArrowInvalid) and str(src) not in str(e):
-        return "test_seed_csv_errors_of_the_first_block_name_the_file"
-    if isinstance(e, OSError) and src.name.endswith(".gz"):
-        return "test_seed_csv_corrupt_gzip_is_a_value_error"
-    return None
-
-
-def check_csv(case: CsvCase, tolerate_known: bool = True) -> None:
+def check_csv(case: CsvCase) -> None:
     with tempfile.TemporaryDirectory() as folder:
         src, out = Path(folder) / case.name, Path(folder) / "out"
         src.write_bytes(case.data)
@@ -507,11 +493,7 @@ def check_csv(case: CsvCase, tolerate_known: bool = True) -> None:
             summary = convert_csv([str(src)], str(out), label=case.label, categorical=case.categorical,
                                   numeric=case.numeric, drop=case.drop, delimiter=case.delimiter,
                                   block_size=case.block_size)
-        except Exception as e:
-            if tolerate_known and known_csv_failure(e, src):
-                return
-            if not isinstance(e, ValueError):
-                raise
+        except ValueError as e:
             message = str(e)
             assert str(src) in message and "\n" not in message, message
             return
@@ -539,16 +521,24 @@ def test_csv_converter_converts_exactly_or_refuses_in_one_line(case):
     check_csv(case)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "trainer/data/csvlog.py: convert_file calls _open_csv, whose pcsv.open_csv parses the first block, outside "
-    "its `except pa.ArrowInvalid`, so the first block's errors are pyarrow's messages without the file's name"))
-@pytest.mark.parametrize("data", [b"y", b"y,n\n1,\xff\n"], ids=["header without newline", "not UTF-8"])
-def test_seed_csv_errors_of_the_first_block_name_the_file(data):
-    check_csv(csv_case(data, numeric=[]), tolerate_known=False)
+@pytest.mark.parametrize("case", [
+    csv_case(b"y", numeric=[]),
+    csv_case(b"y,n\n1,\xff\n", numeric=[]),
+    csv_case(b"", label="", numeric=[]),
+    csv_case(b"y,n\n1," + b"7" * 3000 + b"\n", block_size=1 << 10),
+    csv_case(b"y,n\n1,2\n1,\xff,3\n"),
+    csv_case(b"y,n\n" + b"1,2\n" * 600 + b"1,\xff,3\n", block_size=1 << 10),
+], ids=["header without newline", "not UTF-8", "empty, label ''", "row straddling blocks",
+        "malformed and not UTF-8", "malformed and not UTF-8, later block"])
+def test_seed_csv_read_errors_name_the_file(case):
+    """The first block's errors were pyarrow's messages without the file's name; a malformed row
+    that is not UTF-8 also printed pyarrow's ignored UnicodeDecodeError, a traceback, on stderr."""
+    check_csv(case)
 
 
-@pytest.mark.xfail(strict=True, raises=OSError, reason=(
-    "trainer/data/csvlog.py: a truncated .gz input ends in pyarrow's OSError 'Truncated compressed stream' "
-    "(exit 1, a traceback), not a ValueError naming the file"))
-def test_seed_csv_corrupt_gzip_is_a_value_error():
-    check_csv(csv_case(gzip.compress(b"y,n\n1,2\n" * 100)[:30], "log.csv.gz"), tolerate_known=False)
+@pytest.mark.parametrize("data", [gzip.compress(b"y,n\n1,2\n" * 100)[:30],
+                                  gzip.compress(b"y,n\n" + b"1,2\n" * 100_000)[:-10], b"y,n\n1,2\n"],
+                         ids=["truncated in the header", "truncated later", "no gzip"])
+def test_seed_csv_corrupt_gzip_is_a_value_error(data):
+    """Was pyarrow's OSError 'Truncated compressed stream': exit 1 with a traceback."""
+    check_csv(csv_case(data, "log.csv.gz", block_size=1 << 10))

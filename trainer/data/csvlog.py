@@ -22,7 +22,9 @@ The machinery shared by the converters (`rankmix data csv`, `rankmix data criteo
   fields or a value that does not parse is left out of the output and counted; the
   per-file report gives the count, the first offending line number (1-based, physical
   line of the input, header included) and why. With `strict` the first such row raises
-  `ValueError` naming the file and the line.
+  `ValueError` naming the file and the line. An input that cannot be read on (a corrupt or
+  truncated compressed stream, text that is not UTF-8, a line longer than `block_size`)
+  raises `ValueError` naming the file, and the row where pyarrow gives it.
 
 A *layout* (`CsvLayout` here, `CriteoLayout` in criteo.py) says how the string columns of
 one block become typed output columns plus, per checked column, which rows are valid.
@@ -31,6 +33,7 @@ one block become typed output columns plus, per checked column, which rows are v
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import glob
@@ -39,6 +42,8 @@ import json
 import multiprocessing
 import os
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -290,15 +295,22 @@ class _PartWriter:
 def _header(src: str, delimiter: str) -> list[str]:
     """The first line's fields."""
     head = b""
-    with pa.input_stream(src) as f:
-        while b"\n" not in head and (chunk := f.read(1 << 16)):
-            head += chunk
+    try:
+        with pa.input_stream(src) as f:
+            while b"\n" not in head and (chunk := f.read(1 << 16)):
+                head += chunk
+    except OSError as e:  # a corrupt or truncated compressed input
+        raise ValueError(f"{src}: cannot read: {e}") from None
     line = head.split(b"\n", 1)[0]
     try:
         return line.decode("utf-8").rstrip("\r").split(delimiter)
     except UnicodeDecodeError as e:
-        raise ValueError(f"{src}: the header is not UTF-8 (byte {line[e.start]:#04x} "
-                         f"at column {e.start + 1})") from None
+        raise ValueError(f"{src}: the header is not UTF-8 ({_bad_byte(e)})") from None
+
+
+def _bad_byte(e: UnicodeDecodeError) -> str:
+    """Where a line is not UTF-8."""
+    return f"byte {e.object[e.start]:#04x} at column {e.start + 1}"
 
 
 def _line_of(row: int, header_lines: int, skipped: list[int]) -> int:
@@ -365,25 +377,58 @@ class _BadRows:
             self.report.first_bad_line, self.report.first_bad_reason = min(self.first)
 
 
-def _open_csv(src: str, layout, block_size: int,
-              on_invalid) -> tuple[pa.NativeFile, pcsv.CSVStreamingReader, object, int]:
-    """(stream, CSV reader of string columns, the layout bound to the file, header lines)."""
-    header_lines = 0
+def _bind(src: str, layout) -> tuple[object, int]:
+    """(the layout bound to the file, its header lines)."""
+    if not layout.header:
+        return layout, 0
+    return layout.bind(_header(src, layout.delimiter), src), 1
+
+
+def _read_csv(src: str, layout, block_size: int, on_invalid) -> Iterator[pa.RecordBatch]:
+    """The file's rows as batches of string columns. What stops the read (a row pyarrow can
+    neither parse nor skip, from the first block on; a corrupt or truncated compressed
+    input) is one ValueError naming the file, and the row where pyarrow gives it."""
     read_opts = dict(use_threads=False, block_size=block_size)
-    if layout.header:
-        layout = layout.bind(_header(src, layout.delimiter), src)
-        header_lines = 1
-    else:
+    if not layout.header:
         read_opts["column_names"] = layout.column_names
-    stream = pa.input_stream(src)
-    reader = pcsv.open_csv(
-        stream,
-        read_options=pcsv.ReadOptions(**read_opts),
-        parse_options=pcsv.ParseOptions(delimiter=layout.delimiter, quote_char=False,
-                                        ignore_empty_lines=False, invalid_row_handler=on_invalid),
-        convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in layout.column_names},
-                                            strings_can_be_null=False, quoted_strings_can_be_null=False))
-    return stream, reader, layout, header_lines
+    with _not_utf8_rows(on_invalid) as not_utf8:
+        try:
+            with pa.input_stream(src) as stream:
+                yield from pcsv.open_csv(
+                    stream,
+                    read_options=pcsv.ReadOptions(**read_opts),
+                    parse_options=pcsv.ParseOptions(delimiter=layout.delimiter, quote_char=False,
+                                                    ignore_empty_lines=False, invalid_row_handler=on_invalid),
+                    convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in layout.column_names},
+                                                        strings_can_be_null=False,
+                                                        quoted_strings_can_be_null=False))
+        except pa.ArrowInvalid as e:
+            why = f" (not UTF-8: {_bad_byte(not_utf8[0])})" if not_utf8 else ""
+            raise ValueError(f"{src}: cannot parse: {e}{why}") from None
+        except OSError as e:  # a corrupt or truncated compressed input
+            raise ValueError(f"{src}: cannot read: {e}") from None
+
+
+@contextlib.contextmanager
+def _not_utf8_rows(on_invalid) -> Iterator[list[UnicodeDecodeError]]:
+    """Collects the malformed rows that pyarrow could not decode to call `on_invalid` with."""
+    # pyarrow decodes a row of the wrong field count before it calls the handler, in its own
+    # callback: a row that is not UTF-8 fails there and stops the read, and Python prints the
+    # UnicodeDecodeError as ignored, a traceback on stderr. Taken here instead, it tells the
+    # read's error why the row could not be skipped.
+    found, previous = [], sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.object == on_invalid and isinstance(unraisable.exc_value, UnicodeDecodeError):
+            found.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield found
+    finally:
+        sys.unraisablehook = previous
 
 
 _MARKER = "_DONE_"
@@ -425,11 +470,11 @@ def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = Fa
         tmp.unlink()
     report = FileReport(src=src)
     bad_rows = _BadRows(src, report, strict)
-    stream, reader, layout, header_lines = _open_csv(src, layout, block_size, bad_rows.on_invalid)
+    layout, header_lines = _bind(src, layout)
     writer = _PartWriter(out, name, layout.schema, row_group_size, rows_per_file)
     parsed = 0
-    try:
-        for batch in reader:
+    with contextlib.closing(_read_csv(src, layout, block_size, bad_rows.on_invalid)) as batches:
+        for batch in batches:
             bad_rows.flush_field_count()
             checked = layout.convert(batch)
             bad = bad_rows.values(checked, parsed, header_lines)
@@ -439,12 +484,8 @@ def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = Fa
             parsed += batch.num_rows
             report.rows += table.num_rows
             writer.add(table)
-        bad_rows.flush_field_count()  # rows skipped in the last block, after the last batch
-        bad_rows.check()
-    except pa.ArrowInvalid as e:
-        raise ValueError(f"{src}: cannot parse: {e}") from None
-    finally:
-        stream.close()
+    bad_rows.flush_field_count()  # rows skipped in the last block, after the last batch
+    bad_rows.check()
     bad_rows.finish()
     report.parts = writer.finish()
     # the marker last, written whole (its temporary file is hidden: never read as a marker)

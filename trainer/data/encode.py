@@ -57,7 +57,7 @@ class RowEncoder:
 
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
-        and labels, int64 users; computed a whole column at a time."""
+        and labels, int64 users (uint64 ones by their bit pattern); computed a whole column at a time."""
         ids, lengths = [], []
         for f in self.sparse:
             v, n = encode_ids(table.column(f.column), f, where)
@@ -71,7 +71,9 @@ class RowEncoder:
             column = table.column(self.user_column)
             if column.null_count:
                 raise ValueError(f"{where}, column {self.user_column!r}: null user id")
-            users = column.cast(pa.int64()).to_numpy()
+            # User ids only group rows for UAUC: a uint64 one past int64 keeps its bit
+            # pattern, which keeps ids distinct (a cast would overflow).
+            users = column.to_numpy().astype(np.int64, copy=False)
         return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users,
                           managed=sum(f.hashing == "managed" for f in self.sparse))
 

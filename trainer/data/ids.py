@@ -61,9 +61,11 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     if spec.hashing == "managed" and reduce:
         _refuse_negative(values, lengths, spec, where)
         return spread(values)
-    # One pass for the common case, every id already valid: seen as unsigned, a negative
-    # id is huge, so `max < num_embeddings` rules out both errors and makes modulo a no-op.
-    if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < spec.num_embeddings:
+    # One pass for the common case, every id already valid: seen as unsigned, a negative id
+    # is at least 2^(bits-1) (int8 -128 is 128, below num_embeddings=1000), so `max < bound`
+    # rules out both errors and makes modulo a no-op.
+    bound = min(spec.num_embeddings, int(np.iinfo(values.dtype).max) + 1)
+    if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < bound:
         return values.astype(np.int64, copy=False)
     _refuse_negative(values, lengths, spec, where)
     if spec.hashing != "none":  # modulo, or managed ids left raw
