@@ -27,7 +27,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn import functional as F
 
-from dense.hooks import HookProvider, ServingForm, TrainingHooks
+from trainer.hooks import HookProvider, ServingForm, TrainingHooks
 from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
 
 
@@ -320,7 +320,7 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
     """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
     e_input [B, E_in] -> [B, D].
 
-    Training hooks (dense/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
+    Training hooks (trainer/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
     every layer's lambda after each optimizer step, `log_values()` gives the routing
     statistics for TensorBoard.
     """

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from dense.hooks import HookProvider, ServingForm, TrainingHooks
+from trainer.hooks import HookProvider, ServingForm, TrainingHooks
 from dense.rankmixer import in_dtype, uniform_init
 
 

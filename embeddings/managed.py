@@ -14,12 +14,11 @@ from torchrec.distributed import sharding_plan as sp
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection
 
-from dense.hooks import HookProvider, TrainingHooks
+from trainer.hooks import HookProvider, TrainingHooks
 from embeddings.tables import FUSED, fuse_optimizer, tables_of
 from embeddings.torchrec_compat import (FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_ROWS, MCH_SEGMENTS, MCH_SORTED_IDS,
                                         CountingMCH, ManagedTablesSharder, mc_table_configs)
-from trainer.config import EmbeddingsConfig, FeatureSpec
-from trainer.data.ids import MANAGED_ID_RANGE
+from trainer.config import MANAGED_ID_RANGE, EmbeddingsConfig, FeatureSpec
 
 EVICTION_POLICIES = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}  # features.*.eviction_policy
 

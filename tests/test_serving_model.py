@@ -8,8 +8,9 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection
 
-from dense.hooks import TrainingHooks
-from dense.model import RankingModel, build_dense
+from trainer.hooks import TrainingHooks
+from dense.model import build_dense
+from trainer.model import RankingModel
 from dense.towers import TOWERS
 from embeddings.tables import table_configs
 from trainer.config import FeatureSpec, TaskSpec

@@ -9,7 +9,7 @@ import torch
 
 from cli import rankmix
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
-from dense.hooks import TrainingHooks
+from trainer.hooks import TrainingHooks
 from dense.layout import InputLayout
 from dense.model import TaskHeads, build_dense
 from dense.towers import TOWERS, build_tower

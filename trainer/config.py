@@ -46,6 +46,10 @@ LoadMode = Literal["full", "weights"]
 DataPosition = Literal["exact", "next_epoch"]
 Backend = Literal["auto", "gloo", "nccl"]
 
+MANAGED_ID_RANGE = 2 ** 62
+"""Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
+that owns its part of that range, and marks an empty slot with INT64_MAX."""
+
 
 @dataclass
 class FeatureSpec:

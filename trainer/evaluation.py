@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dense.hooks import TrainingHooks
+from trainer.hooks import TrainingHooks
 from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

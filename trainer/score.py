@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from dense.hooks import TrainingHooks
-from dense.model import build_model
+from trainer.hooks import TrainingHooks
+from trainer.model import build_model
 from embeddings.sharding import shard_model
 from trainer import checkpoint
 from trainer.config import Config

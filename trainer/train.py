@@ -18,8 +18,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dense.cost import measure_cost, mfu, peak_flops
-from dense.hooks import TrainingHooks
-from dense.model import build_model
+from trainer.hooks import TrainingHooks
+from trainer.model import build_model
 from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
 from trainer.config import Config
@@ -102,7 +102,7 @@ class Trainer:
                           **self.valid_split[1], **self._retries())
         self.selection = ModelSelection(cfg, Path(cfg.train.run_dir))
         self.model = self._build_model()
-        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (dense/hooks.py)
+        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (trainer/hooks.py)
         self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks, self._retries())
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)

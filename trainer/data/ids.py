@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from trainer.config import FeatureSpec
+from trainer.config import MANAGED_ID_RANGE, FeatureSpec
 
 
 def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str,
@@ -83,11 +83,6 @@ def _refuse_negative(values: np.ndarray, lengths: np.ndarray | None, spec: Featu
         i = np.flatnonzero(values < 0)[0]
         raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
                          f"at row {_row_of(i, lengths)}")
-
-
-MANAGED_ID_RANGE = 2 ** 62
-"""Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
-that owns its part of that range, and marks an empty slot with INT64_MAX."""
 
 
 def spread(values: np.ndarray) -> np.ndarray:

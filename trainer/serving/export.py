@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
-from dense.hooks import serving_form
+from trainer.hooks import serving_form
 from dense.model import build_dense
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs

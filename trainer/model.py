@@ -1,0 +1,71 @@
+"""The whole ranking model: sparse lookup -> e_input -> tower -> one logit per task.
+
+It sits above both of its halves: the tables (`embeddings/`) and the dense side (`dense/`),
+neither of which imports the other (docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection
+
+from dense.layout import InputLayout
+from dense.model import TaskHeads, build_dense
+from embeddings.managed import build_managed_bags
+from embeddings.tables import build_embedding_bags
+from trainer.config import Config
+from trainer.data.batch import Batch
+
+
+class RankingModel(nn.Module):
+    """Batch -> logits [B, K]. `ebc`, the plain tables, and `managed`, the managed-collision
+    tables fed by `batch.managed` (each None when there are none), are sharded by DMP; the
+    rest is replicated (DDP).
+
+    `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
+    """
+
+    def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
+                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
+                 managed: nn.Module | None = None):
+        super().__init__()
+        self.ebc = ebc
+        self.managed = managed
+        self.layout = layout
+        self.tower = tower
+        self.heads = heads
+        self.autocast_dtype = autocast_dtype
+        self.autocast_device = autocast_device
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        e_input = self.layout.assemble(self.pooled(batch), batch.dense)
+        if self.autocast_dtype is None:
+            return self.heads(self.tower(e_input))
+        # A fixed device type rather than e_input.device: TorchRec's pipeline traces this
+        # forward symbolically, where e_input is a proxy.
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
+            return self.heads(self.tower(e_input)).float()
+
+    def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
+        from the plain and the managed tables. Merged in place: TorchRec's pipeline traces
+        forward, and a traced dict cannot be unpacked."""
+        pooled = {} if self.ebc is None else self.ebc(batch.sparse).to_dict()
+        if self.managed is not None:
+            managed = self.managed(batch.managed)[0].to_dict()
+            if self.ebc is None:
+                pooled = managed
+            else:
+                pooled.update(managed)
+        return pooled
+
+
+def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> RankingModel:
+    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
+                        autocast_dtype=autocast_dtype,
+                        managed=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))
