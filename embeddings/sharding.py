@@ -177,21 +177,3 @@ def _size(table: EmbeddingBagConfig) -> int:
 
 def _local_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight as one whole CPU tensor on rank 0 (sharded tables gathered; a
-    collective: call on every rank). Other ranks get an empty dict."""
-    rank = dist.get_rank()
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        if isinstance(value, (ShardedTensor, DTensor)):
-            pieces: list = [None] * dist.get_world_size()
-            dist.all_gather_object(pieces, [(t.detach().cpu(), o) for t, o in local_shards(value)])
-            full = torch.empty(value.size(), dtype=value.dtype)
-            for t, (row, col) in (p for rank_pieces in pieces for p in rank_pieces):
-                full[row:row + t.shape[0], col:col + t.shape[1]] = t
-            value = full
-        if rank == 0:
-            out[key] = value.detach().cpu().clone()
-    return out

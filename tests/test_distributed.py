@@ -11,9 +11,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from cli import spawn
+from embeddings.sharding import local_shards
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.data.synth import write_synthetic
@@ -47,13 +52,30 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight as one whole CPU tensor on rank 0 (sharded tables gathered; a
+    collective: call on every rank). Other ranks get an empty dict. The tests' reference:
+    training never needs whole tables in one place."""
+    rank = dist.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, (ShardedTensor, DTensor)):
+            pieces: list = [None] * dist.get_world_size()
+            dist.all_gather_object(pieces, [(t.detach().cpu(), o) for t, o in local_shards(value)])
+            full = torch.empty(value.size(), dtype=value.dtype)
+            for t, (row, col) in (p for rank_pieces in pieces for p in rank_pieces):
+                full[row:row + t.shape[0], col:col + t.shape[1]] = t
+            value = full
+        if rank == 0:
+            out[key] = value.detach().cpu().clone()
+    return out
+
+
 def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: str, out: str,
                   steps: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
 
-    from embeddings.sharding import full_state_dict
     from trainer.dist import shutdown
     from trainer.train import Trainer
 
