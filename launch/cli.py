@@ -24,11 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import get_args
 
 from trainer.config import SynthTeacherName
+from trainer.config_loader import describe, load_config
+from trainer.credentials import redact_uri
+from trainer.errors import BAD_INPUT, Interrupted, NonFiniteLossError, RankmixError
+
+# Commands import the rest on use: `rankmix --help` answers in under 0.1 s, where torch and
+# TorchRec take seconds to import and numpy or pyarrow a tenth of one, and the `rankmix data`
+# converters need no torch.
 
 USAGE = __doc__
 
@@ -39,9 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    from trainer.credentials import redact_uri
-    from trainer.errors import BAD_INPUT, RankmixError
-
     try:
         if command not in COMMANDS:
             raise ValueError(f"unknown command {command!r}; see `rankmix --help`")
@@ -59,7 +64,7 @@ def recorded(command):
     (handled or not) goes to the error file the agent reads, so its report shows the real
     message instead of `error_file: <N/A>`. Imported on use: it pulls in torch."""
     def run(argv: list[str]) -> int:
-        from torch.distributed.elastic.multiprocessing.errors import record
+        from torch.distributed.elastic.multiprocessing.errors import record  # on use: torch
         return record(command)(argv)
     return run
 
@@ -71,8 +76,6 @@ def config_args(argv: list[str], environment: bool = True) -> tuple[str | None, 
     """(--config file, ['--section.key=value', ...]) from train-style arguments, followed by
     those in $RANKMIX_OVERRIDES, which come last and so win: a way to change every run a
     script or a README block starts (the README test shortens them all with it)."""
-    import shlex
-
     config_path, overrides = None, []
     it = iter([*argv, *shlex.split(os.environ.get(OVERRIDES_ENV, "") if environment else "")])
     for arg in it:
@@ -94,8 +97,6 @@ def config_args(argv: list[str], environment: bool = True) -> tuple[str | None, 
 
 def train(argv: list[str]) -> int:
     """Parse --config and overrides, train, print the summary as the last line (rank 0)."""
-    from trainer.config_loader import describe, load_config
-
     if "-h" in argv or "--help" in argv:
         print("rankmix train [--config F.toml] [--section.key=value ...]\n\n"
               f"${OVERRIDES_ENV}: more --section.key=value options, applied after these.\n\nOptions:")
@@ -103,8 +104,8 @@ def train(argv: list[str]) -> int:
         return 0
     cfg = load_config(*config_args(argv))
 
+    # on use: torch and TorchRec
     from trainer.dist import shutdown
-    from trainer.errors import Interrupted, NonFiniteLossError
     from trainer.train import Trainer
 
     trainer, ok = None, False  # ok: every rank reached the same point, so they can still meet
@@ -136,11 +137,12 @@ def launch(argv: list[str]) -> int:
     args, train_args = parser.parse_known_args(argv)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ValueError("--nproc-per-node and --nnodes must be at least 1")
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import main as torchrun  # on use: torch
 
     rendezvous = (["--standalone"] if args.nnodes == 1 else
                   ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
                    "--master-port", str(args.master_port)])
+    # on use: torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -170,7 +172,7 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--moe", help="sparse: the inference router's experts only | dense: the training router, "
                         "every expert (default: the run's model.moe_inference)")
     args, rest = parser.parse_known_args(argv)
-    from trainer.serving.export import FORMATS
+    from trainer.serving.export import FORMATS  # on use: torch and TorchRec
 
     if args.format not in (*FORMATS, "weights"):
         raise ValueError(f"--format must be one of {'|'.join(FORMATS)}|weights, got {args.format!r}")
@@ -178,14 +180,14 @@ def export(argv: list[str]) -> int:
         ignored = [o for o, v in (("--tables", args.tables), ("--moe", args.moe)) if v] + rest
         if ignored:
             raise ValueError(f"--format weights writes the checkpoint's tensors as they are; it takes no {ignored}")
-        from trainer.checkpoint import export_weights
+        from trainer.checkpoint import export_weights  # on use: torch
 
         if Path(args.out).is_dir():
             raise ValueError(f"--out {args.out} is a folder; --format weights writes one file")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         print(json.dumps({"tensors": export_weights(args.checkpoint, args.out), "out": args.out}))
         return 0
-    from trainer.config_loader import load_config
+    # on use: torch and TorchRec
     from trainer.score import find_config
     from trainer.serving.export import export as export_artifact
 
@@ -212,7 +214,7 @@ def score(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    from trainer.config_loader import load_config
+    # on use: torch and TorchRec
     from trainer.dist import shutdown
     from trainer.score import CheckpointModel, Scorer, find_config
 
@@ -222,7 +224,7 @@ def score(argv: list[str]) -> int:
     keep = [c.strip() for c in args.keep.split(",") if c.strip()]
     try:
         if args.model:
-            from trainer.serving.predict import ArtifactModel
+            from trainer.serving.predict import ArtifactModel  # on use: torch and TorchRec
             model = ArtifactModel(args.model, cfg.features)
         else:
             model = CheckpointModel(cfg, args.checkpoint)
@@ -287,10 +289,10 @@ def data(argv: list[str]) -> int:
         common = dict(workers=args.workers, strict=args.strict, rows_per_file=args.rows_per_file,
                       row_group_size=args.row_group_size)
         if args.kind == "criteo":
-            from trainer.data.criteo import convert_criteo
+            from trainer.data.criteo import convert_criteo  # on use: pyarrow
             summary = convert_criteo(args.src, args.out, **common)
         else:
-            from trainer.data.csvlog import convert_csv
+            from trainer.data.csvlog import convert_csv  # on use: pyarrow
 
             def cols(text: str) -> list[str]:
                 return [c.strip() for c in text.split(",") if c.strip()]
@@ -298,10 +300,10 @@ def data(argv: list[str]) -> int:
                                   numeric=cols(args.numeric), drop=cols(args.drop), delimiter=args.delimiter,
                                   **common)
     elif args.kind == "synth":
-        from trainer.data.datasets import SYNTH_TEACHERS
+        from trainer.data.datasets import SYNTH_TEACHERS  # on use: torch (datasets' process group)
         summary = SYNTH_TEACHERS[args.teacher].write(args.out, rows=args.rows, files=args.files, seed=args.seed)
     else:
-        from trainer.data.movielens import convert_movielens
+        from trainer.data.movielens import convert_movielens  # on use: pyarrow
         summary = convert_movielens(args.src, args.out)
     print(json.dumps(summary, default=str))
     return 0
@@ -318,8 +320,7 @@ def plan(argv: list[str]) -> int:
     parser.add_argument("--ddr-gb", type=float, default=512.0, help="host memory per rank")
     parser.add_argument("--local-world-size", type=int, default=0, help="ranks per host (default: 8, or fewer)")
     args, rest = parser.parse_known_args(argv)
-    from launch.plan import plan_cluster
-    from trainer.config_loader import load_config
+    from launch.plan import plan_cluster  # on use: torch and TorchRec
 
     cfg = load_config(*config_args(rest), allow_redacted=True)  # plans read no data
     local = args.local_world_size or min(args.world_size, 8)
@@ -329,8 +330,8 @@ def plan(argv: list[str]) -> int:
 
 
 def sweep(argv: list[str]) -> int:
-    """Scaling curves (launch/sweep.py, imported only when used)."""
-    from launch.sweep import sweep as run_sweep
+    """Scaling curves (launch/sweep.py)."""
+    from launch.sweep import sweep as run_sweep  # on use: numpy (torch once it checks the grid)
     return run_sweep(argv)
 
 

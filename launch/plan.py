@@ -16,9 +16,20 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.types import ShardingPlan
 
+from dense.model import build_dense
+from embeddings.managed import build_managed_bags, managed_plans
+from embeddings.sharding import FUSED
+from embeddings.tables import build_embedding_bags, table_configs
+from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from trainer.config import Config, EmbeddingsConfig
+from trainer.train import per_rank_batch_size
 
 GB = 2**30
 
@@ -45,16 +56,6 @@ class ClusterPlan:
 def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_gb: float,
                  local_world_size: int) -> ClusterPlan:
     """The plan, per-rank memory, all-to-all traffic and the verdict."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.planner.types import PlannerError
-    from torchrec.distributed.types import ShardingPlan
-
-    from dense.model import build_dense
-    from embeddings.sharding import FUSED
-    from embeddings.tables import build_embedding_bags, table_configs
-    from trainer.train import per_rank_batch_size
-
     if world_size < 1 or world_size % local_world_size:
         raise ValueError(f"--world-size {world_size} is not a multiple of --local-world-size {local_world_size}")
     if device == "cuda" and not hbm_gb:
@@ -141,11 +142,6 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
     row-wise, as training shards them, embeddings/managed.py) and return their lines of the plan.
     A shard's estimate is its weights, optimizer state and MCH map; MCH's id history (ids of
     one eviction interval, allocated at the first step) is not counted."""
-    import torch
-
-    from embeddings.managed import build_managed_bags, managed_plans
-    from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
-
     world_size = len(memory)
     collection = build_managed_bags(cfg.features, cfg.embeddings, buckets=world_size)  # meta device
     if collection is None:

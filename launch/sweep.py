@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config_loader import load_config
 from trainer.credentials import redact_config, redact_uri, to_environment
 from trainer.files import write_atomic
 
@@ -188,29 +189,24 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
     for p in points:
         try:
             to_environment(p.overrides)
-            costs.append(cost_of_config(load(config, p.overrides)))
+            costs.append(cost_of_config(load_config(config, p.overrides)))
         except ValueError as e:
             raise ValueError(f"sweep point {p.tower} [{p.label}]: {e}") from None
     return costs
-
-
-def load(config: str | None, overrides: list[str], allow_redacted: bool = False):
-    from trainer.config_loader import load_config
-
-    return load_config(config, overrides, allow_redacted=allow_redacted)
 
 
 def cost_of_config(cfg) -> tuple[int, int] | None:
     """(dense parameters, forward FLOPs per sample) of the tower and heads the config builds.
     Needs the feature schema: the config's own, or a built-in dataset's (synth); returns
     None when neither is known without preparing the data (the tower's name is still checked)."""
+    # on use: torch, which `rankmix sweep --help` and the grid's errors do without (0.3 s, not 4)
+    from torch import nn
     from dense.model import build_dense
     from dense.towers import TOWERS
+    from trainer.data.datasets import SYNTH_TEACHERS
 
     features = cfg.features
     if not features and cfg.data.dataset == "synth":
-        from trainer.data.datasets import SYNTH_TEACHERS
-
         features = SYNTH_TEACHERS[cfg.data.synth_teacher].features()
     if not features:
         TOWERS.get(cfg.model.tower)
@@ -219,16 +215,14 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     if hasattr(tower, "cost") and hasattr(heads, "cost"):
         (tp, tf), (hp, hf) = tower.cost(), heads.cost()
         return tp + hp, tf + hf
-    from torch import nn
-
     return counted_cost(nn.Sequential(tower, heads), layout.width)
 
 
 def counted_cost(model, width: int) -> tuple[int, int]:
     """(parameters, forward FLOPs per sample) counted on the module itself, for a tower
     registered without an analytic cost()."""
+    # on use: torch, as in cost_of_config
     import torch
-
     from dense.cost import flops_per_sample
 
     return sum(p.numel() for p in model.parameters()), flops_per_sample(model, width, torch.device("cpu"))
@@ -266,7 +260,7 @@ def result_of(point: Point) -> dict:
     data paths are never opened)."""
     summary = json.loads((point.run_dir / "summary.json").read_text())
     if "dense_params" not in summary or "flops_per_sample" not in summary:
-        cost = cost_of_config(load(str(point.run_dir / "config.toml"), [], allow_redacted=True))
+        cost = cost_of_config(load_config(str(point.run_dir / "config.toml"), [], allow_redacted=True))
         summary["dense_params"], summary["flops_per_sample"] = cost
     return summary
 
@@ -414,10 +408,10 @@ def validation_curves(points: list[Point]) -> dict[str, list[tuple[float, float]
 
 def plot_curves(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
     """Validation AUC against epochs, one line per (tower, point)."""
-    import matplotlib
+    import matplotlib  # when plotting only: pyplot takes 0.35 s to import, and the backend is process-wide
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend when imported
 
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
     for name, curve in curves.items():
@@ -433,10 +427,10 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], path: Path) -> Non
 def plot(rows: list[dict], fits: dict, baseline_auc: float, path: Path, title: str = "") -> None:
     """Two panels, AUC against dense parameters and against forward FLOPs per sample (log
     x), one series per tower with its fitted curve AUC = baseline + a x^b."""
-    import matplotlib
+    import matplotlib  # when plotting only: pyplot takes 0.35 s to import, and the backend is process-wide
 
     matplotlib.use("Agg")  # files only: no display on training machines
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend when imported
 
     fig, panels = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -321,7 +321,7 @@ def validate_features(features: list[FeatureSpec]) -> None:
 
 @functools.cache
 def _taken_table_names() -> frozenset[str]:
-    from torch import nn
+    from torch import nn  # on use: launch.cli imports this module; `rankmix --help` and `data` start without torch
 
     return frozenset(dir(nn.ModuleDict))
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 NUM_FIELDS = 16
 # Vocabularies small enough that a few hundred thousand rows teach every frequent id its
@@ -178,8 +179,7 @@ def _rows(teacher: _Teacher, seed: int, lo: int, hi: int, row_group_size: int):
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    import torch
-
+    # on use: torchmetrics takes 0.5 s to import, and datasets.py and `rankmix sweep` read this module's schema only
     from trainer.metrics import auc
 
     return auc(torch.from_numpy(scores), torch.from_numpy(labels))

@@ -15,6 +15,9 @@ from typing import NamedTuple, get_args
 import torch.distributed as dist
 
 from trainer.config import Config, FeatureSpec, SynthTeacherName
+from trainer.data import capacity as capacity_data
+from trainer.data import synth as synth_data
+from trainer.data.movielens import convert_movielens
 from trainer.registry import Registry
 
 
@@ -63,18 +66,6 @@ def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
     return folder
 
 
-def _write_default(out, **kwargs) -> dict:
-    from trainer.data.synth import write_synthetic
-
-    return write_synthetic(out, **kwargs)
-
-
-def _write_capacity(out, **kwargs) -> dict:
-    from trainer.data.capacity import write_capacity
-
-    return write_capacity(out, **kwargs)
-
-
 # The cache folder names each teacher's version: bump it whenever a writer's rows change,
 # or runs would go on reading the rows the old code generated into data.cache_dir.
 class SynthTeacher(NamedTuple):
@@ -87,8 +78,8 @@ class SynthTeacher(NamedTuple):
 
 
 SYNTH_TEACHERS: dict[str, SynthTeacher] = {
-    "default": SynthTeacher(_write_default, lambda: synth_features(), "synth-v1"),  # defined below
-    "capacity": SynthTeacher(_write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
+    "default": SynthTeacher(synth_data.write_synthetic, lambda: synth_features(), "synth-v1"),  # defined below
+    "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
 }
 assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher per data.synth_teacher choice"
 
@@ -107,8 +98,6 @@ def synth(cfg: Config) -> DatasetFiles:
 @DATASETS.register("movielens")
 def movielens(cfg: Config) -> DatasetFiles:
     """MovieLens-100K converted from data.source_dir on first use (trainer/data/movielens.py)."""
-    from trainer.data.movielens import convert_movielens
-
     if not cfg.data.source_dir:
         raise ValueError("data.source_dir is empty: the movielens dataset needs the ml-100k folder")
     if not cfg.features:
@@ -123,9 +112,7 @@ def synth_features() -> list[FeatureSpec]:
     """The schema of `write_synthetic`'s columns (default sizes), in semantic groups. Table
     sizes come from synth.py's constants (ids are 1-based, 0 is padding; hour and weekday
     start at 0), so the two cannot drift apart into silent modulo folding."""
-    from trainer.data import synth as s
-
-    f = FeatureSpec
+    s, f = synth_data, FeatureSpec
     features = [
         f(name="user_id", num_embeddings=s.NUM_USERS + 1, embedding_dim=16, hashing="none", group="user"),
         f(name="user_age", num_embeddings=s.NUM_AGES + 1, embedding_dim=8, group="user"),
@@ -148,8 +135,7 @@ def synth_features() -> list[FeatureSpec]:
 def capacity_features() -> list[FeatureSpec]:
     """The schema of `write_capacity`'s columns: its 16 fields in four groups of four, the
     target item, and the behaviour sequence sharing the item's table."""
-    from trainer.data import capacity as c
-
+    c = capacity_data
     features = [FeatureSpec(name=name, num_embeddings=vocab + 1, embedding_dim=16, hashing="none",
                             group=f"fields{i // 4}")
                 for i, (name, vocab) in enumerate(zip(c.field_names(), c.FIELD_VOCAB))]

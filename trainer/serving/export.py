@@ -23,8 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torchrec.fx
 from torch import nn
+from torch.export import Dim
 from torchrec import EmbeddingBagCollection
+from torchrec.inference.modules import quantize_embeddings
 
 from trainer.hooks import serving_form
 from dense.model import build_dense
@@ -147,8 +150,6 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
     model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed)
     model = model.eval().requires_grad_(False)
     if TABLES[tables] is not None:
-        from torchrec.inference.modules import quantize_embeddings
-
         # quantize_embeddings swaps the children of the module it is given, so give it the parent.
         model = quantize_embeddings(model, dtype=TABLES[tables], inplace=True)
     return model
@@ -196,10 +197,7 @@ def table_bytes(model: ServingModel) -> int:
 def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str):
     """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
     if fmt == "torchscript":
-        import torchrec.fx
         return torch.jit.script(torchrec.fx.symbolic_trace(model))
-    from torch.export import Dim
-
     batch, ids = Dim("batch", min=1), Dim("ids", min=0)
     return torch.export.export(model, inputs, dynamic_shapes=({0: ids}, {1: batch}, {0: batch}), strict=False)
 
