@@ -49,3 +49,22 @@ def test_the_built_in_schemas_are_valid(teacher):
     features = SYNTH_TEACHERS[teacher].features()
     validate_features(features)
     assert all(f.column == f.name and (f.kind == "numeric" or f.table) for f in features)
+
+
+def test_every_numeric_transform_has_both_forms_that_agree():
+    """One table of transforms serves the reader (NumPy) and the artifact (torch); both
+    forms give the same values on the same inputs, inside each transform's domain."""
+    import numpy as np
+    import torch
+
+    from trainer.data.feature_ops import TRANSFORMS
+
+    assert set(TRANSFORMS) == set(get_args(config.NumericTransform))
+    spec = config.FeatureSpec(name="x", kind="numeric", clip_min=-0.5, clip_max=2.0, mean=0.25, std=4.0)
+    x = np.array([-0.9, -0.5, 0.0, 0.3, 1.5, 7.0])
+    for name, t in TRANSFORMS.items():
+        assert np.allclose(t.numpy(x, spec), t.torch(torch.from_numpy(x), spec).numpy(), rtol=1e-12), name
+    expected = {"log1p": np.log(1 + x), "clip": np.minimum(np.maximum(x, -0.5), 2.0), "standardize": (x - 0.25) / 4}
+    for name, want in expected.items():  # written out here, independent of the table
+        assert np.allclose(TRANSFORMS[name].numpy(x, spec), want, rtol=1e-12), name
+    assert TRANSFORMS["log1p"].valid(np.array([-1.0, -0.999])).tolist() == [False, True]

@@ -12,6 +12,7 @@ import pyarrow as pa
 from trainer.data.ids import encode_ids
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.data.batch import Rows
+from trainer.data.feature_ops import TRANSFORMS
 
 
 class RowEncoder:
@@ -110,16 +111,13 @@ def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
     if column.null_count:  # raw_numeric refused every other NaN: a NaN is a null here
         np.copyto(values, f.fill_null, where=np.isnan(values))
     for op in f.transform:
-        if op == "log1p":
-            low = np.flatnonzero(values <= -1)
-            if low.size:
-                raise ValueError(f"{where}, column {f.column!r}: log1p needs values > -1, "
-                                 f"got {values[low[0]]} at row {low[0]}")
-            values = np.log1p(values)
-        elif op == "clip":
-            values = np.clip(values, f.clip_min, f.clip_max)
-        elif op == "standardize":
-            values = (values - f.mean) / f.std
+        transform = TRANSFORMS[op]
+        if transform.valid is not None:
+            outside = np.flatnonzero(~transform.valid(values))
+            if outside.size:
+                raise ValueError(f"{where}, column {f.column!r}: {op} needs {transform.needs}, "
+                                 f"got {values[outside[0]]} at row {outside[0]}")
+        values = transform.numpy(values, f)
     out = values.astype(np.float32)
     # A value finite in float64 may not be in float32 (1e39): the model would see inf.
     bad = np.flatnonzero(~np.isfinite(out))

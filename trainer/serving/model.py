@@ -22,6 +22,7 @@ from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
 from trainer.config import FeatureSpec, managed_tables
+from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.ids import MANAGED_ID_RANGE, spread_ids
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
@@ -113,13 +114,10 @@ class ServingModel(nn.Module):
                 x = torch.where(torch.isnan(x), f.fill_null, x)
             _require(torch.isfinite(x).all(), f"numeric feature {f.name!r}: a null or non-finite value")
             for op in f.transform:
-                if op == "log1p":
-                    _require((x > -1).all(), f"numeric feature {f.name!r}: log1p needs values > -1")
-                    x = torch.log1p(x)
-                elif op == "clip":
-                    x = torch.clamp(x, f.clip_min, f.clip_max)
-                elif op == "standardize":
-                    x = (x - f.mean) / f.std
+                transform = TRANSFORMS[op]
+                if transform.valid is not None:
+                    _require(transform.valid(x).all(), f"numeric feature {f.name!r}: {op} needs {transform.needs}")
+                x = transform.torch(x, f)
             columns.append(x)
         if not columns:
             return numeric.new_zeros(numeric.shape[0], 0, dtype=torch.float32)
