@@ -1,0 +1,331 @@
+"""`make test-mutation`: mutation testing (mutmut 3) of the pure-logic modules, each against
+its own fast tests; prints every module's kill rate and its surviving mutants.
+
+    .venv/bin/python tests/mutation.py [MODULE ...] [--workers N]
+
+Each module runs in a folder of its own, `.mutation/<module>/` (made afresh; ignored by git),
+which links the packages and tests and holds a pyproject.toml whose [tool.mutmut] is the
+repository's plus that module: the file to mutate and the test files to run. So a mutant
+runs only its module's tests, and of those only the tests that call the mutated function
+(mutmut's per-function statistics). To look at one mutant afterwards:
+`cd .mutation/ids && ../../.venv/bin/mutmut show NAME`.
+
+A surviving mutant either gets a test that kills it or an entry in EQUIVALENT, which names
+the function and the changed line, so that an entry stops matching when the code changes.
+The kill rate counts killed (and timed-out) mutants over the mutants that are not equivalent;
+the script fails when a module's is below TARGET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+
+import tomli_w
+from mutmut.mutation.data import SourceFileMutationData
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+from mutmut.stats import status_by_exit_code
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".mutation"
+LINKED = ("trainer", "dense", "embeddings", "launch", "tests", "configs")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A file to mutate, optionally only some of its functions ("Class.method" or "function"),
+    and the test files that cover it."""
+
+    path: str
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    def mutant_globs(self) -> list[str]:
+        """mutmut's names of the mutants of `functions` (none: every mutant of the file)."""
+        return [f"{self.module}.{_mangled(f)}__mutmut_*" for f in self.functions]
+
+
+def _mangled(function: str) -> str:
+    cls, _, name = function.rpartition(".")
+    return f"x\u01c1{cls}\u01c1{name}" if cls else f"x_{name}"
+
+
+# The pure-logic modules, each with the fast test files that exercise it in-process. In the
+# large files only the named logic is mutated: the MoE's routing, experts and training step
+# (not its logging), the config's coercion (not its validation), the reader's row
+# assignment (not its I/O, retries and agreement).
+MODULES = {
+    "ids": Target("trainer/data/ids.py", ("tests/test_ids_pinned.py", "tests/test_reader_rows.py")),
+    "stable_hash": Target("trainer/data/csvlog.py", ("tests/test_ids_pinned.py",),
+                          ("stable_hash", "hashed_column")),
+    "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
+                                                  "tests/test_encode_reference.py")),
+    "metrics": Target("trainer/metrics.py", ("tests/test_metrics.py", "tests/test_metrics_reference.py")),
+    "tokenizer": Target("dense/tokenizer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
+                                               "tests/test_tokenizer_reference.py")),
+    "rankmixer": Target("dense/rankmixer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
+                                               "tests/test_rankmixer_reference.py")),
+    "moe": Target("dense/moe.py", ("tests/test_moe.py", "tests/test_moe_reference.py"), (
+        "PerTokenMoE.gates", "PerTokenMoE.expert", "PerTokenMoE.experts", "PerTokenMoE.combine",
+        "PerTokenMoE.forward_tm", "PerTokenMoE.residual_tm", "PerTokenMoE._train_inference_router",
+        "PerTokenMoE._dispatch_per_expert", "PerTokenMoE.adapt", "_expert_outputs", "_per_expert",
+        "_MoETrainingStep.forward", "expert_hidden")),
+    "config": Target("trainer/config_loader.py", ("tests/test_config.py", "tests/test_config_coercion.py"), (
+        "apply_override", "_child", "_parse_scalar", "_build", "_coerce", "_entry", "_join")),
+    "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
+                                                  "tests/test_reader_assignment.py"), (
+        "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
+        "ParquetReader._assignment", "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
+        "ParquetReader._windows")),
+}
+
+# Surviving mutants that change no behaviour: (mutmut's name of the function, the changed
+# line as the mutant has it, why). CONTRIBUTING.md ("Mutation testing") sums them up.
+_COPY = "copy= only decides whether an array already of that type is copied; nothing writes to the result"
+_ZERO_COPY_NONE = "zero_copy_only=None is falsy, as False"
+_ZERO_COPY = "the array has no nulls there, and a numeric array without nulls converts without a copy either way"
+_NAN = "float() reads 'NAN' as 'nan'"
+_FLOAT64 = "astype(None) is astype(float64)"
+_BIAS_INIT = "only bias_init='zero' is acted on; any other default draws uniform biases"
+_INFER = "gates() takes every router name but 'train' for the inference router"
+_LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list or table of the config "
+                 "holds plain strings (their items are Literals or ints)")
+EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.data.ids.x__hash", "reduce: bool = False) -> np.ndarray:",
+     "every caller passes `reduce`: the default is never used"),
+    ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=None)", _COPY),
+    ("trainer.data.ids.x__hash", "return values.astype(np.int64, )", _COPY),
+    ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=True)", _COPY),
+    ("trainer.data.ids.x__hash",
+     "return values.view(np.int64) if (values.dtype == np.uint64) and False else values.astype(np.int64)",
+     "numpy's uint64 -> int64 cast wraps: the same bit pattern as the view"),
+    ("trainer.data.ids.x__one_array",
+     "return column.chunk(0) if (column.num_chunks == 1) and False else column.combine_chunks()",
+     "combining a single chunk gives the same values (a copy)"),
+    ("trainer.data.ids.x_encode_ids",
+     "return _hash(arr.to_numpy(zero_copy_only=None), None, spec, where, reduce), None", _ZERO_COPY_NONE),
+    ("trainer.data.ids.x_encode_ids",
+     "return _hash(arr.to_numpy(zero_copy_only=True), None, spec, where, reduce), None", _ZERO_COPY),
+    ("trainer.data.ids.x_encode_ids",
+     "values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=None), None, spec, where, reduce)",
+     _ZERO_COPY_NONE),
+    ("trainer.data.ids.x_encode_ids",
+     "values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=True), None, spec, where, reduce)", _ZERO_COPY),
+    ("trainer.data.ids.x_encode_ids",
+     "values = _hash(flat.to_numpy(zero_copy_only=None), lengths, spec, where, reduce)", _ZERO_COPY_NONE),
+    ("trainer.data.ids.x_encode_ids",
+     "values = _hash(flat.to_numpy(zero_copy_only=True), lengths, spec, where, reduce)", _ZERO_COPY),
+    ("trainer.data.ids.x_encode_ids",
+     "if reduce and spec.max_len and lengths.size and lengths.max() >= spec.max_len:",
+     "cutting to max_len lists whose longest is max_len keeps every id"),
+    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, copy=None).view(np.uint64).copy()", _COPY),
+    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, ).view(np.uint64).copy()", _COPY),
+    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, copy=True).view(np.uint64).copy()", _COPY),
+    ("trainer.data.csvlog.x_hashed_column",
+     "ids = np.array([stable_hash(v) for v in enc.dictionary.to_pylist()], None)",
+     "ids below 2^63 make numpy infer int64, its default integer on 64-bit platforms"),
+    ("trainer.data.csvlog.x_hashed_column", "ids = np.array([stable_hash(v) for v in enc.dictionary.to_pylist()], )",
+     "ids below 2^63 make numpy infer int64, its default integer on 64-bit platforms"),
+    ("trainer.data.csvlog.x_hashed_column",
+     "values = ids[enc.indices.to_numpy(zero_copy_only=False)] if (len(ids)) or True else np.zeros(len(raw), np.int64)",
+     "no ids means an empty column (the CSV reader makes no null strings): indexing gives the same empty int64"),
+    ("trainer.data.csvlog.x_hashed_column",
+     "values = ids[enc.indices.to_numpy(zero_copy_only=None)] if len(ids) else np.zeros(len(raw), np.int64)",
+     _ZERO_COPY_NONE),
+    ("trainer.data.csvlog.x_hashed_column",
+     "values = ids[enc.indices.to_numpy(zero_copy_only=True)] if len(ids) else np.zeros(len(raw), np.int64)",
+     _ZERO_COPY),
+    ("trainer.data.csvlog.x_hashed_column",
+     "return pa.array(values, mask=pc.equal(pc.utf8_length(raw), 0).to_numpy(zero_copy_only=None))", _ZERO_COPY_NONE),
+    ("trainer.data.encode.x_raw_numeric", "values = column.to_numpy().astype(None)  # nulls arrive as NaN", _FLOAT64),
+    ("trainer.data.encode.x_raw_numeric",
+     "nulls = np.asarray(column.is_null()) if (column.null_count) or True else np.zeros(len(values), bool)",
+     "without nulls, is_null() is all False: the same mask"),
+    ("trainer.data.encode.x\u01c1RowEncoder\u01c1encode",
+     "users = column.to_numpy().astype(np.int64, copy=None)", _COPY),
+    ("trainer.data.encode.x\u01c1RowEncoder\u01c1encode",
+     "users = column.to_numpy().astype(np.int64, )", _COPY),
+    ("trainer.data.encode.x\u01c1RowEncoder\u01c1encode",
+     "users = column.to_numpy().astype(np.int64, copy=True)", _COPY),
+    ("trainer.metrics.x_auc", 'return float("NAN")', _NAN),
+    ("trainer.metrics.x_normalized_entropy", 'return float("NAN")', _NAN),
+    ("trainer.metrics.x_uauc", 'return float("NAN")', _NAN),
+    ("trainer.metrics.x_calibration",
+     'return float(probs.double().sum()) / positives if positives else float("NAN")', _NAN),
+    ("trainer.metrics.x_uauc", "u, s, y = users[order], scores[order], labels[order].astype(None)", _FLOAT64),
+    ("trainer.metrics.x_uauc", "count = np.bincount(uid).astype(None)", _FLOAT64),
+    ("trainer.metrics.x_uauc", "tie_start = user_start | np.r_[False, s[1:] != s[:-1]]",
+     "the first row starts a user, so user_start already sets the first element"),
+    ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1__init__",
+     'def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "XXuniformXX"):', _BIAS_INIT),
+    ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1__init__",
+     'def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "UNIFORM"):', _BIAS_INIT),
+    ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1__init__",
+     'def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = '
+     '"XXuniformXX"):', _BIAS_INIT),
+    ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1__init__",
+     'def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = '
+     '"UNIFORM"):', _BIAS_INIT),
+    ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1forward_tm",
+     "return torch.stack([p(groups[i]) for i, p in enumerate(self.proj)], )", "torch.stack's default is dim=0"),
+    ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1forward_tm",
+     "slices = nn.functional.pad(e_input, (0, pad)) if (pad) or True else e_input", "padding by 0 is a copy"),
+    ("dense.rankmixer.x\u01c1RankMixerBlock\u01c1__init__",
+     "self.dropout = nn.Dropout(dropout) if (dropout) or True else None",
+     "Dropout(0) is the identity: the same function through the unfused residual (slower, rounded in "
+     "another order)"),
+    ("dense.rankmixer.x\u01c1RankMixerTower\u01c1__init__",
+     "self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, None, ffn() if ffn else PerTokenFFN(t, dim, ratio),",
+     "the block reads ratio only when it is given no FFN, and the tower always gives one"),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), None)', _INFER),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "XXinferXX")',
+     _INFER),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "INFER")', _INFER),
+    ("trainer.config_loader.x__build",
+     "raise ValueError(f\"config key {where or 'XX<root>XX'} must be a table, got {type(raw).__name__}\")",
+     "unreachable: load_config always builds the root from a parsed TOML table"),
+    ("trainer.config_loader.x__build",
+     "raise ValueError(f\"config key {where or '<ROOT>'} must be a table, got {type(raw).__name__}\")",
+     "unreachable: load_config always builds the root from a parsed TOML table"),
+    ("trainer.config_loader.x__coerce", "return _coerce(value, option, None)",
+     "a Union swallows every error of its options and raises its own, naming `where`"),
+    ("trainer.config_loader.x__coerce",
+     "raise ValueError(f\"config key {where} must be {getattr(hint, '__name__', None)}, got {value!r}\")",
+     "every hint that reaches this line (None, float, int, str, bool) has a __name__"),
+    ("trainer.config_loader.x__coerce",
+     "raise ValueError(f\"config key {where} must be {getattr(hint, '__name__', )}, got {value!r}\")",
+     "every hint that reaches this line (None, float, int, str, bool) has a __name__"),
+    ("trainer.config_loader.x__parse_scalar",
+     'return [_parse_scalar(t.strip(), None) for t in text.split(",") if t.strip()]', _LITERAL_ITEM),
+    ("trainer.config_loader.x_apply_override", "obj[key] = _coerce(_parse_scalar(text, None), item, dotted)",
+     _LITERAL_ITEM),
+    ("trainer.config_loader.x_apply_override", "hint: Any = None",
+     "the first hint is replaced before use: only a path of two or more parts reaches a table"),
+    ("trainer.data.reader.x\u01c1ParquetReader\u01c1epoch_rows",
+     "return EpochRows(self.num_rows, self.steps_in_epoch(None) * self.batch_size * self.world_size)",
+     "every epoch has the same row counts: steps_in_epoch does not read its epoch"),
+]
+
+KILLED = {"killed", "timeout", "segfault"}
+TARGET = 0.9  # of the mutants that are not equivalent, killed on every module (issue 29)
+
+
+def run_module(name: str, target: Target, workers: int) -> Path:
+    """Run mutmut over `target` in its own folder; returns the folder."""
+    folder = WORK / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for entry in LINKED:
+        (folder / entry).symlink_to(REPO / entry)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    project["tool"]["mutmut"] |= {"only_mutate": [target.path],
+                                  "pytest_add_cli_args_test_selection": list(target.tests)}
+    (folder / "pyproject.toml").write_text(tomli_w.dumps(project))
+    # One thread per worker: the workers share the cores, and a forked child must not
+    # inherit a busy OpenMP pool.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(folder / "run.log", "w") as log:
+        proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(workers),
+                               *target.mutant_globs()], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.exit(f"mutmut failed on {name} (exit {proc.returncode}); see {folder / 'run.log'}")
+    return folder
+
+
+def results(folder: Path, target: Target) -> dict[str, str]:
+    """mutant name -> status, for the selected mutants of `target`."""
+    data = SourceFileMutationData(path=Path(target.path))
+    with contextlib.chdir(folder):  # mutmut reads its files relative to the working folder
+        data.load()
+    globs = target.mutant_globs() or [f"{target.module}.*"]
+    return {k: status_by_exit_code[v] for k, v in data.exit_code_by_key.items() if any(fnmatch(k, g) for g in globs)}
+
+
+def changed_lines(folder: Path, target: Target, mutant: str) -> list[str]:
+    """The diff lines of `mutant` that start with - or +."""
+    with contextlib.chdir(folder):
+        diff = get_diff_for_mutant(mutant, path=Path(target.path))
+    return [line for line in diff.splitlines()[2:] if line[:1] in "-+"]
+
+
+def equivalent_entry(mutant: str, lines: list[str]) -> int | None:
+    """The index of the EQUIVALENT entry that matches `mutant`'s function and change, if any."""
+    changed = {line[1:].strip() for line in lines if line.startswith("+")}
+    function = mutant.rpartition("__mutmut_")[0]
+    for i, (prefix, line, _) in enumerate(EQUIVALENT):
+        if function == prefix and line in changed:
+            return i
+    return None
+
+
+def report(folder: Path, target: Target) -> tuple[int, int, set[int]]:
+    """Print the module's survivors that no EQUIVALENT entry excuses; returns (mutants,
+    killed, the entries that matched)."""
+    statuses = results(folder, target)
+    killed = sum(s in KILLED for s in statuses.values())
+    matched = set()
+    for mutant, status in sorted(statuses.items(), key=lambda kv: _number(kv[0])):
+        if status in KILLED:
+            continue
+        lines = changed_lines(folder, target, mutant)
+        entry = equivalent_entry(mutant, lines)
+        if entry is not None:
+            matched.add(entry)
+            continue
+        print(f"  {status}: {mutant}")
+        for line in lines:
+            print(f"      {line.strip()}")
+    return len(statuses), killed, matched
+
+
+def _number(mutant: str) -> tuple[str, int]:
+    function, _, n = mutant.rpartition("__mutmut_")
+    return function, int(n)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", metavar="MODULE", help=f"some of: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--workers", type=int, default=2, help="mutants tested at once (default 2)")
+    args = parser.parse_args()
+    unknown = sorted(set(args.modules) - set(MODULES))
+    if unknown:
+        parser.error(f"unknown module {unknown[0]!r}; choose from {', '.join(MODULES)}")
+    rows, matched, modules = [], set(), []
+    for name in args.modules or MODULES:
+        target = MODULES[name]
+        print(f"{name}: mutating {target.path} against {', '.join(target.tests)}", flush=True)
+        start = time.monotonic()
+        folder = run_module(name, target, args.workers)
+        total, killed, entries = report(folder, target)
+        rows.append((name, total, killed, len(entries), time.monotonic() - start))
+        matched |= entries
+        modules.append(target.module)
+    stale = [e for i, e in enumerate(EQUIVALENT) if i not in matched and e[0].rpartition(".")[0] in modules]
+    for prefix, line, _ in stale:
+        print(f"  EQUIVALENT entry matches no surviving mutant (remove it): {prefix}: {line}")
+    print(f"\n{'module':<12} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'kill rate':>10} {'minutes':>8}")
+    short = []
+    for name, total, killed, equivalent, seconds in rows:
+        rate = killed / (total - equivalent) if total > equivalent else 1.0
+        print(f"{name:<12} {total:>8} {killed:>7} {equivalent:>7} {rate:>10.1%} {seconds / 60:>8.1f}")
+        short += [name] if rate < TARGET else []
+    if short:
+        sys.exit(f"below the {TARGET:.0%} target: {', '.join(short)}")
+
+
+if __name__ == "__main__":
+    main()
