@@ -58,10 +58,40 @@ def test_memory_is_one_chunk_whatever_the_rows(tmp_path):
     assert large < 1.3 * small, (small, large)
 
 
+@pytest.mark.trained
 def test_the_teacher_leaves_a_first_order_model_far_behind(tmp_path):
     summary = capacity.write_capacity(tmp_path, rows=60_000, files=1, seed=1)
-    assert summary["teacher_auc"] > summary["first_order_auc"] + 0.2, summary
+    tables = {spec.column: spec.num_embeddings for spec in capacity_features() if spec.kind == "id"}
+    train, valid = _table(tmp_path / "train"), _table(tmp_path / "valid")
+    weights = first_order_fit([train[c].to_numpy() for c in tables], list(tables.values()), train["click"].to_numpy())
+    scores = sum(w[valid[c].to_numpy()] for w, c in zip(weights, tables))
+    fitted = pairwise_auc(scores, valid["click"].to_numpy())
+    # Over seeds 0-5 the fitted model's valid AUC was 0.596-0.660, 0.018-0.086 above the
+    # teacher's first-order part alone and 0.203-0.256 below the teacher (0.660 and 0.863 here).
+    assert summary["first_order_auc"] - 0.03 < fitted < summary["teacher_auc"] - 0.15, (fitted, summary)
     assert 0.15 < summary["ctr"] < 0.45
+
+
+def first_order_fit(ids: list[np.ndarray], sizes: list[int], labels: np.ndarray, l2: float = 50.0,
+                    sweeps: int = 10) -> list[np.ndarray]:
+    """L2-regularised logistic regression on one-hot ids, the best first-order model: a
+    weight per id of each field, the logit their sum. Each row has one id per field, so a
+    field's block of the Hessian is diagonal: exact Newton steps, field by field."""
+    weights = [np.zeros(size) for size in sizes]
+    logit = np.zeros(len(labels))
+    for _ in range(sweeps):
+        for w, column in zip(weights, ids):
+            p = 1 / (1 + np.exp(-logit))
+            step = (np.bincount(column, p - labels, len(w)) + l2 * w) / (np.bincount(column, p * (1 - p), len(w)) + l2)
+            w -= step
+            logit -= step[column]
+    return weights
+
+
+def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The share of (positive, negative) pairs ranked right, ties counting half."""
+    pos, neg = scores[labels == 1][:, None], scores[labels == 0][None, :]
+    return float(((pos > neg).sum() + 0.5 * (pos == neg).sum()) / (pos.size * neg.size))
 
 
 def test_the_dataset_reads_through_its_schema_and_the_cli_writes_it(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import trainer.config as config_module
+from embeddings.tables import table_configs
 from trainer.config import Config, DataConfig, FeatureSpec, OptimConfig, TaskSpec
 from trainer.config_loader import describe, dump_toml, field_docs, load_config, validate
 
@@ -322,10 +323,18 @@ def test_validate_rejects_negative_eval_batches():
 
 
 def test_validate_accepts_shared_table_with_equal_shapes():
-    cfg = Config(features=[FeatureSpec(name="a", table="t", num_embeddings=10),
-                           FeatureSpec(name="b", table="t", num_embeddings=10, kind="sequence")])
+    """Features naming one table share its rows when their shapes agree, and only then."""
+    def features(dim_b: int) -> list[FeatureSpec]:
+        return [FeatureSpec(name="a", table="t", num_embeddings=10, embedding_dim=8),
+                FeatureSpec(name="b", table="t", num_embeddings=10, embedding_dim=dim_b, kind="sequence")]
+
+    cfg = Config(features=features(8))
     validate(cfg)
-    assert [f.table for f in cfg.features] == ["t", "t"]
+    [table] = table_configs(cfg.features)
+    assert (table.name, table.num_embeddings, table.embedding_dim, table.feature_names) == ("t", 10, 8, ["a", "b"])
+    with pytest.raises(ValueError, match=err("features.b: shares table 't' with features.a but their "
+                                             "num_embeddings / embedding_dim differ")):
+        validate(Config(features=features(4)))
 
 
 # ----------------------------------------------------------------------------- writing

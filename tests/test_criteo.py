@@ -1,9 +1,10 @@
 """Criteo 1TB and generic CSV converters, checked against an independent plain-Python parse
-of the raw sample lines; the Criteo 1TB config; two training steps on converted data."""
+of the raw sample lines; the Criteo 1TB config; two training epochs on converted data."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import subprocess
 import time
@@ -14,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
+from test_train import assert_loss_falls
 from trainer.config_loader import load_config
 from trainer.data.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
-from trainer.data.csvlog import convert_csv, stable_hash
+from trainer.data.csvlog import convert_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "data" / "samples"
@@ -183,6 +185,9 @@ def test_parallel_equals_sequential(tmp_path):
 
 @pytest.mark.skipif(not AVAZU.is_file(), reason="Avazu sample missing")
 def test_csv_avazu(tmp_path):
+    def blake2b_id(value: str) -> int:  # stable_hash's docstring: 63 bits of blake2b
+        return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 1
+
     summary = convert_csv([str(AVAZU)], str(tmp_path), label="click", drop=["id"])
     table = _read(tmp_path)
     raw = AVAZU.read_text().splitlines()
@@ -196,7 +201,10 @@ def test_csv_avazu(tmp_path):
         assert row["click"] == int(values["click"])
         for c in header:
             if c not in ("id", "click"):
-                assert row[c] == stable_hash(values[c]), (i, c)
+                assert row[c] == blake2b_id(values[c]), (i, c)
+    # ids pinned outside the code: they must never change (every table would be re-keyed)
+    first = table.slice(0, 1).to_pylist()[0]
+    assert (first["C1"], first["site_id"]) == (3896340314065735090, 5505107423011293770)  # "1005", "1fbe01fe"
 
 
 def test_csv_numeric_and_malformed(tmp_path):
@@ -208,7 +216,8 @@ def test_csv_numeric_and_malformed(tmp_path):
     assert (rep["rows"], rep["bad_rows"], rep["first_bad_line"]) == (2, 3, 4)
     assert rep["bad_field_count"] == 1 and rep["bad_columns"] == {"price": 1, "y": 1}
     assert _read(tmp_path / "out").to_pylist() == [
-        {"y": 1, "site": stable_hash("a"), "price": 2.5}, {"y": 0, "site": None, "price": None}]
+        {"y": 1, "site": 1702698405120146464, "price": 2.5},  # "a": 63 bits of its blake2b, pinned
+        {"y": 0, "site": None, "price": None}]
     with pytest.raises(ValueError, match=r"log\.csv, line 4"):
         convert_csv([str(src)], str(tmp_path / "strict"), label="y", categorical=["site"],
                     numeric=["price"], drop=["junk"], strict=True)
@@ -227,11 +236,13 @@ def test_cli_subcommands(tmp_path):
     bad = _bad_file(tmp_path, "bad.tsv", wrong_count=3, non_hex=None)
     r = _cli("data", "criteo", "--src", str(bad), "--out", str(tmp_path / "b"), "--strict")
     assert r.returncode == 2 and "bad.tsv, line 3" in r.stderr
-    if AVAZU.is_file():
-        r = _cli("data", "csv", "--src", str(AVAZU), "--out", str(tmp_path / "a"), "--label", "click",
-                 "--drop", "id")
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout.strip().splitlines()[-1])["rows"] == 100
+
+
+@pytest.mark.skipif(not AVAZU.is_file(), reason="Avazu sample missing")
+def test_cli_csv_subcommand(tmp_path):
+    r = _cli("data", "csv", "--src", str(AVAZU), "--out", str(tmp_path), "--label", "click", "--drop", "id")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["rows"] == 100
 
 
 def test_criteo_1tb_config():
@@ -250,17 +261,21 @@ def test_criteo_1tb_config():
 BIG_TABLES = [f"C{i}" for i, cap in enumerate(MLPERF_CAPS, 1) if cap > 100_000]
 
 
-def test_train_two_steps_on_converted_sample(converted, tmp_path):
+@pytest.mark.trained
+def test_train_two_epochs_on_converted_sample(converted, tmp_path):
+    """Unshuffled, the second epoch's 12 batches are the first's: its loss is lower."""
     out, _ = converted
     shrink = [f"--features.{c}.num_embeddings=1000" for c in BIG_TABLES]
     r = _cli("train", "--config", "configs/criteo_1tb.toml", f"--data.train_path={out}",
              f"--data.eval_path={out}", "--data.batch_size=16", "--data.eval_batch_size=64",
-             "--data.shuffle_buffer=64", "--train.steps=2", "--model.hidden_dim=16", "--model.num_tokens=4",
+             "--data.shuffle=false", "--train.epochs=2", "--model.hidden_dim=16", "--model.num_tokens=4",
              "--optim.warmup_steps=0", f"--train.run_dir={tmp_path / 'run'}", "--checkpoint.enabled=false",
-             "--metrics.tensorboard=false", "--metrics.progress=false", "--train.device=cpu", *shrink)
+             "--metrics.tensorboard=false", "--metrics.progress=false", "--metrics.log_every=1",
+             "--train.device=cpu", *shrink)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 2 and 0.0 <= summary["auc"] <= 1.0
+    assert summary["steps"] == 24 and 0.0 <= summary["auc"] <= 1.0
+    assert_loss_falls(tmp_path / "run")
 
 
 def test_hex_column_matches_python_parse():

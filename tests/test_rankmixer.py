@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
+from dense.model import TaskHeads
 from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import GroupTokenizer, SliceTokenizer
+from test_rankmixer_fast import randomize, ref_block
 from trainer.config_loader import load_config
+from trainer.metrics import logloss
 
 
 @pytest.mark.parametrize("b,t,d,h", [(3, 4, 8, 4), (2, 16, 32, 16), (5, 3, 12, 3), (2, 4, 8, 2), (1, 6, 12, 4)])
@@ -58,16 +61,28 @@ def test_worked_example_first_layer_norm():
 
 
 def test_worked_example_second_layer_norm_and_head():
+    """From X1 on, the example through the project's code: a one-block tower whose tokenizer
+    passes X0's rows through and whose FFN outputs V pools X1 over its tokens; its head and
+    the logloss give the example's z and loss."""
     block = RankMixerBlock(num_tokens=4, dim=4, ratio=2).double()
     x1 = block.norm2(_t(S0) + _t(V))
     assert torch.allclose(x1, _t(X1), atol=1e-4)
-    pooled = _t(X1).mean(dim=1)
+    tower = RankMixerTower(SliceTokenizer(16, 4, 0, 4), 1, 4, 2).double()
+    heads = TaskHeads(4, 1).double()
+    with torch.no_grad():
+        tower.tokenizer.weight.copy_(torch.eye(4).expand(4, 4, 4))  # token i = e_input[4 i : 4 i + 4]
+        tower.tokenizer.bias.zero_()
+        ffn = tower.blocks[0].ffn
+        ffn.w1.zero_()
+        ffn.w2.zero_()
+        ffn.b2.copy_(torch.tensor(V, dtype=torch.float64).unsqueeze(1))  # PFFN(S) == V for any S
+        heads.heads[0].weight.copy_(torch.tensor([[0.3031, 0.4582, 0.2000, 0.4263]]))
+        heads.heads[0].bias.fill_(0.2727)
+        pooled = tower(_t(X0).reshape(1, 16))
+        z = heads(pooled)
     assert torch.allclose(pooled, torch.tensor([POOLED], dtype=torch.float64), atol=1e-4)
-    w = torch.tensor([0.3031, 0.4582, 0.2000, 0.4263], dtype=torch.float64)
-    z = pooled @ w + 0.2727
     assert z.item() == pytest.approx(0.365762, abs=1e-4)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(z, torch.ones(1, dtype=torch.float64))
-    assert loss.item() == pytest.approx(0.526896, abs=1e-4)
+    assert logloss(torch.sigmoid(z), torch.ones(1, 1)) == pytest.approx(0.526896, abs=1e-4)
 
 
 def test_worked_example_block_end_to_end():
@@ -140,10 +155,15 @@ def test_parameter_count_matches_eq12_plus_tokenizer(t, d, layers, k, e):
 
 
 def test_tower_output_is_mean_over_tokens():
+    """The tower against eq. 1 written out ([B, T, D], a loop per token), then the mean of the T tokens."""
     torch.manual_seed(0)
-    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2)
-    e = torch.randn(3, 12)
-    assert torch.allclose(tower(e), tower.blocks(tower.tokenizer(e)).mean(dim=1))
+    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2).double()
+    randomize(tower)
+    e = torch.randn(3, 12, dtype=torch.float64)
+    x = tower.tokenizer(e)
+    for block in tower.blocks:
+        x = ref_block(block, x)
+    assert torch.allclose(tower(e), (x[:, 0] + x[:, 1] + x[:, 2] + x[:, 3]) / 4, atol=1e-12)
 
 
 def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dense.rankmixer import RankMixerBlock, RankMixerTower
+from dense.rankmixer import RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import SliceTokenizer
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -42,7 +42,7 @@ def ref_tower(tower, e):
     return x.mean(dim=1)
 
 
-def _randomize(module):
+def randomize(module):
     with torch.no_grad():  # non-trivial LayerNorm affine parameters too
         for p in module.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -60,7 +60,7 @@ def _grads(params):
 def test_block_matches_reference(dtype, b, t, d, k):
     torch.manual_seed(b + t + d + k)
     block = RankMixerBlock(t, d, k).to(dtype)
-    _randomize(block)
+    randomize(block)
     x = torch.randn(b, t, d, dtype=dtype, requires_grad=True)
     w = torch.randn(b, t, d, dtype=dtype)
     _assert_matches_reference(block, ref_block, x, w, "x", TOL[dtype])
@@ -72,7 +72,7 @@ def test_block_matches_reference(dtype, b, t, d, k):
 def test_tower_matches_reference(dtype, e, t, td, d, layers, k, b):
     torch.manual_seed(e + t + d)
     tower = RankMixerTower(SliceTokenizer(e, t, td, d), layers, d, k).to(dtype)
-    _randomize(tower)
+    randomize(tower)
     inp = torch.randn(b, e, dtype=dtype, requires_grad=True)
     w = torch.randn(b, d, dtype=dtype)
     _assert_matches_reference(tower, ref_tower, inp, w, "e_input", TOL[dtype])
@@ -96,7 +96,15 @@ def _assert_matches_reference(module, reference, inp, weight, input_name: str, t
 
 
 def test_tower_blocks_token_major_path_equals_public_path():
+    """The tower's token-major blocks (fused mixing residual, hand-written FFN residual)
+    against eq. 1 composed from the public [B, T, D] functions: token_mixing (checked against
+    its definition in test_rankmixer.py), the per-token FFN's forward and the LayerNorms."""
     torch.manual_seed(0)
     tower = RankMixerTower(SliceTokenizer(24, 4, 0, 8), 2, 8, 2).double()
+    randomize(tower)
     e = torch.randn(5, 24, dtype=torch.float64)
-    assert torch.allclose(tower(e), tower.blocks(tower.tokenizer(e)).mean(dim=1), atol=1e-12)
+    x = tower.tokenizer(e)
+    for block in tower.blocks:
+        s = block.norm1(token_mixing(x, 4) + x)
+        x = block.norm2(block.ffn(s) + s)
+    assert torch.allclose(tower(e), x.mean(dim=1), atol=1e-12)

@@ -1,12 +1,14 @@
 """End-to-end training through the real CLI: TorchRec DMP, fused Adagrad, RMSProp, Parquet."""
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from cli import rankmix
+from test_checkpoint import losses
 from trainer.config_loader import load_config, validate_features
 from dense.towers import TOWERS
 from trainer.data.datasets import synth_features
@@ -18,6 +20,15 @@ MOVIELENS = REPO.parent / "shared" / "data" / "movielens-100k"
 def summary_of(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_loss_falls(run: Path) -> None:
+    """Every logged training loss of `run` is finite, and their mean over the second half of
+    the run is below that over the first: the model learns (a constant one logs one value)."""
+    logged = list(losses(run).values())
+    half = len(logged) // 2
+    assert half and all(math.isfinite(v) for v in logged), logged
+    assert sum(logged[-half:]) < sum(logged[:half]), logged
 
 
 @pytest.fixture(scope="session")
@@ -72,12 +83,24 @@ def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir
 
 @pytest.mark.trained
 @pytest.mark.skipif(not (MOVIELENS / "ml-100k.inter").exists(), reason="MovieLens-100K is not in ../shared/data")
-def test_movielens_reaches_sensible_auc(tmp_path):
-    summary = summary_of(rankmix("train", "--config", "configs/movielens.toml", "--train.epochs=1",
-                                 f"--data.source_dir={MOVIELENS}", f"--data.cache_dir={tmp_path / 'cache'}",
-                                 f"--train.run_dir={tmp_path / 'run'}", "--metrics.progress=false"))
-    assert summary["auc"] > 0.70 and summary["uauc"] > 0.68, summary
-    assert summary["logloss"] < 0.66, summary  # below the 0.686 of predicting the base rate
+def test_movielens_rankmixer_trains_as_well_as_logistic_regression(tmp_path):
+    """MovieLens-100K from its raw files (conversion, time split, configs/movielens.toml): one
+    epoch of RankMixer reaches the AUC of a logistic regression over the same embeddings,
+    trained here on the same data. The data is mostly user and item bias, so this cannot tell
+    a tower that does nothing from a working one (RankMixer of identity blocks: 0.730, as
+    logistic regression); test_rankmixer_learns_crosses_logistic_regression_cannot can."""
+    def trained(tower: str) -> dict:
+        return summary_of(rankmix("train", "--config", "configs/movielens.toml", "--train.epochs=1",
+                                  f"--model.tower={tower}", f"--data.source_dir={MOVIELENS}",
+                                  f"--data.cache_dir={tmp_path / 'cache'}", f"--train.run_dir={tmp_path / tower}",
+                                  "--metrics.progress=false", "--metrics.tensorboard=false"))
+
+    rm, lr = trained("rankmixer"), trained("logreg")
+    assert rm["auc"] > 0.70 and rm["uauc"] > 0.68, rm  # the data's own level: the pipeline works
+    assert rm["logloss"] < 0.66, rm  # below the 0.686 of predicting the base rate
+    # Over seeds 0-2, RankMixer's AUC was 0.004-0.007 below logistic regression's (0.7203-0.7242
+    # against 0.7265-0.7305) and its UAUC 0.000-0.002 above.
+    assert rm["auc"] > lr["auc"] - 0.015 and rm["uauc"] > lr["uauc"] - 0.01, (rm, lr)
 
 
 @pytest.mark.parametrize("args,message", [
