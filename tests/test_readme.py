@@ -1,6 +1,7 @@
-"""The README's shell blocks, run as a new user types them.
+"""The shell blocks of the user's guide (README.md, then the docs/ pages in `GUIDE` order),
+run as a new user types them.
 
-Every ```sh block runs as one bash script, verbatim, in README order, from a checkout's root
+Every ```sh block runs as one bash script, verbatim, in guide order, from a checkout's root
 (a scratch copy whose files link to this one's, so that `runs/` and `.cache/` land in the
 scratch folder), in a shell without the virtual environment: no .venv/bin on PATH, no
 VIRTUAL_ENV. $RANKMIX_OVERRIDES (see the README) shortens every training to a few steps.
@@ -24,7 +25,9 @@ import pytest
 from test_launch import bare_env
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+# The guide's pages in reading order: a block may use what an earlier page's blocks made.
+GUIDE = [REPO / "README.md", *(REPO / "docs" / f"{page}.md" for page in (
+    "training", "distributed", "checkpoints", "serving", "data", "models", "results", "performance"))]
 MARKER = re.compile(r"<!-- readme-test: not run here: (.+?) -->")
 # What the runnable blocks' trainings are cut to; the README names this variable.
 OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --metrics.tensorboard=false "
@@ -33,17 +36,20 @@ OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --
 LEFT_OUT = {"make test": "the test suite itself"}
 
 
-def blocks() -> list[tuple[int, str, str | None]]:
-    """(line, text, why not run or None) of every ```sh block."""
-    lines = README.read_text().splitlines()
-    out, i = [], 0
-    while i < len(lines):
-        if lines[i].strip() == "```sh":
-            end = lines.index("```", i + 1)
-            marker = MARKER.search(lines[i - 1]) if i else None
-            out.append((i + 1, "\n".join(lines[i + 1:end]), marker.group(1) if marker else None))
-            i = end
-        i += 1
+def blocks() -> list[tuple[str, str, str | None]]:
+    """(page:line, text, why not run or None) of every ```sh block of the guide."""
+    out = []
+    for page in GUIDE:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() == "```sh":
+                end = lines.index("```", i + 1)
+                marker = MARKER.search(lines[i - 1]) if i else None
+                out.append((f"{page.relative_to(REPO)}:{i + 1}", "\n".join(lines[i + 1:end]),
+                            marker.group(1) if marker else None))
+                i = end
+            i += 1
     return out
 
 
@@ -119,11 +125,17 @@ def checkout(tmp_path_factory) -> Path:
     return repo
 
 
+def test_every_guide_page_is_tested_and_the_readme_stays_short():
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"design.md"}
+    assert pages == {p.name for p in GUIDE[1:]}, "a docs/ page is missing from GUIDE"
+    assert len(GUIDE[0].read_text().splitlines()) < 300, "README.md is the short guide: details go to docs/"
+
+
 def test_every_block_is_run_or_says_why_not():
     found = blocks()
     assert len(found) > 10 and any(why is None for _, _, why in found)
     for line, text, why in found:
-        assert why is None or len(why) > 10, f"README.md:{line}: say why the block is not run"
+        assert why is None or len(why) > 10, f"{line}: say why the block is not run"
 
 
 def test_options_of_blocks_not_run_exist():
@@ -137,7 +149,7 @@ def test_options_of_blocks_not_run_exist():
             for names, text_of_help in option_checks(argv):
                 for option in names:
                     assert listed(option, text_of_help), \
-                        f"README.md:{line}: {' '.join(argv[:3])} has no option {option}"
+                        f"{line}: {' '.join(argv[:3])} has no option {option}"
 
 
 @pytest.mark.slow
@@ -150,4 +162,4 @@ def test_runnable_blocks_run_verbatim(checkout):
                            if not any(row.strip().startswith(cmd) for cmd in LEFT_OUT))
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=checkout, env=env, capture_output=True,
                               text=True, timeout=600)
-        assert proc.returncode == 0, f"README.md:{line}:\n{script}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"{line}:\n{script}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
