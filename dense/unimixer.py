@@ -73,11 +73,6 @@ def constrain_all(weights: list[torch.Tensor], tau: torch.Tensor | float, iters:
     return out, most
 
 
-def constrain(weight: torch.Tensor, tau: torch.Tensor | float, iters: int, tol: float = 0.0) -> torch.Tensor:
-    """Eq. 15 for one matrix (or a batch of one size): [..., n, n] -> [..., n, n] float32."""
-    return constrain_all([weight], tau, iters, tol)[0][0]
-
-
 def temperature(step: int, tau_start: float, tau_end: float, anneal_steps: int) -> float:
     """Eq. 21: tau_j = max(tau_start - (tau_start - tau_end) j / J, tau_end); J = 0 holds tau_start."""
     if anneal_steps <= 0:

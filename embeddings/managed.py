@@ -110,7 +110,7 @@ def served_tables(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
         rows      [M] int64  their rows in the whole table
         miss_rows [W] int64  the miss row of each rank's range, W the ranks that trained it
     """
-    weights, mch = "managed." + MC_WEIGHTS, "managed." + MCH_BUFFERS
+    weights, mch = "managed_tables." + MC_WEIGHTS, "managed_tables." + MCH_BUFFERS
     plain = {("ebc.embedding_bags." + k[len(weights):] if k.startswith(weights) else k): v
              for k, v in state.items() if not k.startswith(mch)}
     maps = {}

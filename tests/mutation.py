@@ -88,7 +88,7 @@ MODULES = {
     "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
                                                   "tests/test_reader_assignment.py"), (
         "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
-        "ParquetReader._assignment", "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
+        "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
         "ParquetReader._windows")),
 }
 

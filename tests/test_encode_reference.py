@@ -28,7 +28,7 @@ def test_managed_features_come_last_in_the_order_given():
     table = pa.table({"user": [3, 4], "item": [1, 2], "price": [0.5, 1.5], "shop": [7, 8], "tag": [6, 9],
                       "click": [1, 0]})
     rows = encoder.encode(table, "w")
-    assert rows.keys == ["item", "tag", "user", "shop"] and rows.managed == 2
+    assert rows.keys == ["item", "tag", "user", "shop"] and rows.num_managed == 2
     assert [v.tolist() for v in rows.values[:2]] == [[1, 2], [1, 4]]  # tag 6, 9 modulo 5
 
 

@@ -265,7 +265,7 @@ def decoded(reader: ParquetReader, features: list[FeatureSpec], user: bool) -> d
     numeric = [f.name for f in features if f.kind == "numeric"]
     for batch in reader:
         real = int((batch.weights > 0).sum())
-        jagged = batch.sparse.to_dict() | (batch.managed.to_dict() if batch.managed is not None else {})
+        jagged = batch.sparse.to_dict() | (batch.managed_ids.to_dict() if batch.managed_ids is not None else {})
         for f in features:
             if f.kind == "numeric":
                 out[f.name] += list(batch.dense[:real, numeric.index(f.name)].numpy())

@@ -34,7 +34,7 @@ MANAGED = ["--config", "configs/synth.toml", "--data.synth_rows=20000", "--metri
            "--metrics.tensorboard=false", "--checkpoint.keep=0",
            *(f"--features.{f}.{key}={value}" for f, rows in (("user_id", 2000), ("item_id", 1000), ("hist_items", 1000))
              for key, value in (("hashing", "managed"), ("num_embeddings", rows), ("eviction_interval", 5)))]
-MCH = "model.managed._managed_collision_collection._managed_collision_modules."
+MCH = "model.managed_tables._managed_collision_collection._managed_collision_modules."
 
 
 def test_ids_are_spread_over_the_routed_range_whatever_their_type():
@@ -152,7 +152,7 @@ def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
     cfg = load_config("configs/synth.toml", ["--features.user_id.hashing=managed",
                                              f"--embeddings.optimizer={optimizer}"])
     model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
-    managed = model.module.managed
+    managed = model.module.managed_tables
     tbe, index = managed._table_to_tbe_and_index["user_id"]
     weight = managed._embedding_module.embedding_bags.get_parameter("user_id.weight")
     with torch.no_grad():

@@ -32,6 +32,11 @@ NUM_TAGS = 100
 # ----------------------------------------------------------------------------- helpers
 
 
+def assignment(reader: ParquetReader, epoch: int) -> list[list]:
+    """Every rank's pieces of `epoch`, as `reader` computes each rank's."""
+    return [reader._pieces(epoch, r) for r in range(reader.world_size)]
+
+
 def make_table(start: int, n: int) -> pa.Table:
     """Rows start..start+n-1: item = id % NUM_ITEMS, tags a ragged list, price = user = id."""
     ids = np.arange(start, start + n, dtype=np.int64)
@@ -393,7 +398,7 @@ def test_uneven_files_same_number_of_batches(tmp_path, seed):
     kw = dict(batch_size=50, shuffle_buffer=300, seed=seed, num_epochs=2)
     probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, **kw)
     per_rank = rank_epochs(tmp_path, 2, **kw)
-    rows = [[sum(p.num_rows for p in pieces) for pieces in probe._assignment(e)] for e in range(2)]
+    rows = [[sum(p.num_rows for p in pieces) for pieces in assignment(probe, e)] for e in range(2)]
     assert rows == [[1200, 1200]] * 2  # row ranges, not whole row groups: the ranks are balanced
     steps = [min(r) // 50 for r in rows]
     assert steps == [probe.steps_in_epoch(e) for e in range(2)] == [24, 24]
@@ -403,7 +408,7 @@ def test_uneven_files_same_number_of_batches(tmp_path, seed):
         users = [users_of(r[lo:hi]) for r in per_rank]
         for rank, u in enumerate(users):
             # every row of the rank's pieces once, and no other row
-            mine = np.concatenate([uneven_piece_users(p) for p in probe._assignment(epoch)[rank]])
+            mine = np.concatenate([uneven_piece_users(p) for p in assignment(probe, epoch)[rank]])
             np.testing.assert_array_equal(np.sort(u), np.sort(mine))
         np.testing.assert_array_equal(np.sort(np.concatenate(users)), np.arange(2400))
 
@@ -423,7 +428,7 @@ def test_uneven_row_groups_are_cut_into_pieces(tmp_path):
     for seed in range(4):
         probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, batch_size=50, seed=seed)
         for epoch in range(2):
-            first, second = probe._assignment(epoch)
+            first, second = assignment(probe, epoch)
             if first[-1].stop < first[-1].group.num_rows:
                 assert second[0].group == first[-1].group and second[0].start == first[-1].stop
                 cut += 1

@@ -12,13 +12,18 @@ import cli
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain, constrain_all, temperature
+from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
 from test_checkpoint import losses
 from test_train import assert_loss_falls
 from trainer.config import ModelConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def constrain(weight: torch.Tensor, tau: torch.Tensor | float, iters: int, tol: float = 0.0) -> torch.Tensor:
+    """Eq. 15 for one matrix (or a batch of one size): [..., n, n] -> [..., n, n] float32."""
+    return constrain_all([weight], tau, iters, tol)[0][0]
 
 
 def block_permutation(num_tokens: int, heads: int) -> torch.Tensor:

@@ -20,8 +20,8 @@ from trainer.data.batch import Batch
 
 
 class RankingModel(nn.Module):
-    """Batch -> logits [B, K]. `ebc`, the plain tables, and `managed`, the managed-collision
-    tables fed by `batch.managed` (each None when there are none), are sharded by DMP; the
+    """Batch -> logits [B, K]. `ebc`, the plain tables, and `managed_tables`, the managed-collision
+    tables fed by `batch.managed_ids` (each None when there are none), are sharded by DMP; the
     rest is replicated (DDP).
 
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
@@ -29,10 +29,10 @@ class RankingModel(nn.Module):
 
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
-                 managed: nn.Module | None = None):
+                 managed_tables: nn.Module | None = None):
         super().__init__()
         self.ebc = ebc
-        self.managed = managed
+        self.managed_tables = managed_tables
         self.layout = layout
         self.tower = tower
         self.heads = heads
@@ -53,8 +53,8 @@ class RankingModel(nn.Module):
         from the plain and the managed tables. Merged in place: TorchRec's pipeline traces
         forward, and a traced dict cannot be unpacked."""
         pooled = {} if self.ebc is None else self.ebc(batch.sparse).to_dict()
-        if self.managed is not None:
-            managed = self.managed(batch.managed)[0].to_dict()
+        if self.managed_tables is not None:
+            managed = self.managed_tables(batch.managed_ids)[0].to_dict()
             if self.ebc is None:
                 pooled = managed
             else:
@@ -68,4 +68,4 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> Ranki
     world = dist.get_world_size() if dist.is_initialized() else 1
     return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
                         autocast_dtype=autocast_dtype,
-                        managed=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))
+                        managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))

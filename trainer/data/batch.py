@@ -20,8 +20,8 @@ class Batch(Pipelineable):
     labels: [B, K] float32, one column per task.
     users:  [B] int64 user ids for UAUC (zeros when the dataset has no user column).
     weights: [B] float32, 0 for rows that only pad a rank's last evaluation batch.
-    managed: KeyedJaggedTensor of the features with managed tables (hashing = "managed"), or
-            None: a second argument, so that TorchRec's pipeline can send each collection its own.
+    managed_ids: KeyedJaggedTensor of the features with managed tables (hashing = "managed"),
+            or None: a second argument, so that TorchRec's pipeline can send each collection its own.
     """
 
     sparse: KeyedJaggedTensor
@@ -29,7 +29,7 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     users: torch.Tensor
     weights: torch.Tensor
-    managed: KeyedJaggedTensor | None = None
+    managed_ids: KeyedJaggedTensor | None = None
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -41,20 +41,21 @@ class Batch(Pipelineable):
             labels=self.labels.to(device=device, non_blocking=non_blocking),
             users=self.users.to(device=device, non_blocking=non_blocking),
             weights=self.weights.to(device=device, non_blocking=non_blocking),
-            managed=None if self.managed is None else self.managed.to(device=device, non_blocking=non_blocking),
+            managed_ids=None if self.managed_ids is None else self.managed_ids.to(device=device,
+                                                                                  non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.sparse.record_stream(stream)
-        if self.managed is not None:
-            self.managed.record_stream(stream)
+        if self.managed_ids is not None:
+            self.managed_ids.record_stream(stream)
         for t in (self.dense, self.labels, self.users, self.weights):
             t.record_stream(stream)
 
     def pin_memory(self) -> "Batch":
         return Batch(self.sparse.pin_memory(), self.dense.pin_memory(), self.labels.pin_memory(),
                      self.users.pin_memory(), self.weights.pin_memory(),
-                     None if self.managed is None else self.managed.pin_memory())
+                     None if self.managed_ids is None else self.managed_ids.pin_memory())
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Rows:
     with exactly one id per row (most `id` features) has `offsets[s]` None and then
     `values[s]` is sliced like the other columns: no offsets to compute or gather.
 
-    keys:    sparse feature names (the KeyedJaggedTensor keys); the last `managed` of them
+    keys:    sparse feature names (the KeyedJaggedTensor keys); the last `num_managed` of them
              have managed tables and go into the batch's second KeyedJaggedTensor.
     offsets: S arrays of N + 1 int64, or None for one id per row.
     values:  S arrays of int64 ids.
@@ -81,14 +82,14 @@ class Rows:
     dense: np.ndarray
     labels: np.ndarray
     users: np.ndarray | None
-    managed: int = 0
+    num_managed: int = 0
 
     @classmethod
     def build(cls, keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray | None],
-              dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, managed: int = 0) -> "Rows":
+              dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, num_managed: int = 0) -> "Rows":
         """Rows from per-feature ids and bag sizes (None: one id per row)."""
         return cls(keys, [None if n is None else _offsets(n) for n in lengths], list(values), dense, labels, users,
-                   managed)
+                   num_managed)
 
     @property
     def num_rows(self) -> int:
@@ -101,7 +102,7 @@ class Rows:
         values = [v[start:stop] if o is None else v for v, o in zip(self.values, self.offsets)]
         offsets = [None if o is None else o[start:stop + 1] for o in self.offsets]
         return Rows(self.keys, offsets, values, self.dense[start:stop], self.labels[start:stop],
-                    None if self.users is None else self.users[start:stop], self.managed)
+                    None if self.users is None else self.users[start:stop], self.num_managed)
 
     def take(self, index: np.ndarray) -> "Rows":
         """Rows `index` (any order, repeats allowed), copied."""
@@ -112,7 +113,7 @@ class Rows:
             values.append(v)
             offsets.append(o)
         return Rows(self.keys, offsets, values, self.dense[index], self.labels[index],
-                    None if self.users is None else self.users[index], self.managed)
+                    None if self.users is None else self.users[index], self.num_managed)
 
     @staticmethod
     def concat(parts: list["Rows"]) -> "Rows":
@@ -128,7 +129,7 @@ class Rows:
                            if jagged else None)
         return Rows(first.keys, offsets, values, np.concatenate([p.dense for p in parts]),
                     np.concatenate([p.labels for p in parts]),
-                    None if first.users is None else np.concatenate([p.users for p in parts]), first.managed)
+                    None if first.users is None else np.concatenate([p.users for p in parts]), first.num_managed)
 
     def own_values(self, s: int) -> np.ndarray:
         """The ids of sparse feature `s` in these rows (a view)."""
@@ -138,10 +139,10 @@ class Rows:
     def to_batch(self, weights: np.ndarray | None = None) -> Batch:
         """A Batch owning its memory (copies: a batch must not keep a whole window alive)."""
         n = self.num_rows
-        plain = len(self.keys) - self.managed
+        plain = len(self.keys) - self.num_managed
         return Batch(
             sparse=self._jagged(range(plain)),
-            managed=self._jagged(range(plain, len(self.keys))) if self.managed else None,
+            managed_ids=self._jagged(range(plain, len(self.keys))) if self.num_managed else None,
             dense=torch.from_numpy(self.dense.copy()) if self.dense.shape[1] else torch.zeros(n, 0),
             labels=torch.from_numpy(self.labels.copy()) if self.labels.shape[1] else torch.zeros(n, 0),
             users=torch.from_numpy(self.users.copy()) if self.users is not None

@@ -76,7 +76,7 @@ class RowEncoder:
             # pattern, which keeps ids distinct (a cast would overflow).
             users = column.to_numpy().astype(np.int64, copy=False)
         return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users,
-                          managed=sum(f.hashing == "managed" for f in self.sparse))
+                          num_managed=sum(f.hashing == "managed" for f in self.sparse))
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:

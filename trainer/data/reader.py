@@ -381,10 +381,6 @@ class ParquetReader:
                 start, i = end, i + 1
         return pieces
 
-    def _assignment(self, epoch: int) -> list[list[Piece]]:
-        """Every rank's pieces for `epoch`."""
-        return [self._pieces(epoch, r) for r in range(self.world_size)]
-
     def steps_in_epoch(self, epoch: int) -> int:
         """Batches every rank yields in `epoch`."""
         rows = [self._rank_rows(r) for r in range(self.world_size)]

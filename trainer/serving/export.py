@@ -182,7 +182,7 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
 
 def managed_tables(model: ServingModel) -> dict[str, dict[str, int]]:
     """Per managed table: the ids its map holds, and the ranks (miss rows) that trained it."""
-    return {t: {"ids": len(m.keys) - 1, "ranks": len(m.miss_rows)} for t, m in model.managed.items()}
+    return {t: {"ids": len(m.keys) - 1, "ranks": len(m.miss_rows)} for t, m in model.id_maps.items()}
 
 
 def table_bytes(model: ServingModel) -> int:

@@ -47,8 +47,8 @@ class ServingModel(nn.Module):
         self.sparse = [f for f in features if f.kind != "numeric"]
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
-        self.managed = nn.ModuleDict(managed or {})  # table -> its id map (hashing = "managed")
-        assert sorted(self.managed) == managed_tables(features)
+        self.id_maps = nn.ModuleDict(managed or {})  # table -> its id map (hashing = "managed")
+        assert sorted(self.id_maps) == managed_tables(features)
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
         # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
@@ -100,7 +100,7 @@ class ServingModel(nn.Module):
         rows = torch.remainder(ids, sizes)
         wrap = per_id([2 ** 64 % f.num_embeddings for f in self.sparse])
         rows = torch.where(ids < 0, torch.remainder(rows + wrap, sizes), rows)
-        for table, id_map in self.managed.items():  # every id is looked up: no data-dependent split to trace
+        for table, id_map in self.id_maps.items():  # every id is looked up: no data-dependent split to trace
             in_table = per_id([int(f.table == table) for f in self.sparse]) == 1
             rows = torch.where(in_table, id_map(ids), rows)
         return rows
