@@ -118,8 +118,10 @@ def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
                 raise ValueError(f"{where}, column {f.column!r}: {op} needs {transform.needs}, "
                                  f"got {values[outside[0]]} at row {outside[0]}")
         values = transform.numpy(values, f)
-    out = values.astype(np.float32)
-    # A value finite in float64 may not be in float32 (1e39): the model would see inf.
+    # A value finite in float64 may not be in float32 (1e39): the model would see inf. The
+    # cast's overflow warning is the check below, as an error naming the row.
+    with np.errstate(over="ignore"):
+        out = values.astype(np.float32)
     bad = np.flatnonzero(~np.isfinite(out))
     if bad.size:
         after = f" (after {', '.join(f.transform)})" if f.transform else ""
