@@ -80,12 +80,17 @@ def test_only_an_inputs_own_parts_are_removed(tmp_path):
     assert _rows_on_disk(out) == 5
 
 
-def test_inputs_of_one_name_in_one_run_both_convert(tmp_path):
-    (tmp_path / "x").mkdir()
-    (tmp_path / "y").mkdir()
+def _two_inputs_named_a(tmp_path):
+    """x/a.csv (2 rows) and y/a.csv (3 rows): one stem, two inputs."""
     x, y = tmp_path / "x" / "a.csv", tmp_path / "y" / "a.csv"
-    x.write_text("y,s\n1,p\n0,q\n")
-    y.write_text("y,s\n1,u\n0,v\n1,w\n")
+    for path, text in ((x, "y,s\n1,p\n0,q\n"), (y, "y,s\n1,u\n0,v\n1,w\n")):
+        path.parent.mkdir()
+        path.write_text(text)
+    return x, y
+
+
+def test_inputs_of_one_name_in_one_run_both_convert(tmp_path):
+    x, y = _two_inputs_named_a(tmp_path)
     out = tmp_path / "o"
     summary = _summary(_csv(out, x, y))
     assert summary["rows"] == 5 == _rows_on_disk(out)
@@ -103,11 +108,7 @@ def test_one_file_given_twice_is_refused(tmp_path):
 
 def test_an_input_of_an_earlier_runs_name_is_not_skipped(tmp_path):
     """The done-marker was keyed by the file name: `y/a.csv` was skipped as `x/a.csv`."""
-    (tmp_path / "x").mkdir()
-    (tmp_path / "y").mkdir()
-    x, y = tmp_path / "x" / "a.csv", tmp_path / "y" / "a.csv"
-    x.write_text("y,s\n1,p\n0,q\n")
-    y.write_text("y,s\n1,u\n0,v\n1,w\n")
+    x, y = _two_inputs_named_a(tmp_path)
     out = tmp_path / "o"
     assert _summary(_csv(out, x))["rows"] == 2
     later = _summary(_csv(out, y))
