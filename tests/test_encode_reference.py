@@ -6,6 +6,7 @@ here."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -81,3 +82,11 @@ def test_a_value_beyond_float32_after_the_transforms_is_an_error_naming_the_row(
     with pytest.raises(ValueError) as err:
         RowEncoder([plain], []).encode(pa.table({"p": [1.0, -3e38, 1e39]}), "w")
     assert str(err.value) == "w, column 'p': 1e+39 at row 2 is beyond float32's range"
+
+
+def test_the_float32_overflow_is_the_error_alone_not_also_a_numpy_warning():
+    plain = FeatureSpec(name="p", kind="numeric")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" would be raised here
+        with pytest.raises(ValueError, match=r"^w, column 'p': 1e\+39 at row 0 is beyond float32's range$"):
+            RowEncoder([plain], []).encode(pa.table({"p": [1e39]}), "w")
