@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -76,3 +77,21 @@ def upload(fs: pafs.S3FileSystem, bucket: str, folders: dict[Path, str]) -> None
     for source, prefix in folders.items():
         pafs.copy_files(str(source), f"{bucket}/{prefix}", source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=fs)
+
+
+@contextlib.contextmanager
+def synthetic_bucket(local: Path, bucket: str, userinfo: str, **rows) -> Iterator[tuple[dict, dict]]:
+    """A server on loopback holding a synthetic log (written into `local` by
+    trainer/data/synth.py with `rows` as its options) under `bucket`/logs: yields
+    ({split: URI with `userinfo`}, {split: the same URI without}); stopped on exit."""
+    from trainer.data.synth import write_synthetic
+
+    splits = ("train", "valid")
+    server = Server(free_port())
+    try:
+        write_synthetic(local, **rows)
+        upload(filesystem(server.port), bucket, {local / s: f"logs/{s}" for s in splits})
+        yield ({s: f"s3://{userinfo}@{bucket}/logs/{s}{query(server.port)}" for s in splits},
+               {s: f"s3://{bucket}/logs/{s}{query(server.port)}" for s in splits})
+    finally:
+        server.stop()

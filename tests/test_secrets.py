@@ -212,19 +212,11 @@ def test_sweep_shows_and_writes_no_credentials(tmp_path):
 def store(tmp_path_factory):
     """({split: URI with credentials in the user-info}, {split: the same URI without})."""
     pytest.importorskip("moto.server", reason="moto[server] not installed")
-    from object_store import Server, filesystem, free_port, query, upload
+    from object_store import synthetic_bucket
 
-    from trainer.data.synth import write_synthetic
-
-    server = Server(free_port())
-    try:
-        local = tmp_path_factory.mktemp("synth")
-        write_synthetic(local, rows=3_000, files=2, row_group_size=250, seed=5, num_users=200, num_items=100)
-        upload(filesystem(server.port), "secret-test", {local / s: f"logs/{s}" for s in ("train", "valid")})
-        yield ({s: f"s3://{KEY}:{SECRET}@secret-test/logs/{s}{query(server.port)}" for s in ("train", "valid")},
-               {s: f"s3://secret-test/logs/{s}{query(server.port)}" for s in ("train", "valid")})
-    finally:
-        server.stop()
+    with synthetic_bucket(tmp_path_factory.mktemp("synth"), "secret-test", f"{KEY}:{SECRET}", rows=3_000, files=2,
+                          row_group_size=250, seed=5, num_users=200, num_items=100) as uris:
+        yield uris
 
 
 def rankmix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -42,24 +42,17 @@ def bare_env(**extra: str) -> dict[str, str]:
 def store(tmp_path_factory):
     """(config with the synthetic schema, {split: URI with credentials}, {split: the URI without})."""
     pytest.importorskip("moto.server", reason="moto[server] not installed")
-    from object_store import Server, filesystem, free_port, query, upload
+    from object_store import synthetic_bucket
 
     from trainer.data.datasets import synth_features
-    from trainer.data.synth import write_synthetic
 
-    server = Server(free_port())
-    try:
-        local = tmp_path_factory.mktemp("synth")
-        write_synthetic(local, rows=1_500, files=1, seed=2, num_users=100, num_items=50)
-        upload(filesystem(server.port), "sweep-test", {local / s: f"logs/{s}" for s in ("train", "valid")})
+    local = tmp_path_factory.mktemp("synth")
+    with synthetic_bucket(local, "sweep-test", USERINFO, rows=1_500, files=1, seed=2, num_users=100,
+                          num_items=50) as (with_credentials, without):
         cfg = load_config(str(REPO / "configs" / "debug.toml"), ["--data.dataset=parquet"])
         cfg.features = synth_features()
         dump_toml(cfg, local / "parquet.toml")
-        yield (local / "parquet.toml",
-               {s: f"s3://{USERINFO}@sweep-test/logs/{s}{query(server.port)}" for s in ("train", "valid")},
-               {s: f"s3://sweep-test/logs/{s}{query(server.port)}" for s in ("train", "valid")})
-    finally:
-        server.stop()
+        yield local / "parquet.toml", with_credentials, without
 
 
 def recording_python(folder: Path) -> Path:
