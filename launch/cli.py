@@ -64,6 +64,8 @@ def recorded(command):
     (handled or not) goes to the error file the agent reads, so its report shows the real
     message instead of `error_file: <N/A>`. Imported on use: it pulls in torch."""
     def run(argv: list[str]) -> int:
+        if "-h" in argv or "--help" in argv:  # help needs no torch: it answers at once
+            return command(argv)
         from torch.distributed.elastic.multiprocessing.errors import record  # on use: torch
         return record(command)(argv)
     return run

@@ -113,6 +113,10 @@ def listed(option: str, text: str) -> bool:
 def checkout(tmp_path_factory) -> Path:
     """A scratch checkout: every tracked top-level entry and .venv linked to this one, and
     ../shared beside it, so that relative paths resolve as they do here."""
+    # The guide's `make train` runs `make setup` in the scratch checkout, whose .venv is this
+    # one: with a stale stamp it would reinstall this package from the scratch folder, and
+    # every console script would then start a Python that vanishes with it. Set up here first.
+    subprocess.run(["make", "setup"], cwd=REPO, check=True, capture_output=True)
     root = tmp_path_factory.mktemp("readme")
     repo = root / "rankmix"
     repo.mkdir()
