@@ -200,23 +200,34 @@ def test_movielens_non_utf8_names_the_file(tmp_path):
 # ----------------------------------------------------------------------------- float32 and config
 
 
-def test_a_number_beyond_float32_names_file_column_and_row(tmp_path):
-    """1e39 is finite in float64, and was inf in the model: "non-finite loss", no file named."""
+def train_on_a_changed_log(tmp_path: Path, column: str, row: int, value, feature_change) -> tuple[Path, object]:
+    """(the training part, the process) of `rankmix train` for 2 steps on a 600-row synthetic log
+    whose `column` holds `value` at `row` (the column's values cast to the value's NumPy type),
+    under the synthetic schema changed by `feature_change(features)`."""
     data = tmp_path / "data"
     _summary(rankmix("data", "synth", "--out", str(data), "--rows", "600", "--files", "1"))
     part = data / "train" / "part-00000.parquet"
     table = pq.read_table(part)
-    price = table.column("item_price").to_numpy().copy()
-    price[5] = 1e39
-    pq.write_table(table.set_column(table.schema.get_field_index("item_price"), "item_price", pa.array(price)),
+    values = table.column(column).to_numpy().astype(np.asarray(value).dtype)
+    values[row] = value
+    pq.write_table(table.set_column(table.schema.get_field_index(column), column, pa.array(values)),
                    part, row_group_size=table.num_rows)
     cfg = load_config(str(REPO / "configs" / "debug.toml"), ["--data.dataset=parquet"])
     cfg.features = synth_features()
-    next(f for f in cfg.features if f.name == "item_price").transform = []  # the raw value reaches the cast
+    feature_change(cfg.features)
     dump_toml(cfg, tmp_path / "config.toml")
-    proc = rankmix("train", "--config", str(tmp_path / "config.toml"), f"--data.train_path={data / 'train'}",
-                   f"--data.eval_path={data / 'valid'}", "--data.shuffle=false", "--train.steps=2",
-                   f"--train.run_dir={tmp_path / 'run'}", "--metrics.progress=false", "--metrics.tensorboard=false")
+    return part, rankmix("train", "--config", str(tmp_path / "config.toml"), f"--data.train_path={data / 'train'}",
+                         f"--data.eval_path={data / 'valid'}", "--data.shuffle=false", "--train.steps=2",
+                         f"--train.run_dir={tmp_path / 'run'}", "--metrics.progress=false",
+                         "--metrics.tensorboard=false")
+
+
+def test_a_number_beyond_float32_names_file_column_and_row(tmp_path):
+    """1e39 is finite in float64, and was inf in the model: "non-finite loss", no file named."""
+    def raw_price(features):  # the raw value reaches the cast
+        next(f for f in features if f.name == "item_price").transform = []
+
+    part, proc = train_on_a_changed_log(tmp_path, "item_price", 5, np.float64(1e39), raw_price)
     _one_line_error(proc, f"{part}, row group 0, column 'item_price': 1e+39 at row 5 is beyond float32's range")
 
 

@@ -100,7 +100,7 @@ class Trainer:
         if self.valid_split:  # its files' schema and its rows checked now, not after an epoch
             ParquetReader(self.valid_split[0], self.encoder, batch_size=1, drop_last=False,
                           **self.valid_split[1], **self._retries())
-        self.selection = ModelSelection(cfg, Path(cfg.train.run_dir))
+        self.selection = ModelSelection(cfg, self.run_dir)
         self.model = self._build_model()
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (trainer/hooks.py)
         self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks, self._retries())
