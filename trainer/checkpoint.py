@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
 from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
 from trainer.files import swap_folder
@@ -167,11 +167,12 @@ def save_weights(path: Path, parts: dict[str, Any], step: int) -> None:
 def model_tensors(path: Path) -> dict[str, Any]:
     """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
     world size that saved it, read without a process group and without the optimizer's state."""
-    metadata = read_metadata(path).state_dict_metadata
+    metadata = read_metadata(path)
     prefix = "model."
     model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    _dcp_load({"model": model}, path)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    _dcp_load({"model": model}, path, metadata)
     return model
 
 
@@ -204,18 +205,19 @@ def require_saved_world_size(features: list[FeatureSpec], path: Path, world_size
 
 
 def _trainer_value(path: Path, key: str) -> int:
-    if f"trainer.{key}" not in read_metadata(path).state_dict_metadata:
+    metadata = read_metadata(path)
+    if f"trainer.{key}" not in metadata.state_dict_metadata:
         raise ValueError(f"{path}: not a rankmix checkpoint (it has no trainer.{key})")
     progress = {key: 0}
-    _dcp_load({"trainer": progress}, path)
+    _dcp_load({"trainer": progress}, path, metadata)
     return progress[key]
 
 
-def _dcp_load(parts: dict[str, Any], path: Path) -> None:
+def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
     """dcp.load through rankmix's safe reader and planner (trainer/safe_load.py): nothing
     in `path` is unpickled unchecked. A refused file is reported as itself."""
     try:
-        dcp.load(parts, storage_reader=SafeReader(str(path)), planner=LoadPlanner())
+        dcp.load(parts, storage_reader=SafeReader(str(path), metadata), planner=LoadPlanner())
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeFileError)]
         if refused:
@@ -227,9 +229,9 @@ def load(path: Path, parts: dict[str, Any]) -> None:
     """Load `parts` (state dicts, or Stateful components, see trainer/state.py) in place from
     the DCP checkpoint at `path` (collective). A part that cannot take up its saved state
     raises ValueError, reported here with the checkpoint's path."""
-    read_metadata(path)  # a refused or unreadable file is one line on every rank, before any collective
+    metadata = read_metadata(path)  # a refused or unreadable file is one line on every rank, before any collective
     try:
-        _dcp_load(parts, path)
+        _dcp_load(parts, path, metadata)
     except UnsafeFileError:
         raise
     except ValueError as e:

@@ -90,10 +90,15 @@ def read_metadata(path: Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with `read_metadata` above (DCP's own unpickles the file as it is)."""
+    """DCP's file reader with `read_metadata` above (DCP's own unpickles the file as it is).
+    `metadata`: the folder's metadata when the caller has read it already."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
+        metadata = self._metadata or read_metadata(Path(self.path))
         if metadata.storage_meta is None:  # what FileSystemReader.read_metadata adds
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
