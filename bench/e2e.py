@@ -55,7 +55,7 @@ from torch import nn
 from dense.cost import mfu
 from tower import matmul_step  # bench/tower.py (this script's folder): the same reference product
 from trainer.config import Config
-from trainer.config_loader import load_config
+from trainer.config_loader import load_config, unused_fields
 from trainer.data.batch import Batch
 
 # Without --config: configs/debug.toml's synthetic log and tasks at a realistic batch and a
@@ -275,15 +275,18 @@ def table(times: dict[str, tuple[float, float]], batch: int) -> str:
 
 def build_trainers(config: str, towers: list[str], overrides: list[str], tower_sets: dict[str, list[str]],
                    run_dir: str) -> dict:
-    """One Trainer per tower, each with its own run folder and the same data and seed."""
+    """One Trainer per tower, each with its own run folder and the same data and seed; the
+    shared overrides reach the towers that read them (the token sizes skip mlp and dcnv2)."""
     from trainer.train import Trainer
 
     trainers = {}
     for tower in towers:
+        unread = unused_fields(load_config(config, [f"--model.tower={tower}"]))
+        shared = [o for o in overrides if o[2:].split("=", 1)[0] not in unread]
         extra = [f"--model.tower={tower}", *(f"--{s}" for s in tower_sets.get(tower, [])),
                  f"--train.run_dir={run_dir}/{tower}"]
         with contextlib.redirect_stdout(io.StringIO()):
-            trainers[tower] = Trainer(load_config(config, [*overrides, *extra]))
+            trainers[tower] = Trainer(load_config(config, [*shared, *extra]))
     return trainers
 
 

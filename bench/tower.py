@@ -84,20 +84,24 @@ def matmul_step(device: torch.device, dtype: torch.dtype):
 
 
 def model_config(tower: str, shape: tuple[int, ...], settings: list[str]) -> ModelConfig:
-    """The tower at shape (T, D, L, k, B), with `settings` (key=value of model.*) on top.
-    Parsed here rather than by trainer.config_loader, which needs tomli-w: the GPU machine
-    has torch alone."""
+    """The tower at shape (T, D, L, k, B), with `settings` (key=value of model.*, tables
+    dotted: moe.inference=dense) on top. Parsed here rather than by trainer.config_loader,
+    which needs tomli-w: the GPU machine has torch alone."""
     t, d, layers, k, _ = shape
     cfg = ModelConfig(tower=tower, num_tokens=t, hidden_dim=d, num_layers=layers, ffn_ratio=k)
     for item in settings:
-        key, _, value = item.partition("=")
-        if not hasattr(cfg, key):
-            raise SystemExit(f"--set {item!r}: ModelConfig has no field {key!r}")
-        current = getattr(cfg, key)
+        dotted, _, value = item.partition("=")
+        *tables, key = dotted.split(".")
+        section = cfg
+        for table in tables:
+            section = getattr(section, table, None)
+        if section is None or not hasattr(section, key):
+            raise SystemExit(f"--set {item!r}: ModelConfig has no field {dotted!r}")
+        current = getattr(section, key)
         if not isinstance(current, (int, float, str, list)) or key == "tasks":
-            raise SystemExit(f"--set {item!r}: {key} cannot be set here")
+            raise SystemExit(f"--set {item!r}: {dotted} cannot be set here")
         try:  # numbers, strings and lists of ints: the only types a tower's shape takes
-            setattr(cfg, key, [int(v) for v in value.strip("[]").split(",")] if isinstance(current, list)
+            setattr(section, key, [int(v) for v in value.strip("[]").split(",")] if isinstance(current, list)
                     else type(current)(value))
         except ValueError:
             raise SystemExit(f"--set {item!r}: {value!r} is not a {type(current).__name__}") from None
@@ -167,7 +171,7 @@ def moe_inference(shape: tuple[int, ...], settings: list[str], device: torch.dev
     towers = {}
     for mode in ("sparse", "dense"):
         torch.manual_seed(0)  # the same weights for both
-        cfg = model_config("rankmixer_moe", shape, [*settings, f"moe_inference={mode}"])
+        cfg = model_config("rankmixer_moe", shape, [*settings, f"moe.inference={mode}"])
         towers[mode] = build_tower(cfg, tower_input(shape)).to(device).eval()
     e_input = torch.randn(shape[4], shape[0] * shape[1], device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -216,7 +220,7 @@ def main() -> None:
     if args.cuda_graphs and device.type != "cuda":
         raise SystemExit("--cuda-graphs needs --device cuda")
     # A captured or compiled step cannot stop Sinkhorn on a value read back from the device.
-    settings = [*args.set, *(["sinkhorn_tol=0"] if args.cuda_graphs or args.compile else [])]
+    settings = [*args.set, *(["unimixer.sinkhorn_tol=0"] if args.cuda_graphs or args.compile else [])]
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     peak = args.peak_tflops * 1e12
     if device.type == "cuda":

@@ -32,7 +32,7 @@ class MLP(nn.Module):
     def __init__(self, input_dim: int, hidden: list[int]):
         super().__init__()
         if not hidden:
-            raise ValueError("model.mlp_hidden needs at least one width")
+            raise ValueError("model.mlp.hidden needs at least one width")
         widths = [input_dim, *hidden]
         layers = []
         for fan_in, fan_out in zip(widths, widths[1:]):
@@ -115,7 +115,8 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"self_attention needs model.hidden_dim={dim} divisible by {num_heads} heads")
+            raise ValueError(f"self_attention needs model.hidden_dim={dim} divisible by {num_heads} heads "
+                             "(model.attention.num_heads)")
         self.dim, self.num_heads = dim, num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -204,6 +205,6 @@ def ablation_block(kind: str, num_tokens: int, dim: int, ratio: int, num_heads: 
 def ablation_tower(kind: str, cfg, group_widths: list[int]) -> AblationTower:
     """The ablation `kind` built from ModelConfig `cfg`, with RankMixer's tokenizer."""
     tokenizer = build_tokenizer(cfg, group_widths)
-    blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, cfg.num_heads)
+    blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, cfg.attention.num_heads)
               for _ in range(cfg.num_layers)]
     return AblationTower(tokenizer, blocks, cfg.hidden_dim)

@@ -155,7 +155,7 @@ class RankMixerBlock(nn.Module):
         super().__init__()
         check_mixing_width(dim, num_tokens)
         if norm not in NORMS:
-            raise ValueError(f"model.norm must be one of {NORMS}, got {norm!r}")
+            raise ValueError(f"model.rankmixer.norm must be one of {NORMS}, got {norm!r}")
         self.num_tokens, self.pre_norm = num_tokens, norm == "pre"
         self.norm1 = nn.LayerNorm(dim)
         self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ratio)
@@ -192,7 +192,7 @@ class RankMixerTower(nn.Module):
                  dropout: float = 0.0):
         super().__init__()
         if pooling not in POOLINGS:
-            raise ValueError(f"model.pooling must be one of {POOLINGS}, got {pooling!r}")
+            raise ValueError(f"model.rankmixer.pooling must be one of {POOLINGS}, got {pooling!r}")
         self.tokenizer = tokenizer
         t = tokenizer.num_tokens
         # Each FFN is made before its block, as the RNG draws have always been ordered.

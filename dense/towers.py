@@ -27,21 +27,22 @@ def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 @TOWERS.register("rankmixer")
 def rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     tokenizer = build_tokenizer(cfg, layout.group_widths)
-    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio, norm=cfg.norm, pooling=cfg.pooling,
-                          dropout=cfg.dropout)
+    block = cfg.rankmixer
+    return RankMixerTower(tokenizer, cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio, norm=block.norm,
+                          pooling=block.pooling, dropout=block.dropout)
 
 
 @TOWERS.register("rankmixer_moe")
 def rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     tokenizer = build_tokenizer(cfg, layout.group_widths)
-    t, d = tokenizer.num_tokens, cfg.hidden_dim
-    hidden = expert_hidden(d, cfg.ffn_ratio, cfg.num_experts, cfg.expert_hidden)
+    t, d, m, block = tokenizer.num_tokens, cfg.hidden_dim, cfg.moe, cfg.rankmixer
+    hidden = expert_hidden(d, cfg.ffn_ratio, m.num_experts, m.expert_hidden)
 
     def moe() -> PerTokenMoE:
-        return PerTokenMoE(t, d, cfg.num_experts, hidden, budget=cfg.moe_budget, l1_init=cfg.moe_l1_init,
-                           l1_rate=cfg.moe_l1_rate, consistency=cfg.moe_consistency,
-                           sparse_inference=cfg.moe_inference == "sparse")
-    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe, norm=cfg.norm, pooling=cfg.pooling, dropout=cfg.dropout)
+        return PerTokenMoE(t, d, m.num_experts, hidden, budget=m.budget, l1_init=m.l1_init, l1_rate=m.l1_rate,
+                           consistency=m.consistency, sparse_inference=m.inference == "sparse")
+    return RankMixerMoETower(tokenizer, cfg.num_layers, d, moe, norm=block.norm, pooling=block.pooling,
+                             dropout=block.dropout)
 
 
 class Passthrough(nn.Module):
@@ -67,16 +68,16 @@ def unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 @TOWERS.register("unimixer_lite")
 def unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
-        length, block, cfg.hidden_dim, cfg.num_basis, cfg.global_rank))
+        length, block, cfg.hidden_dim, cfg.unimixer.num_basis, cfg.unimixer.global_rank))
 
 
 def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
     """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
-    tokenizer = build_tokenizer(cfg, layout.group_widths)
-    length, block = tokenizer.num_tokens * cfg.hidden_dim, cfg.block_size or cfg.hidden_dim
+    tokenizer, u = build_tokenizer(cfg, layout.group_widths), cfg.unimixer
+    length, block = tokenizer.num_tokens * cfg.hidden_dim, u.block_size or cfg.hidden_dim
     blocks = [UniMixerBlock(mixing(length, block), cfg.ffn_ratio) for _ in range(cfg.num_layers)]
-    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, cfg.tau_start, cfg.tau_end, cfg.tau_anneal_steps,
-                         cfg.sinkhorn_iters, cfg.sinkhorn_tol)
+    return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, u.tau_start, u.tau_end, u.tau_anneal_steps,
+                         u.sinkhorn_iters, u.sinkhorn_tol)
 
 
 @TOWERS.register("logreg")
@@ -86,12 +87,12 @@ def logreg(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 
 @TOWERS.register("mlp")
 def mlp(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
-    return MLP(layout.width, cfg.mlp_hidden)
+    return MLP(layout.width, cfg.mlp.hidden)
 
 
 @TOWERS.register("dcnv2")
 def dcnv2(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
-    return DCNv2(layout.width, cfg.cross_layers, cfg.cross_rank, cfg.mlp_hidden)
+    return DCNv2(layout.width, cfg.dcnv2.cross_layers, cfg.dcnv2.cross_rank, cfg.mlp.hidden)
 
 
 def _register_ablation(kind: str) -> None:

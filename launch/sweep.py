@@ -4,7 +4,7 @@ x = dense parameters and x = forward FLOPs per sample, and writes a table and a 
 
     rankmix sweep --config configs/movielens.toml --out runs/sweep \\
         --tower rankmixer --tower dcnv2 --grid model.hidden_dim=32,64,128 --grid model.num_layers=1,2 \\
-        --tower-grid 'dcnv2:model.mlp_hidden=[[64],[256,128],[1024,512]]' [--seeds N] \\
+        --tower-grid 'dcnv2:model.mlp.hidden=[[64],[256,128],[1024,512]]' [--seeds N] \\
         [--set section.key=value ...] [--baseline-tower logreg | --baseline-auc X]
 
 Every point is a real `rankmix train` run in OUT/<tower>/<point>; its result is that run's
@@ -139,9 +139,9 @@ def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
 
 
 def point_name(settings: dict[str, str]) -> str:
-    """A folder name for a point: `hidden_dim-64_num_layers-2`, `mlp_hidden-256x128`
-    ('base' for no settings)."""
-    parts = [f"{k.rsplit('.', 1)[-1]}-{_slug(redact_uri(v))}" for k, v in settings.items()]
+    """A folder name for a point: `hidden_dim-64_num_layers-2`, `mlp_hidden-256x128` (for
+    model.mlp.hidden); 'base' for no settings."""
+    parts = [f"{k.split('.', 1)[-1].replace('.', '_')}-{_slug(redact_uri(v))}" for k, v in settings.items()]
     return "_".join(parts) or "base"
 
 
@@ -468,7 +468,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tower", action="append", required=True, help="a model.tower to sweep (repeatable)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="values of one config key for every tower (repeatable; the grid is their product); "
-                        "list values as a TOML array: model.mlp_hidden=[[64],[256,128]]")
+                        "list values as a TOML array: model.mlp.hidden=[[64],[256,128]]")
     p.add_argument("--tower-grid", action="append", default=[], metavar="TOWER:KEY=V1,V2",
                    help="a grid key for one tower; a tower with any replaces --grid with its own")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -13,7 +13,7 @@ from dense.baselines import CrossLayer, SelfAttention, ablation_block
 from dense.layout import InputLayout
 from dense.rankmixer import PerTokenFFN
 from dense.towers import build_tower
-from trainer.config import ModelConfig
+from trainer.config import AttentionConfig, DCNv2Config, MLPConfig, ModelConfig
 from trainer.data.datasets import synth_features
 
 TOWERS = ["mlp", "dcnv2", "no_token_mixing", "shared_ffn", "self_attention"]
@@ -68,7 +68,8 @@ def test_self_attention_equals_naive_softmax(heads):
 @pytest.mark.parametrize("tokenizer,rank,heads", [("slice", 0, 0), ("group", 3, 2)])
 def test_parameter_and_flop_counts_match_the_formulas(tower, tokenizer, rank, heads):
     cfg = ModelConfig(tower=tower, tokenizer=tokenizer, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2,
-                      mlp_hidden=[24, 12], cross_layers=2, cross_rank=rank, num_heads=heads)
+                      mlp=MLPConfig([24, 12]), dcnv2=DCNv2Config(cross_layers=2, cross_rank=rank),
+                      attention=AttentionConfig(num_heads=heads))
     layout = InputLayout(synth_features())
     model = build_tower(cfg, layout)
     params, flops = model.cost()

@@ -49,7 +49,7 @@ def test_tower_bench_runs_every_tower_with_torch_alone():
 
 @pytest.mark.parametrize("args,message", [
     (["--towers", "rankmixer,transformer"], "ValueError: model.tower='transformer' is not one of"),
-    (["--set", "num_experts=abc"], "--set 'num_experts=abc': 'abc' is not a int"),
+    (["--set", "moe.num_experts=abc"], "--set 'moe.num_experts=abc': 'abc' is not a int"),
     (["--set", "experts=4"], "--set 'experts=4': ModelConfig has no field 'experts'"),
 ])
 def test_tower_bench_names_what_is_wrong_with_its_options(args, message):
@@ -61,7 +61,7 @@ def test_tower_bench_names_what_is_wrong_with_its_options(args, message):
 
 def test_e2e_bench_prints_one_line_per_tower(tmp_path):
     proc = subprocess.run([sys.executable, "bench/e2e.py", "--towers", "rankmixer,rankmixer_moe,mlp",
-                           "--tower-set", "mlp:model.mlp_hidden=[32]", "--set", "data.synth_rows=4000",
+                           "--tower-set", "mlp:model.mlp.hidden=[32]", "--set", "data.synth_rows=4000",
                            "--set", "data.batch_size=64", "--set", f"data.cache_dir={tmp_path}",
                            "--rounds", "1", "--warmup", "0", "--steps", "1"],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
@@ -109,3 +109,76 @@ def test_gpu_check_trains_managed_tables_with_a_config_that_loads():
     assert args[0] == "--config"
     cfg = load_config(str(REPO / args[1]), args[2:])
     assert cfg.train.device == "cuda" and [f.name for f in cfg.features if f.hashing == "managed"] == ["user_id"]
+
+
+SCALE_FIGURES = [
+    "data: rows (train + eval)", "data: Parquet", "data: table rows (dim 8)",
+    "loader unshuffled: rows/s", "loader unshuffled: peak RSS at 10/50/100%",
+    "loader shuffled: rows/s", "loader shuffled: peak RSS at 10/50/100%",
+    "training, 4 ranks: rows/s", *(f"training, 4 ranks: rank {r} peak RSS" for r in range(4)),
+    "async save at step 20 (4 ranks)", "async save at step 40 (4 ranks)", "resumed on 2 ranks (resharded)",
+    "sync save at step 50 (2 ranks)", "load of the model (DCP, one process)",
+    *(f"training, 2 ranks: rank {r} peak RSS" for r in range(2)),
+    "evaluation, 2 ranks: rows/s", *(f"evaluation, 2 ranks: rank {r} peak RSS" for r in range(2)),
+    "export, int8 tables", "whole rehearsal",
+]
+
+
+@pytest.mark.slow
+def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
+    """bench/scale.py --small: data, loader, 4-rank training with async saves, a 2-rank resume,
+    a load, evaluation and an int8 export; one row per figure, each with a finite ratio."""
+    proc = subprocess.run([sys.executable, "bench/scale.py", "--small", "--tmp", str(tmp_path)],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("python bench/scale.py --small --tmp ")
+    rows = re.findall(r"^\| (.+?) \| (.+?) \| (.+?) \| (.+?) \|$", proc.stdout, re.M)
+    assert rows[0] == ("figure", "value", "reference", "ratio")
+    assert [r[0] for r in rows[1:]] == SCALE_FIGURES
+    for figure, value, reference, ratio in rows[1:]:
+        assert re.fullmatch(r"\d+\.\d\d", ratio), (figure, ratio)  # a finite number: never nan or inf
+    figures = {r[0]: r for r in rows[1:]}
+    assert figures["data: rows (train + eval)"][1] == "300,000 in 6 files, ids Zipf over 2^40"
+    assert figures["resumed on 2 ranks (resharded)"][1].startswith("10 more steps from the next epoch")
+    assert re.fullmatch(r"[\d,]+ rows in \d+ s \(start-up included\), AUC 0\.\d{4}",
+                        figures["evaluation, 2 ranks: rows/s"][1])
+    assert list(tmp_path.iterdir()) == []  # the data and runs are deleted without --keep
+
+
+@pytest.mark.slow
+def test_freshness_bench_times_each_publish_and_weighs_its_delta():
+    import json
+
+    proc = subprocess.run([sys.executable, "bench/freshness.py", "--small"], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.splitlines()[-1])
+    assert (line["steps_per_publish"], line["publishes"]) == (3, 3)
+    assert 0 < line["delta_over_full"] < 1 and line["artifact_s"] > 0 and line["train_s"] > 0
+    # two publishes with a delta: the medians are means, so the total is the sum of its parts
+    assert line["data_to_artifact_s"] == pytest.approx(line["train_s"] + line["publish_s"])
+    assert line["publish_s"] == pytest.approx(line["save_s"] + line["artifact_s"] + line["delta_s"])
+
+
+@pytest.mark.slow
+def test_drift_study_prints_one_row_a_day_with_finite_figures(tmp_path):
+    """bench/drift.py --small: days 2-4 of a drifting log, each scored by the five models, then
+    the mean over the days after the freeze; the same table in --out."""
+    out = tmp_path / "drift.md"
+    proc = subprocess.run([sys.executable, "bench/drift.py", "--small", "--out", str(out)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == out.read_text()
+    assert proc.stdout.startswith(f"python bench/drift.py --small --out {out}\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()[2:]]
+    assert rows[0] == ["day", "continuous", "frozen after day 2", "from scratch", "modulo, 500 rows",
+                       "managed, 500 rows"]
+    assert [r[0] for r in rows[2:]] == ["date=2026-01-02", "date=2026-01-03", "date=2026-01-04",
+                                        "mean AUC days 3-4, total s"]
+    aucs = [[float(re.fullmatch(r"(0\.\d{4}) / \d+\.\d s", cell)[1]) for cell in row[1:]]  # finite: no nan, inf
+            for row in rows[2:]]
+    assert all(0.4 < auc < 1 for row in aucs for auc in row)
+    # Frozen after day 2 is the continuous model, scored exactly by `rankmix score` on day 3, where the
+    # trainer's Evaluator gives it from histograms (within 1e-4) and each is rounded to 4 digits.
+    assert rows[2][2] == rows[2][1] and rows[3][2].endswith(" / 0.0 s")
+    assert aucs[1][1] == pytest.approx(aucs[1][0], abs=3e-4)

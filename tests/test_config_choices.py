@@ -31,7 +31,7 @@ def test_the_towers_read_their_choices_from_the_types():
 
 @pytest.mark.parametrize("override, message", [
     ("--train.device=tpu", "train.device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'"),
-    ("--model.norm=mid", "model.norm must be one of ('post', 'pre'), got 'mid'"),
+    ("--model.rankmixer.norm=mid", "model.rankmixer.norm must be one of ('post', 'pre'), got 'mid'"),
     ("--embeddings.table_sharding.item=diagonal", "embeddings.table_sharding.item must be one of ('table_wise', "
      "'column_wise', 'table_column_wise', 'row_wise', 'table_row_wise'), got 'diagonal'"),
     ("--features.item_id.hashing=xor", "features.item_id.hashing must be one of ('modulo', 'none', 'managed'), "
@@ -68,3 +68,28 @@ def test_every_numeric_transform_has_both_forms_that_agree():
     for name, want in expected.items():  # written out here, independent of the table
         assert np.allclose(TRANSFORMS[name].numpy(x, spec), want, rtol=1e-12), name
     assert TRANSFORMS["log1p"].valid(np.array([-1.0, -0.999])).tolist() == [False, True]
+
+
+def test_the_hashing_table_gives_the_reader_and_serving_the_same_rows():
+    """One table of id hashings: the NumPy form (reader, on the column's own type) and the
+    torch form (artifact, on int64 bit patterns) agree on ids across the whole uint64 range,
+    and modulo is the unsigned remainder, written out here with Python integers."""
+    import numpy as np
+    import torch
+
+    from trainer.data.feature_ops import HASHINGS
+
+    assert set(HASHINGS) == set(get_args(config.Hashing))
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([rng.integers(0, 2 ** 64, 2000, dtype=np.uint64),
+                          np.array([0, 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1], dtype=np.uint64)])
+    for n in (1, 7, 1000, 2 ** 40 + 3):
+        sizes = torch.full((len(ids),), n, dtype=torch.int64)
+        for name, h in HASHINGS.items():
+            if h.in_range:
+                continue
+            served = h.torch(torch.from_numpy(ids.view(np.int64)), sizes).numpy()
+            np.testing.assert_array_equal(h.numpy(ids, n), served, err_msg=f"{name}, num_embeddings={n}")
+        assert HASHINGS["modulo"].numpy(ids, n).tolist() == [int(u) % n for u in ids]
+    small = np.arange(50, dtype=np.int32)
+    assert HASHINGS["none"].numpy(small, 50).tolist() == small.tolist()

@@ -19,7 +19,8 @@ import torch
 
 from trainer.config import MANAGED_ID_RANGE, FeatureSpec
 from trainer.data.csvlog import hashed_column, stable_hash
-from trainer.data.ids import encode_ids, spread, spread_ids
+from trainer.data.feature_ops import spread, spread_ids
+from trainer.data.ids import encode_ids
 
 GOLDEN = 0x9E3779B97F4A7C15
 STATES = [GOLDEN * k % 2 ** 64 for k in range(1, 5)] + [0, 1]

@@ -25,7 +25,9 @@ from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint import model_tensors
 from trainer.config import FeatureSpec
 from trainer.config_loader import load_config
-from trainer.data.ids import MANAGED_ID_RANGE, encode_ids, spread, spread_ids
+from trainer.config import MANAGED_ID_RANGE
+from trainer.data.feature_ops import spread, spread_ids
+from trainer.data.ids import encode_ids
 from trainer.serving.model import ManagedRows
 
 # The user table and the item table that item_id and hist_items share, both managed, both with
@@ -220,7 +222,7 @@ def test_the_artifacts_id_map_remaps_as_each_ranks_mch_does(world, made_once, tm
         logged = valid.column(column).to_numpy().astype(np.int64)
         ids = torch.from_numpy(np.concatenate([logged, rng.integers(0, 2 ** 64, 1000, dtype=np.uint64).view(np.int64)]))
         expected = _mch_reference(ids, state, table)
-        got = ManagedRows(*maps[table])(ids)
+        got = ManagedRows(*maps[table])(spread_ids(ids))
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         missed = torch.isin(expected, maps[table][2])
         assert 0 < missed[:len(logged)].float().mean() < 1  # the log's ids: in the map or not
@@ -250,7 +252,7 @@ def test_an_artifact_with_managed_tables_scores_as_its_training_run_evaluated(wo
         # score reports the share of the scored users that fell on the miss row
         _, maps = served_tables(model_tensors(run / "checkpoints" / "step-20"))
         users = torch.from_numpy(pq.read_table(valid).column("user_id").to_numpy().astype(np.int64))
-        missed = torch.isin(ManagedRows(*maps["user_id"])(users), maps["user_id"][2]).double().mean()
+        missed = torch.isin(ManagedRows(*maps["user_id"])(spread_ids(users)), maps["user_id"][2]).double().mean()
         scored = json.loads(proc.stdout.splitlines()[-1])
         assert 0 < missed < 1 and scored["managed/user_id.miss_rate"] == pytest.approx(float(missed), abs=1e-6)
 

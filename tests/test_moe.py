@@ -16,7 +16,7 @@ from cli import rankmix, spawn
 from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, MoEConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,8 +155,8 @@ def _lambda_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     layout = InputLayout(synth_features())
-    tower = build_tower(ModelConfig(tower="rankmixer_moe", num_tokens=4, hidden_dim=16, num_experts=4,
-                                    moe_budget=0.5, moe_l1_init=1e-3, moe_l1_rate=0.1), layout)
+    tower = build_tower(ModelConfig(tower="rankmixer_moe", num_tokens=4, hidden_dim=16,
+                                    moe=MoEConfig(num_experts=4, budget=0.5, l1_init=1e-3, l1_rate=0.1)), layout)
     torch.manual_seed(rank)  # each rank sees other rows, so another active fraction
     tower(torch.randn(B, layout.width) + rank)
     mine = [m._pending.mean().item() for m in tower.moes]
@@ -182,14 +182,14 @@ def test_expert_width_splits_the_dense_ffn_or_is_an_error():
     assert expert_hidden(64, 4, 4, 0) == 64
     assert expert_hidden(64, 4, 3, 10) == 10
     with pytest.raises(ValueError, match="model.ffn_ratio x model.hidden_dim = 256 does not split over "
-                                         "model.num_experts=3; set model.expert_hidden"):
+                                         "model.moe.num_experts=3; set model.moe.expert_hidden"):
         expert_hidden(64, 4, 3, 0)
 
 
 @pytest.mark.trained
 def test_activation_ratio_tracks_the_budget_and_the_inference_router_stays_alive(tmp_path):
     proc = rankmix("train", "--config", "configs/debug.toml", "--model.tower=rankmixer_moe",
-                   "--model.moe_budget=0.25", "--train.steps=150", "--metrics.log_every=10",
+                   "--model.moe.budget=0.25", "--train.steps=150", "--metrics.log_every=10",
                    f"--train.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/d", "--metrics.progress=false",
                    "--checkpoint.enabled=false", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

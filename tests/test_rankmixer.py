@@ -182,7 +182,7 @@ def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
     assert torch.allclose(tower(e), tower.final_norm(x).reshape(3, 32), atol=1e-12)
     extra = sum(p.numel() for p in tower.final_norm.parameters())
     assert tower.cost()[0] == sum(p.numel() for p in tower.parameters()) and extra == 16
-    with pytest.raises(ValueError, match="model.pooling must be one of \\('mean', 'flatten'\\), got 'max'"):
+    with pytest.raises(ValueError, match="model.rankmixer.pooling must be one of \\('mean', 'flatten'\\), got 'max'"):
         RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, pooling="max")
 
 
@@ -206,5 +206,5 @@ def test_dropout_acts_in_training_only(norm):
     e = torch.randn(5, 12, dtype=torch.float64)
     assert torch.allclose(dropped.eval()(e), plain.eval()(e), atol=1e-12)  # same weights, no dropout in eval
     assert not torch.allclose(dropped.train()(e), plain.train()(e))
-    with pytest.raises(ValueError, match=r"model.dropout=1.0 must be a probability in \[0, 1\)"):
-        load_config(None, ["--model.dropout=1.0"])
+    with pytest.raises(ValueError, match=r"model.rankmixer.dropout=1.0 must be a probability in \[0, 1\)"):
+        load_config(None, ["--model.rankmixer.dropout=1.0"])

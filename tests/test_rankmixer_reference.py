@@ -81,4 +81,4 @@ def test_mean_pooling_gives_one_token_width():
 def test_an_unknown_norm_is_an_error():
     with pytest.raises(ValueError) as err:
         RankMixerBlock(T, D, norm="mid")
-    assert str(err.value) == "model.norm must be one of ('post', 'pre'), got 'mid'"
+    assert str(err.value) == "model.rankmixer.norm must be one of ('post', 'pre'), got 'mid'"

@@ -52,7 +52,7 @@ def test_dense_inference_is_a_different_router(run, tmp_path):
     scored = {}
     for router in ("sparse", "dense"):
         proc = rankmix("score", "--checkpoint", str(run_dir), "--data", str(valid), "--out", str(tmp_path / router),
-                       f"--model.moe_inference={router}")
+                       f"--model.moe.inference={router}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         scored[router] = json.loads(proc.stdout.splitlines()[-1])
     assert "moe/active_ratio" not in scored["dense"]  # every expert ran
@@ -67,7 +67,7 @@ def test_dense_inference_is_a_different_router(run, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--keep", "nope"], "--keep names missing columns ['nope']"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
-    (["--model.moe_inference=maybe"], "model.moe_inference"),
+    (["--model.moe.inference=maybe"], "model.moe.inference"),
 ])
 def test_bad_options_are_one_line_errors(run, tmp_path, args, message):
     run_dir, _, valid = run

@@ -114,7 +114,7 @@ def test_moe_artifacts_route_as_the_checkpoint_does(made_once, data, tmp_path):
     export(run, tmp_path / "sparse")
     export(run, tmp_path / "dense", "--moe", "dense")
     _, sparse = score("--checkpoint", run, valid, tmp_path / "a")
-    _, dense = score("--checkpoint", run, valid, tmp_path / "b", "--model.moe_inference=dense")
+    _, dense = score("--checkpoint", run, valid, tmp_path / "b", "--model.moe.inference=dense")
     _, sparse_model = score("--model", tmp_path / "sparse", valid, tmp_path / "c")
     _, dense_model = score("--model", tmp_path / "dense", valid, tmp_path / "d")
     np.testing.assert_allclose(sparse_model["pred_click"], sparse["pred_click"], atol=1e-5, rtol=0)
@@ -137,7 +137,7 @@ def test_a_unimixer_is_scored_and_served_at_the_temperature_of_its_weights(made_
     # The temperature anneals over 1000 steps, so it differs at every step; the run stops
     # early and ends on its best validation's weights, saved in <run>/best.
     run, summary, valid = trained(made_once, data, "unimixer", "--model.tower=unimixer",
-                                  "--model.tau_anneal_steps=1000", "--train.steps=0", "--train.epochs=8",
+                                  "--model.unimixer.tau_anneal_steps=1000", "--train.steps=0", "--train.epochs=8",
                                   "--data.valid_fraction=0.1", "--train.early_stopping_patience=1",
                                   "--optim.lr=0.02", "--embeddings.lr=0.5")
     assert summary["best/restored"] and summary["best/step"] < summary["steps"]
@@ -209,7 +209,7 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(rankmixer, tmp_path):
     assert proc.returncode == 2 and f"--out {tmp_path / 'model.pt2'} is a file; give a folder" in proc.stderr
 
 
-@pytest.mark.parametrize("args", [["--config", "configs/debug.toml"], ["--model.moe_inference=dense"],
+@pytest.mark.parametrize("args", [["--config", "configs/debug.toml"], ["--model.moe.inference=dense"],
                                   ["--features.user_id.column=user_age"]])
 def test_score_keeps_to_the_artifacts_own_config(rankmixer, tmp_path, args):
     run, _, valid = rankmixer

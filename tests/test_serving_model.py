@@ -13,7 +13,7 @@ from dense.model import build_dense
 from trainer.model import RankingModel
 from dense.towers import TOWERS
 from embeddings.tables import table_configs
-from trainer.config import FeatureSpec, TaskSpec
+from trainer.config import TOWER_FIELDS, FeatureSpec, TaskSpec
 from trainer.config_loader import load_config, validate_features
 from trainer.data.encode import RowEncoder
 from trainer.serving.export import (FORMATS, drop_state_dict_views, example_inputs, save_model, serving_model,
@@ -65,8 +65,11 @@ def table(seed: int = 0) -> pa.Table:
 def reference(tower: str, *overrides: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
     """(config, the training code's model in evaluation mode) with seeded weights; tables
     `rows_scale` times their usual rows."""
-    cfg = load_config(None, [f"--model.tower={tower}", "--model.hidden_dim=16", "--model.num_tokens=4",
-                             "--model.mlp_hidden=[16, 8]", "--model.tau_anneal_steps=10", *overrides])
+    uses = TOWER_FIELDS[tower]
+    sizes = {"--model.hidden_dim=16": uses.tokens, "--model.num_tokens=4": uses.tokens and
+             "--model.tokenizer=group" not in overrides, "--model.mlp.hidden=[16, 8]": "mlp" in uses.tables,
+             "--model.unimixer.tau_anneal_steps=10": "unimixer" in uses.tables}
+    cfg = load_config(None, [f"--model.tower={tower}", *(s for s, read in sizes.items() if read), *overrides])
     cfg.features = features()
     for f in cfg.features:
         f.num_embeddings *= rows_scale
@@ -82,8 +85,8 @@ def reference(tower: str, *overrides: str, rows_scale: int = 1) -> tuple[object,
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("tower,overrides", [*((name, ()) for name in TOWERS.names()),
                                              ("rankmixer", ("--model.tokenizer=group", "--model.hidden_dim=12",
-                                                            "--model.pooling=flatten")),
-                                             ("unimixer", ("--model.tokenizer=group", "--model.block_size=8"))])
+                                                            "--model.rankmixer.pooling=flatten")),
+                                             ("unimixer", ("--model.tokenizer=group", "--model.unimixer.block_size=8"))])
 def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(tower, overrides, fmt):
     cfg, model = reference(tower, *overrides)
     rows = table()

@@ -33,25 +33,25 @@ def test_grid_expansion_and_per_tower_grids(tmp_path):
     args = parser().parse_args([
         "--out", str(tmp_path), "--tower", "rankmixer", "--tower", "dcnv2", "--tower", "unimixer_lite",
         "--grid", "model.hidden_dim=32,64", "--grid", "model.num_layers=1,2",
-        "--tower-grid", "dcnv2:model.mlp_hidden=[[64],[256,128]]", "--tower-grid", "dcnv2:model.cross_layers=2",
-        "--set", "train.epochs=1", "--tower-set", "unimixer_lite:model.num_basis=2"])
+        "--tower-grid", "dcnv2:model.mlp.hidden=[[64],[256,128]]", "--tower-grid", "dcnv2:model.dcnv2.cross_layers=2",
+        "--set", "train.epochs=1", "--tower-set", "unimixer_lite:model.unimixer.num_basis=2"])
     points, baseline = build_points(args)
     by_tower = {t: [p for p in points if p.tower == t] for t in ("rankmixer", "dcnv2", "unimixer_lite")}
     # The shared grid is a product, first key slowest; dcnv2's own grid replaces it.
     assert [p.settings for p in by_tower["rankmixer"]] == [
         {"model.hidden_dim": h, "model.num_layers": n} for h in ("32", "64") for n in ("1", "2")]
     assert [p.settings for p in by_tower["dcnv2"]] == [
-        {"model.mlp_hidden": "[64]", "model.cross_layers": "2"},
-        {"model.mlp_hidden": "[256, 128]", "model.cross_layers": "2"}]
+        {"model.mlp.hidden": "[64]", "model.dcnv2.cross_layers": "2"},
+        {"model.mlp.hidden": "[256, 128]", "model.dcnv2.cross_layers": "2"}]
     assert by_tower["rankmixer"][1].overrides == [
         "--train.epochs=1", "--model.tower=rankmixer", "--model.hidden_dim=32", "--model.num_layers=2",
         f"--train.run_dir={tmp_path}/rankmixer/hidden_dim-32_num_layers-2"]
-    assert by_tower["dcnv2"][1].run_dir == tmp_path / "dcnv2" / "mlp_hidden-256x128_cross_layers-2"
-    assert all("--model.num_basis=2" in p.overrides for p in by_tower["unimixer_lite"])
-    assert not any("--model.num_basis=2" in p.overrides for p in by_tower["rankmixer"] + by_tower["dcnv2"])
+    assert by_tower["dcnv2"][1].run_dir == tmp_path / "dcnv2" / "mlp_hidden-256x128_dcnv2_cross_layers-2"
+    assert all("--model.unimixer.num_basis=2" in p.overrides for p in by_tower["unimixer_lite"])
+    assert not any("--model.unimixer.num_basis=2" in p.overrides for p in by_tower["rankmixer"] + by_tower["dcnv2"])
     # The overrides mean what they say to the config loader, list values included.
     cfg = load_config(DEBUG, by_tower["dcnv2"][1].overrides)
-    assert (cfg.model.tower, cfg.model.mlp_hidden, cfg.model.cross_layers) == ("dcnv2", [256, 128], 2)
+    assert (cfg.model.tower, cfg.model.mlp.hidden, cfg.model.dcnv2.cross_layers) == ("dcnv2", [256, 128], 2)
     # The baseline gets the shared overrides and no grid.
     assert baseline.overrides == ["--train.epochs=1", "--model.tower=logreg",
                                   f"--train.run_dir={tmp_path}/baseline/logreg"]
@@ -72,9 +72,9 @@ def launches(monkeypatch) -> list:
     (["--grid", "model.hiden_dim=32,64"], "sweep point rankmixer [num_layers=1 hiden_dim=32]: unknown config key: model.hiden_dim"),
     (["--grid", "model.hidden_dim=32,ten"], "config key model.hidden_dim must be int, got 'ten'"),
     (["--grid", "model.hidden_dim=32,18"], "sweep point rankmixer [num_layers=1 hidden_dim=18]: RankMixer needs model.hidden_dim=18"),
-    (["--tower-grid", "dcnv2:model.cross_layers=1"], "tower 'dcnv2' is not among the --tower options"),
+    (["--tower-grid", "dcnv2:model.dcnv2.cross_layers=1"], "tower 'dcnv2' is not among the --tower options"),
     (["--grid", "model.hidden_dim"], "must look like section.key=v1,v2"),
-    (["--baseline-tower", "nope"], "sweep point nope [-]: model.tower='nope' is not one of"),
+    (["--baseline-tower", "nope"], "sweep point nope [-]: model.tower must be one of"),
 ])
 def test_bad_grid_is_a_clear_error_before_any_training(tmp_path, launches, extra, message):
     out = tmp_path / "sweep"

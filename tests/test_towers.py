@@ -13,7 +13,7 @@ from trainer.hooks import TrainingHooks
 from dense.layout import InputLayout
 from dense.model import TaskHeads, build_dense
 from dense.towers import TOWERS, build_tower
-from trainer.config import ModelConfig
+from trainer.config import DCNv2Config, MLPConfig, ModelConfig, MoEConfig
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
@@ -25,7 +25,7 @@ NAMES = sorted(TOWERS.names())
 @pytest.mark.parametrize("tokenizer", ["slice", "group"])
 def test_analytic_cost_matches_the_modules(tower, tokenizer):
     cfg = ModelConfig(tower=tower, tokenizer=tokenizer, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2,
-                      mlp_hidden=[24, 12], cross_layers=2, num_experts=2)
+                      mlp=MLPConfig([24, 12]), dcnv2=DCNv2Config(cross_layers=2), moe=MoEConfig(num_experts=2))
     layout = InputLayout(synth_features())
     model = build_tower(cfg, layout)
     cost = measure_cost(model, TaskHeads(model.out_dim, 2, hidden=5), layout.width, torch.device("cpu"))
@@ -36,7 +36,7 @@ def test_analytic_cost_matches_the_modules(tower, tokenizer):
 def test_bf16_autocast_step_gives_the_float32_gradients_to_bf16_precision(tower):
     """The hand-written backwards meet bf16 gradients and float32 weights under autocast
     (CUDA's train.mixed_precision=bf16; the CPU's autocast takes the same path here)."""
-    cfg = ModelConfig(tower=tower, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2, mlp_hidden=[24, 12])
+    cfg = ModelConfig(tower=tower, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2, mlp=MLPConfig([24, 12]))
     layout = InputLayout(synth_features())
     torch.manual_seed(0)
     model = build_tower(cfg, layout)

@@ -10,7 +10,7 @@ import pytest
 from cli import rankmix
 from test_checkpoint import losses
 from trainer.config_loader import load_config, validate_features
-from dense.towers import TOWERS
+from trainer.config import TOWER_FIELDS
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,10 +104,13 @@ def test_movielens_rankmixer_trains_as_well_as_logistic_regression(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--model.tower=nope",), f"rankmix: error: model.tower='nope' is not one of {TOWERS.names()}"),
+    (("--model.tower=nope",), f"rankmix: error: model.tower must be one of {tuple(TOWER_FIELDS)}, got 'nope'"),
     (("--model.colour=red",), "rankmix: error: unknown config key: model.colour"),
     (("--train.steps=ten",), "rankmix: error: config key train.steps must be int, got 'ten'"),
     (("--config", "missing.toml"), "rankmix: error: config file not found: missing.toml"),
+    (("--embeddings.table_sharding.item_id=row_wise",),
+     "rankmix: error: embeddings.table_sharding names unknown tables ['item_id']; the tables are "
+     "['device', 'hour', 'item', 'item_category', 'item_tags', 'user_age', 'user_gender', 'user_id', 'weekday']"),
 ])
 def test_user_errors_are_one_clear_line(tmp_path, cache_dir, args, message):
     proc = rankmix("train", *args, f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache_dir}",

@@ -15,7 +15,7 @@ from dense.towers import build_tower
 from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
 from test_checkpoint import losses
 from test_train import assert_loss_falls
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, UniMixerConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,15 +141,16 @@ def test_sinkhorn_stops_at_its_tolerance(tau, stops_early):
 @pytest.mark.parametrize("block", [4, 8, 16])  # blk < D, = D (block-major is token-major), > D
 def test_tower_constrains_every_layer_as_each_layer_alone_would(tower, block):
     """The tower's one batched constraint gives the forward of layer-by-layer constraints."""
-    cfg = ModelConfig(tower=tower, num_tokens=4, hidden_dim=8, num_layers=3, block_size=block, sinkhorn_tol=0.0)
+    cfg = ModelConfig(tower=tower, num_tokens=4, hidden_dim=8, num_layers=3,
+                      unimixer=UniMixerConfig(block_size=block, sinkhorn_tol=0.0))
     model = build_tower(cfg, InputLayout(synth_features()))
     e_input = torch.randn(5, InputLayout(synth_features()).width)
     x = model.tokenizer.forward_tm(e_input)
     y = x
     for layer in model.layers:
-        x, y = layer(x, y, layer.block.mixing.weights(model.tau, cfg.sinkhorn_iters))
+        x, y = layer(x, y, layer.block.mixing.weights(model.tau, cfg.unimixer.sinkhorn_iters))
     torch.testing.assert_close(model(e_input), (x + model.norm_out(y)).mean(dim=0), atol=1e-6, rtol=1e-5)
-    assert model.log_values("train") == {"unimixer/sinkhorn_iters": cfg.sinkhorn_iters}
+    assert model.log_values("train") == {"unimixer/sinkhorn_iters": cfg.unimixer.sinkhorn_iters}
     assert model.log_values("train") == {}  # reset by the log
 
 
@@ -204,7 +205,7 @@ def test_temperature_schedule_is_linear_between_its_end_points():
 @pytest.mark.parametrize("tokenizer,block", [("slice", 0), ("slice", 8), ("group", 4)])
 def test_parameter_and_flop_counts_match_the_formulas(tower, tokenizer, block):
     cfg = ModelConfig(tower=tower, tokenizer=tokenizer, num_tokens=4, hidden_dim=16, num_layers=2, ffn_ratio=2,
-                      block_size=block, num_basis=3, global_rank=2)
+                      unimixer=UniMixerConfig(block_size=block, num_basis=3, global_rank=2))
     layout = InputLayout(synth_features())
     model = build_tower(cfg, layout)
     params, flops = model.cost()
@@ -219,7 +220,7 @@ def test_parameter_and_flop_counts_match_the_formulas(tower, tokenizer, block):
 
 
 def test_set_step_moves_the_temperature():
-    cfg = ModelConfig(tower="unimixer", num_tokens=4, hidden_dim=8, tau_anneal_steps=10)
+    cfg = ModelConfig(tower="unimixer", num_tokens=4, hidden_dim=8, unimixer=UniMixerConfig(tau_anneal_steps=10))
     model = build_tower(cfg, InputLayout(synth_features()))
     assert model.tau.item() == 1.0
     model.set_step(5)
@@ -245,7 +246,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.mark.trained
 @pytest.mark.parametrize("tower", ["unimixer", "unimixer_lite"])
 def test_towers_train_through_the_cli(tmp_path, cache_dir, tower):
-    summary, _ = rankmix(f"--model.tower={tower}", "--model.block_size=16", "--model.tau_anneal_steps=8",
+    summary, _ = rankmix(f"--model.tower={tower}", "--model.unimixer.block_size=16", "--model.unimixer.tau_anneal_steps=8",
                          "--train.steps=8", f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache_dir}",
                          "--metrics.log_every=1")
     assert summary["steps"] == 8 and 0 < summary["auc"] < 1
@@ -257,8 +258,8 @@ def test_low_temperature_run_warm_starts_from_a_high_temperature_one(tmp_path, c
     """The two-stage recipe of section 4.5: train at tau 1.0, then load the weights at tau 0.05."""
     common = ("--model.tower=unimixer", "--train.steps=6", f"--data.cache_dir={cache_dir}", "--metrics.log_every=1")
     hot, cold = tmp_path / "hot", tmp_path / "cold"
-    rankmix(*common, "--model.tau_start=1.0", f"--train.run_dir={hot}", "--checkpoint.interval=6")
-    summary, out = rankmix(*common, "--model.tau_start=0.05", f"--train.run_dir={cold}",
+    rankmix(*common, "--model.unimixer.tau_start=1.0", f"--train.run_dir={hot}", "--checkpoint.interval=6")
+    summary, out = rankmix(*common, "--model.unimixer.tau_start=0.05", f"--train.run_dir={cold}",
                            f"--checkpoint.load_path={hot}", "--checkpoint.load_mode=weights")
     assert summary["steps"] == 6 and 0 < summary["auc"] < 1
     assert f"initialised weights from {hot}" in out

@@ -14,7 +14,7 @@ trainer/credentials.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from trainer.credentials import redact_uri
@@ -31,6 +31,7 @@ EvictionPolicy = Literal["lfu", "lru"]
 Pooling = Literal["sum", "mean"]
 NumericTransform = Literal["log1p", "clip", "standardize"]
 SynthTeacherName = Literal["default", "capacity"]
+DataOrder = Literal["shuffled", "time"]
 SparseOptimizer = Literal["adagrad", "rowwise_adagrad"]
 TableDataType = Literal["fp32", "fp16"]
 Tokenizer = Literal["slice", "group"]
@@ -38,9 +39,11 @@ TokenizerBias = Literal["uniform", "zero"]
 BlockNorm = Literal["post", "pre"]
 TowerPooling = Literal["mean", "flatten"]
 MoEInference = Literal["sparse", "dense"]
+ArtifactFormat = Literal["pt2", "torchscript"]
+ServedTables = Literal["fp32", "fp16", "int8", "int4"]
 Device = Literal["auto", "cpu", "cuda"]
 PipelineChoice = Literal["auto", "sparse_dist", "none"]
-MixedPrecision = Literal["none", "bf16"]
+MixedPrecision = Literal["auto", "none", "bf16"]
 SelectMetric = Literal["auc", "logloss"]
 LoadMode = Literal["full", "weights"]
 DataPosition = Literal["exact", "next_epoch"]
@@ -156,6 +159,14 @@ class DataConfig:
     """How long a failing object-store read is retried (with backoff) before the run stops with exit code 4."""
     retry_attempts: int = 3
     """Attempts per request inside pyarrow's S3 client (its AWS standard retry strategy)."""
+    order: DataOrder = "shuffled"
+    """shuffled (one file list, reshuffled every epoch) | time (train_path's KEY=VALUE partitions in key order, each once; docs/continuous.md)."""
+    success_marker: str = "_SUCCESS"
+    """data.order=time: the file that marks a partition complete ('' : every partition folder is complete)."""
+    follow: bool = False
+    """data.order=time: once the complete partitions are trained, wait for new ones (until SIGTERM)."""
+    poll_seconds: float = 30.0
+    """data.follow: how often train_path is listed for new complete partitions."""
 
 
 @dataclass
@@ -179,73 +190,213 @@ class EmbeddingsConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Tokenizer, dense tower and task heads."""
+class RankMixerBlockConfig:
+    """[model.rankmixer]: the RankMixer block (towers rankmixer and rankmixer_moe)."""
 
-    tower: str = "rankmixer"
+    norm: BlockNorm = "post"
+    """post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
+    dropout: float = 0.0
+    """Dropout on the per-token FFN's output before its residual add (0: none)."""
+    pooling: TowerPooling = "mean"
+    """Tower output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
+
+
+@dataclass
+class MoEConfig:
+    """[model.moe]: the per-token sparse mixture of experts (tower rankmixer_moe)."""
+
+    num_experts: int = 4
+    """E, experts per token."""
+    expert_hidden: int = 0
+    """Hidden width of each expert (0: k D / E, the dense per-token FFN split over the experts)."""
+    budget: float = 0.5
+    """Target mean fraction of active experts; the L1 coefficient adapts to track it."""
+    l1_init: float = 0.001
+    """Initial L1 coefficient lambda on the inference router's gates (also the smallest step scale)."""
+    l1_rate: float = 0.1
+    """Adaptation speed: lambda += rate * (active - budget) / budget * max(|lambda|, l1_init) per step."""
+    consistency: float = 1.0
+    """Weight of the loss that teaches the inference router to reproduce the dense training output."""
+    inference: MoEInference = "sparse"
+    """At evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
+
+
+@dataclass
+class UniMixerConfig:
+    """[model.unimixer]: UniMixer's mixing (towers unimixer and unimixer_lite)."""
+
+    block_size: int = 0
+    """Block size over the flattened T x D tokens (0: D, one block per token)."""
+    tau_start: float = 1.0
+    """Temperature at step 0 (eq. 21)."""
+    tau_end: float = 0.05
+    """Temperature after tau_anneal_steps (eq. 21)."""
+    tau_anneal_steps: int = 0
+    """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
+    sinkhorn_iters: int = 50
+    """Most Sinkhorn-Knopp iterations (row and column normalisation each) for the mixing weights."""
+    sinkhorn_tol: float = 1e-5
+    """Sinkhorn stops early once every row's log-sum is within this of 0 (0: always sinkhorn_iters)."""
+    num_basis: int = 4
+    """unimixer_lite: b, shared basis matrices of the local weights."""
+    global_rank: int = 8
+    """unimixer_lite: r, rank of the global weight A_G B_G."""
+
+
+@dataclass
+class MLPConfig:
+    """[model.mlp]: the ReLU MLP (tower mlp, and dcnv2's deep part)."""
+
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden widths; the last is the tower's output."""
+
+
+@dataclass
+class DCNv2Config:
+    """[model.dcnv2]: the cross network (tower dcnv2)."""
+
+    cross_layers: int = 3
+    """Cross layers x_{l+1} = x_0 * (W x_l + b) + x_l."""
+    cross_rank: int = 0
+    """Rank r of W = U V^T (0: full E x E matrices)."""
+
+
+@dataclass
+class AttentionConfig:
+    """[model.attention]: token mixing by self-attention (tower self_attention)."""
+
+    num_heads: int = 0
+    """Attention heads H (0: one per token, H = T); D must divide by H."""
+
+
+@dataclass(frozen=True)
+class TowerFields:
+    """What of ModelConfig a tower reads: `tables` of its own, and whether it tokenizes
+    (the tokenizer and token fields of [model]); `skip` lists fields of its tables it ignores."""
+
+    tables: tuple[str, ...] = ()
+    """ModelConfig tables the tower reads."""
+    tokens: bool = True
+    """The tower tokenizes: it reads TOKEN_FIELDS."""
+    skip: tuple[str, ...] = ()
+    """Fields of its tables that it does not read."""
+
+
+Tower = Literal["rankmixer", "rankmixer_moe", "unimixer", "unimixer_lite", "no_token_mixing", "shared_ffn",
+                "self_attention", "logreg", "mlp", "dcnv2"]
+TOWER_FIELDS: dict[str, TowerFields] = {
+    "rankmixer": TowerFields(("rankmixer",)),
+    "rankmixer_moe": TowerFields(("rankmixer", "moe")),
+    "unimixer": TowerFields(("unimixer",), skip=("num_basis", "global_rank")),
+    "unimixer_lite": TowerFields(("unimixer",)),
+    "no_token_mixing": TowerFields(),
+    "shared_ffn": TowerFields(),
+    "self_attention": TowerFields(("attention",)),
+    "logreg": TowerFields(tokens=False),
+    "mlp": TowerFields(("mlp",), tokens=False),
+    "dcnv2": TowerFields(("mlp", "dcnv2"), tokens=False),
+}
+"""Each registered tower (dense/towers.py registers exactly these names) -> the fields it reads."""
+assert set(TOWER_FIELDS) == set(get_args(Tower))
+TOKEN_FIELDS = ("tokenizer", "num_tokens", "tokenizer_bias", "token_dim", "hidden_dim", "num_layers", "ffn_ratio")
+"""The [model] fields that only token towers (TowerFields.tokens) read."""
+
+
+@dataclass
+class ModelConfig:
+    """Tokenizer, dense tower and task heads; each tower family's own fields in its table."""
+
+    tower: Tower = "rankmixer"
     """Registered dense tower: rankmixer | rankmixer_moe | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
     tokenizer: Tokenizer = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
-    """T, tokens for the slice tokenizer (the group tokenizer uses the number of groups)."""
+    """T, tokens for the slice tokenizer (the group tokenizer makes one per group)."""
     tokenizer_bias: TokenizerBias = "uniform"
     """Initial tokenizer biases: uniform (nn.Linear's +-1/sqrt(fan-in)) | zero (tokens start from the embeddings alone)."""
     token_dim: int = 0
-    """d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
+    """slice tokenizer: d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
     hidden_dim: int = 64
     """D, token width."""
     num_layers: int = 2
-    """L, RankMixer blocks."""
+    """L, blocks of the token tower."""
     ffn_ratio: int = 4
     """k, per-token FFN hidden width is k x D."""
-    norm: BlockNorm = "post"
-    """RankMixer blocks: post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
-    dropout: float = 0.0
-    """RankMixer blocks: dropout on the per-token FFN's output before its residual add (0: none)."""
-    pooling: TowerPooling = "mean"
-    """RankMixer output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
-    block_size: int = 0
-    """UniMixer block size over the flattened T x D tokens (0: D, one block per token)."""
-    tau_start: float = 1.0
-    """UniMixer temperature at step 0 (eq. 21)."""
-    tau_end: float = 0.05
-    """UniMixer temperature after tau_anneal_steps (eq. 21)."""
-    tau_anneal_steps: int = 0
-    """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
-    sinkhorn_iters: int = 50
-    """Most Sinkhorn-Knopp iterations (row and column normalisation each) for the UniMixer weights."""
-    sinkhorn_tol: float = 1e-5
-    """Sinkhorn stops early once every row's log-sum is within this of 0 (0: always sinkhorn_iters)."""
-    num_basis: int = 4
-    """b, shared basis matrices of the local weights (unimixer_lite)."""
-    global_rank: int = 8
-    """r, rank of the global weight A_G B_G (unimixer_lite)."""
-    num_experts: int = 4
-    """E, experts per token (rankmixer_moe)."""
-    expert_hidden: int = 0
-    """Hidden width of each expert (0: k D / E, the dense per-token FFN split over the experts)."""
-    moe_budget: float = 0.5
-    """Target mean fraction of active experts; the L1 coefficient adapts to track it."""
-    moe_l1_init: float = 0.001
-    """Initial L1 coefficient lambda on the inference router's gates (also the smallest step scale)."""
-    moe_l1_rate: float = 0.1
-    """Adaptation speed: lambda += rate * (active - budget) / budget * max(|lambda|, moe_l1_init) per step."""
-    moe_consistency: float = 1.0
-    """Weight of the loss that teaches the inference router to reproduce the dense training output."""
-    moe_inference: MoEInference = "sparse"
-    """MoE at evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
-    mlp_hidden: list[int] = field(default_factory=lambda: [256, 128])
-    """Hidden widths of the ReLU MLP (mlp, and dcnv2's deep part); the last is the tower's output."""
-    cross_layers: int = 3
-    """dcnv2: cross layers x_{l+1} = x_0 * (W x_l + b) + x_l."""
-    cross_rank: int = 0
-    """dcnv2: rank r of W = U V^T (0: full E x E matrices)."""
-    num_heads: int = 0
-    """self_attention: attention heads H (0: one per token, H = T); D must divide by H."""
     head_hidden: int = 0
     """Hidden width of each task head's MLP (0: one linear layer)."""
     tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
     """Prediction tasks, one head each."""
+    rankmixer: RankMixerBlockConfig = field(default_factory=RankMixerBlockConfig)
+    """RankMixer block (rankmixer, rankmixer_moe)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Sparse mixture of experts (rankmixer_moe)."""
+    unimixer: UniMixerConfig = field(default_factory=UniMixerConfig)
+    """UniMixer mixing (unimixer, unimixer_lite)."""
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    """ReLU MLP (mlp, dcnv2)."""
+    dcnv2: DCNv2Config = field(default_factory=DCNv2Config)
+    """Cross network (dcnv2)."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """Self-attention token mixing (self_attention)."""
+
+
+TOWER_TABLES = ("rankmixer", "moe", "unimixer", "mlp", "dcnv2", "attention")
+"""ModelConfig's per-tower tables."""
+
+
+def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
+    """Each model field that the chosen tower and tokenizer do not read -> (the key whose
+    value makes it unused, why)."""
+    uses = TOWER_FIELDS[model.tower]
+    unused: dict[str, tuple[str, str]] = {}
+    if not uses.tokens:
+        unused |= dict.fromkeys((f"model.{name}" for name in TOKEN_FIELDS),
+                                ("model.tower", f"tower {model.tower!r} has no tokens"))
+    elif model.tokenizer == "group":
+        unused |= dict.fromkeys(("model.num_tokens", "model.token_dim"),
+                                ("model.tokenizer", "model.tokenizer='group' makes one token per group"))
+    for table in TOWER_TABLES:
+        for f in fields(getattr(model, table)):
+            if table not in uses.tables or f.name in uses.skip:
+                readers = [t for t, u in TOWER_FIELDS.items() if table in u.tables and f.name not in u.skip]
+                unused[f"model.{table}.{f.name}"] = (
+                    "model.tower", f"tower {model.tower!r} does not read it (read by {', '.join(readers)})")
+    return unused
+
+
+TIME_ORDER_FIELDS = ("success_marker", "follow", "poll_seconds")
+"""DataConfig fields that only data.order = "time" reads."""
+
+
+def unused_run_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
+    """Each data, train, metrics and publish field that data.order leaves unread -> (the key that
+    decides it, why)."""
+    why = ("data.order", f"data.order={data.order!r} does not read it")
+    if data.order == "time":  # a pass over the partitions; a validation split would read unfinished ones
+        return dict.fromkeys(("train.epochs", "data.valid_fraction", "data.valid_path"), why)
+    return dict.fromkeys((*(f"data.{name}" for name in TIME_ORDER_FIELDS), "publish.every_partition",
+                          "metrics.eval_next_partition"), why)
+
+
+ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
+"""FeatureSpec fields that only id, id_list and sequence features read."""
+NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
+"""FeatureSpec fields that only numeric features read."""
+
+
+def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, str]]:
+    """Each feature field that its feature's kind and hashing do not read -> (the key whose
+    value makes it unused, why)."""
+    unused: dict[str, tuple[str, str]] = {}
+    for f in features:
+        where = f"features.{f.name}"
+        numeric = f.kind == "numeric"
+        cause = (f"{where}.kind", f"{where}.kind={f.kind!r} does not read it")
+        unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
+        if numeric or f.hashing != "managed":
+            unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
+                                    (f"{where}.hashing", f"{where}.hashing={f.hashing!r} is not managed"))
+    return unused
 
 
 @dataclass
@@ -288,8 +439,10 @@ class TrainConfig:
     """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
     pipeline: PipelineChoice = "auto"
     """auto (sparse_dist on CUDA, none on CPU) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
-    mixed_precision: MixedPrecision = "none"
-    """none | bf16: autocast the dense tower to bfloat16 on CUDA (fp32 master weights)."""
+    mixed_precision: MixedPrecision = "auto"
+    """auto (bf16 on CUDA, none on CPU) | bf16: autocast the dense tower and heads to bfloat16 (fp32 master weights), TF32 matmuls elsewhere on CUDA | none: fp32 throughout."""
+    check_every: int = 20
+    """Steps between reads of the finiteness checks, stop signal and timed-save vote (also read at every log, validation, evaluation and save); a non-finite step is found up to check_every - 1 steps late."""
     select_metric: SelectMetric = "auc"
     """Validation metric that ranks the points of a run: auc (higher is better) | logloss (lower is better)."""
     early_stopping_patience: int = 0
@@ -340,12 +493,32 @@ class MetricsConfig:
     """Evaluation batches per rank (0: the whole held-out split)."""
     log_every: int = 20
     """Log training loss and throughput every N steps."""
+    window_batches: int = 100
+    """Training AUC, NE and calibration logged over the last N training batches of every rank (0: off)."""
     tensorboard: bool = True
     """Write TensorBoard scalars into the run folder."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device for MFU (0: measure a plain matrix multiply at start)."""
+    eval_next_partition: bool = False
+    """data.order = "time": before a partition's first step, evaluate the model on it (kind next_partition)."""
+
+
+@dataclass
+class PublishConfig:
+    """Serving artifacts published while training, each full and as a delta (trainer/serving/publish.py)."""
+
+    every_steps: int = 0
+    """Publish after every N steps (0: not by steps)."""
+    every_partition: bool = False
+    """Publish after each data partition is trained (data.order = "time")."""
+    folder: str = ""
+    """Where the published <name>/ folders go ('' : <run_dir>/publish)."""
+    format: ArtifactFormat = "pt2"
+    """The artifact's format, as `rankmix export --format`."""
+    tables: ServedTables = "fp32"
+    """The artifact's tables, as `rankmix export --tables`."""
 
 
 @dataclass
@@ -354,6 +527,8 @@ class LaunchConfig:
 
     backend: Backend = "auto"
     """Collective backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl."""
+    pg_timeout_minutes: float = 30.0
+    """Minutes a collective may wait before the process groups give up (a save to a slow shared filesystem)."""
 
 
 @dataclass
@@ -378,6 +553,8 @@ class Config:
     """Evaluation and logging."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Distributed set-up."""
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    """Publishing serving artifacts while training."""
 
 
 def _redacting_repr(cls: type) -> None:
@@ -392,5 +569,6 @@ def _redacting_repr(cls: type) -> None:
 
 
 for _cls in (FeatureSpec, TaskSpec, DataConfig, EmbeddingsConfig, ModelConfig, OptimConfig, TrainConfig,
-             CheckpointConfig, MetricsConfig, LaunchConfig, Config):
+             RankMixerBlockConfig, MoEConfig, UniMixerConfig, MLPConfig, DCNv2Config, AttentionConfig,
+             CheckpointConfig, MetricsConfig, LaunchConfig, PublishConfig, Config):
     _redacting_repr(_cls)

@@ -27,9 +27,8 @@ import tomli_w
 from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
                                  redact_uri, with_placeholders, without_credentials)
 
-from trainer.config import (CheckpointConfig, Config, DataConfig, EmbeddingsConfig, FeatureSpec, LaunchConfig,
-                            MetricsConfig, ModelConfig, OptimConfig, SPARSE_SHARDING_TYPES, TaskSpec, TrainConfig,
-                            managed_tables)
+from trainer.config import (SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec, managed_tables,
+                            unused_feature_fields, unused_model_fields, unused_run_fields)
 from trainer.files import write_atomic
 
 
@@ -58,6 +57,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for item in overrides:
             apply_override(cfg, item)
         check_credentials(cfg, path, overrides, allow_redacted=allow_redacted)
+        check_unused(cfg, set(_given_keys(raw, "")), {item[2:].split("=", 1)[0] for item in overrides})
         validate(cfg)
         return cfg
     except CredentialsError:
@@ -67,6 +67,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if message != str(e):
             raise ValueError(message) from None  # no chained original: it holds the secret
         raise
+
+
+def check_unused(cfg: Config, in_file: set[str], on_command_line: set[str]) -> None:
+    """ValueError for a field given that the chosen tower, tokenizer or feature kind does not
+    read. A field from the file is let through when the command line changed the key that
+    makes it unused (`--model.tower=mlp` over a RankMixer file), since it belongs to the
+    file's own choice; `dump_toml` then leaves it out."""
+    unused = unused_fields(cfg)
+    for key in sorted(in_file | on_command_line):
+        if key in unused:
+            cause, why = unused[key]
+            if key in on_command_line or cause not in on_command_line:
+                raise ValueError(f"{key} is set, but {why}; remove it")
+
+
+def unused_fields(cfg: Config) -> dict[str, tuple[str, str]]:
+    """Every field of `cfg` that its choices leave unread -> (the key that decides it, why)."""
+    return unused_model_fields(cfg.model) | unused_feature_fields(cfg.features) | unused_run_fields(cfg.data)
+
+
+def _given_keys(raw: Any, where: str) -> typing.Iterator[str]:
+    """The dotted keys a TOML table sets, list entries by name (`features.item_id.column`)."""
+    for key, value in raw.items():
+        dotted = _join(where, str(key))
+        if isinstance(value, dict) and not dotted.startswith("embeddings.table_sharding"):
+            yield from _given_keys(value, dotted)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, entry in enumerate(value):
+                yield from _given_keys(entry, _entry(dotted, i, entry))
+        else:
+            yield dotted
 
 
 def check_credentials(cfg: Config, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -128,9 +159,30 @@ def apply_override(cfg: Config, item: str) -> None:
         obj[key] = _coerce(_parse_scalar(text, item), item, dotted)
         return
     if not dataclasses.is_dataclass(obj) or key not in _fields(type(obj)):
-        raise ValueError(f"unknown config key: {dotted}")
+        raise ValueError(_unknown(dotted))
     hint = _hints(type(obj))[key]
     setattr(obj, key, _coerce(_parse_scalar(text, hint), hint, dotted))
+
+
+MOVED = {f"model.{old}": f"model.{new}" for old, new in {
+    "norm": "rankmixer.norm", "dropout": "rankmixer.dropout", "pooling": "rankmixer.pooling",
+    "num_experts": "moe.num_experts", "expert_hidden": "moe.expert_hidden", "moe_budget": "moe.budget",
+    "moe_l1_init": "moe.l1_init", "moe_l1_rate": "moe.l1_rate", "moe_consistency": "moe.consistency",
+    "moe_inference": "moe.inference", "block_size": "unimixer.block_size", "tau_start": "unimixer.tau_start",
+    "tau_end": "unimixer.tau_end", "tau_anneal_steps": "unimixer.tau_anneal_steps",
+    "sinkhorn_iters": "unimixer.sinkhorn_iters", "sinkhorn_tol": "unimixer.sinkhorn_tol",
+    "num_basis": "unimixer.num_basis", "global_rank": "unimixer.global_rank", "mlp_hidden": "mlp.hidden",
+    "cross_layers": "dcnv2.cross_layers", "cross_rank": "dcnv2.cross_rank", "num_heads": "attention.num_heads"}.items()}
+"""The flat model keys that moved into their tower's table -> where they live now."""
+
+
+def _unknown(dotted: str) -> str:
+    """The error for a key no section has: where it moved, if it did."""
+    if dotted in MOVED:
+        table, _, name = MOVED[dotted].rpartition(".")
+        return (f"config key {dotted} has moved to {MOVED[dotted]}: in TOML, `{name} = ...` under [{table}]; "
+                f"on the command line, --{MOVED[dotted]}=...")
+    return f"unknown config key: {dotted}"
 
 
 def _child(obj: Any, part: str, where: str) -> Any:
@@ -141,7 +193,7 @@ def _child(obj: Any, part: str, where: str) -> Any:
         raise ValueError(f"unknown config key: {where} (no entry named {part!r})")
     if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
         return getattr(obj, part)
-    raise ValueError(f"unknown config key: {where}")
+    raise ValueError(_unknown(where))
 
 
 def _parse_scalar(text: str, hint: Any) -> Any:
@@ -162,7 +214,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     hints, known = _hints(cls), _fields(cls)
     for key in raw:
         if key not in known:
-            raise ValueError(f"unknown config key: {_join(where, key)}")
+            raise ValueError(_unknown(_join(where, key)))
     return cls(**{k: _coerce(v, hints[k], _join(where, k)) for k, v in raw.items()})
 
 
@@ -230,22 +282,25 @@ def _fields(cls: type) -> tuple[str, ...]:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
-    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "model.hidden_dim",
-                    "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr", "embeddings.lr",
-                    "model.tau_start", "model.tau_end", "model.sinkhorn_iters", "model.num_basis",
-                    "model.global_rank", "model.num_experts", "model.moe_l1_init", "data.retry_attempts")  # lambda adapts multiplicatively
-    _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "train.steps", "train.epochs", "model.token_dim",
-                       "model.head_hidden", "model.block_size", "model.expert_hidden", "model.moe_l1_rate",
-                       "model.moe_consistency", "model.tau_anneal_steps", "model.sinkhorn_tol", "optim.warmup_steps",
-                       "optim.grad_clip_norm", "metrics.eval_every", "metrics.eval_batches", "metrics.log_every",
-                       "metrics.peak_tflops",
-                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep", "data.retry_seconds",
-                       "checkpoint.signal_grace_steps", "metrics.valid_every", "train.early_stopping_patience",
-                       "optim.dense_warmup_steps")
+    _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "data.retry_attempts",
+                    "model.hidden_dim", "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr",
+                    "embeddings.lr", "model.unimixer.tau_start", "model.unimixer.tau_end",
+                    "model.unimixer.sinkhorn_iters", "model.unimixer.num_basis", "model.unimixer.global_rank",
+                    "model.moe.num_experts", "model.moe.l1_init", "launch.pg_timeout_minutes",
+                    "train.check_every", "data.poll_seconds")  # moe.l1_init > 0: lambda adapts multiplicatively
+    _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "data.retry_seconds", "train.steps",
+                       "train.epochs", "train.early_stopping_patience", "model.token_dim", "model.head_hidden",
+                       "model.unimixer.block_size", "model.unimixer.tau_anneal_steps", "model.unimixer.sinkhorn_tol",
+                       "model.moe.expert_hidden", "model.moe.l1_rate", "model.moe.consistency",
+                       "model.dcnv2.cross_rank", "model.attention.num_heads", "optim.warmup_steps",
+                       "optim.dense_warmup_steps", "optim.grad_clip_norm", "metrics.eval_every", "metrics.valid_every",
+                       "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops", "metrics.window_batches",
+                       "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep",
+                       "checkpoint.signal_grace_steps", "publish.every_steps")
     if not math.isfinite(cfg.data.retry_seconds):  # inf (or nan) would retry an outage forever
         raise ValueError(f"data.retry_seconds must be a finite number of seconds, got {cfg.data.retry_seconds}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise ValueError(f"model.dropout={cfg.model.dropout} must be a probability in [0, 1)")
+    if not 0 <= cfg.model.rankmixer.dropout < 1:
+        raise ValueError(f"model.rankmixer.dropout={cfg.model.rankmixer.dropout} must be a probability in [0, 1)")
     if not 0 <= cfg.data.valid_fraction < 1:
         raise ValueError(f"data.valid_fraction={cfg.data.valid_fraction} must be a share of the rows in [0, 1)")
     if cfg.data.valid_fraction and cfg.data.valid_path:
@@ -253,14 +308,18 @@ def validate(cfg: Config) -> None:
     if cfg.train.early_stopping_patience and not (cfg.data.valid_path or cfg.data.valid_fraction):
         raise ValueError("train.early_stopping_patience needs a validation split: set data.valid_path or "
                          "data.valid_fraction")
-    if not 0 < cfg.model.moe_budget <= 1:
-        raise ValueError(f"model.moe_budget={cfg.model.moe_budget} must be a fraction of the experts in (0, 1]")
+    if not 0 < cfg.model.moe.budget <= 1:
+        raise ValueError(f"model.moe.budget={cfg.model.moe.budget} must be a fraction of the experts in (0, 1]")
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
+    if cfg.publish.every_steps and cfg.publish.every_partition:
+        raise ValueError("publish.every_steps and publish.every_partition are both set: publish one way")
     if cfg.train.steps == 0 and cfg.train.epochs == 0:
         raise ValueError("train.steps and train.epochs are both 0: nothing to train")
-    if cfg.model.tau_anneal_steps and cfg.model.tau_end > cfg.model.tau_start:
-        raise ValueError(f"model.tau_end={cfg.model.tau_end} exceeds model.tau_start={cfg.model.tau_start}: "
+    unimixer = cfg.model.unimixer
+    if unimixer.tau_anneal_steps and unimixer.tau_end > unimixer.tau_start:
+        raise ValueError(f"model.unimixer.tau_end={unimixer.tau_end} exceeds model.unimixer.tau_start="
+                         f"{unimixer.tau_start}: "
                          "eq. 21 anneals the temperature downwards")
     if not cfg.model.tasks:
         raise ValueError("model.tasks is empty: at least one task is needed")
@@ -351,9 +410,28 @@ def _check_nonnegative(cfg: Config, *keys: str) -> None:
 def to_dict(cfg: Any, *, reveal: bool = False) -> dict[str, Any]:
     """The config as plain TOML values, URI credentials redacted (`reveal`: as given, for
     code that opens the stores, never for writing or showing); unset (None) fields are left
-    out, as TOML has no null."""
+    out, as TOML has no null, and so are the unread fields of a Config or FeatureSpec
+    (`unused_fields`), so that what is written loads again."""
     values = _drop_none(dataclasses.asdict(cfg))
+    if isinstance(cfg, Config):
+        for key in unused_fields(cfg):
+            _pop(values, key)
+    elif isinstance(cfg, FeatureSpec):  # a schema entry, as a [[features]] table
+        for key in unused_feature_fields([cfg]):
+            values.pop(key.rpartition(".")[2], None)
     return values if reveal else redact_config(values)
+
+
+def _pop(values: dict[str, Any], dotted: str) -> None:
+    """Remove `dotted` from asdict's tree (list entries by name)."""
+    *path, last = dotted.split(".")
+    nodes: list[Any] = [values]
+    for part in path:
+        node = nodes[-1]
+        nodes.append(next(e for e in node if e.get("name") == part) if isinstance(node, list) else node[part])
+    nodes[-1].pop(last, None)
+    if not nodes[-1] and isinstance(nodes[-2], dict):  # a tower table left empty
+        nodes[-2].pop(path[-1])
 
 
 def _drop_none(value: Any) -> Any:
@@ -384,13 +462,14 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:
-    """`--section.key  (type, default)  doc` lines for every field, for --help."""
+    """`--section.key=default  doc` lines for every field under a `[section]  doc` line per
+    table, for --help; the model's tower tables name the towers that read them."""
     lines = []
     docs, hints = field_docs(cls), _hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            lines += describe(hint, f"{prefix}{f.name}.")
+            lines += ["", f"[{prefix}{f.name}]  {docs.get(f.name, '')}"] + describe(hint, f"{prefix}{f.name}.")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if typing.get_origin(hint) is list and typing.get_args(hint)[0] in (FeatureSpec, TaskSpec):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
-from trainer.config import MANAGED_ID_RANGE, FeatureSpec
+from trainer.config import FeatureSpec
+from trainer.data.feature_ops import HASHINGS
 
 
 def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str,
@@ -60,7 +60,7 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     `reduce=False`: the ids checked, not reduced."""
     if spec.hashing == "managed" and reduce:
         _refuse_negative(values, lengths, spec, where)
-        return spread(values)
+        return HASHINGS["managed"].numpy(values, spec.num_embeddings)
     # One pass for the common case, every id already valid: seen as unsigned, a negative id
     # is at least 2^(bits-1) (int8 -128 is 128, below num_embeddings=1000), so `max < bound`
     # rules out both errors and makes modulo a no-op.
@@ -71,7 +71,7 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     if spec.hashing != "none":  # modulo, or managed ids left raw
         if not reduce:
             return values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64)
-        return (values % values.dtype.type(spec.num_embeddings)).astype(np.int64)
+        return HASHINGS[spec.hashing].numpy(values, spec.num_embeddings)
     i = np.flatnonzero(values >= spec.num_embeddings)[0]  # the fast check above found one
     raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
                      f"{_row_of(i, lengths)} is out of range for num_embeddings="
@@ -83,42 +83,6 @@ def _refuse_negative(values: np.ndarray, lengths: np.ndarray | None, spec: Featu
         i = np.flatnonzero(values < 0)[0]
         raise ValueError(f"{where}, column {spec.column!r}: negative id {values[i]} "
                          f"at row {_row_of(i, lengths)}")
-
-
-def spread(values: np.ndarray) -> np.ndarray:
-    """Raw ids (any integer type; uint64 ones by their bit pattern) mixed evenly over
-    [0, MANAGED_ID_RANGE) by splitmix64's finaliser, a bijection of 64-bit words: ids that
-    differ stay different until the final reduction to 62 bits, which gives each value to 4
-    words (two ids meet with chance 2^-62), and a log's ids, however clustered, fill every
-    rank's part alike."""
-    z = values.astype(np.int64, copy=False).view(np.uint64).copy()
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(_MIX[0])
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(_MIX[1])
-    z ^= z >> np.uint64(31)
-    return (z % np.uint64(MANAGED_ID_RANGE)).astype(np.int64)
-
-
-_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's multipliers
-
-
-def spread_ids(ids: torch.Tensor) -> torch.Tensor:
-    """`spread` in tensor ops, which the serving artifact traces: int64 [N] raw ids (bit
-    patterns) -> int64 [N] in [0, MANAGED_ID_RANGE). int64 products wrap as unsigned ones do,
-    and shifts are made logical by a mask. The reader keeps numpy's: torch's thread pool,
-    started from the reader's thread, competed with the training step (0.85x its examples/s)."""
-    z = ids ^ _shift_right(ids, 30)
-    z = z * (_MIX[0] - 2 ** 64)
-    z = z ^ _shift_right(z, 27)
-    z = z * (_MIX[1] - 2 ** 64)
-    z = z ^ _shift_right(z, 31)
-    return z & (MANAGED_ID_RANGE - 1)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned (logical) right shift of int64 words; torch's `>>` keeps the sign."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _keep_last(values: np.ndarray, lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,9 +21,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
-from trainer.config import FeatureSpec, managed_tables
-from trainer.data.feature_ops import TRANSFORMS
-from trainer.data.ids import MANAGED_ID_RANGE, spread_ids
+from trainer.config import MANAGED_ID_RANGE, FeatureSpec, managed_tables
+from trainer.data.feature_ops import HASHINGS, TRANSFORMS
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
 
@@ -85,24 +84,24 @@ class ServingModel(nn.Module):
         return rows, lengths
 
     def _table_rows(self, ids: torch.Tensor, per_id) -> torch.Tensor:
+        """Each id hashed by its feature's mode (`HASHINGS`): every mode runs over every id and
+        `torch.where` keeps each feature's own, so there is no data-dependent split to trace."""
         sizes = per_id([f.num_embeddings for f in self.sparse])
-        checked = [i for i, f in enumerate(self.sparse) if f.hashing == "none"]
-        if checked:
-            outside = (ids < 0) | (ids >= sizes)  # as unsigned numbers: an id below 0 is 2^63 or more
-            feature = per_id(list(range(len(self.sparse))))
-            for i in checked:
-                f = self.sparse[i]
+        feature = per_id(list(range(len(self.sparse))))
+        outside = (ids < 0) | (ids >= sizes)  # as unsigned numbers: an id below 0 is 2^63 or more
+        for i, f in enumerate(self.sparse):
+            if HASHINGS[f.hashing].in_range:
                 _require(~(outside & (feature == i)).any(), f"sparse feature {f.name!r}: an id is out of "
-                         f"range for its {f.num_embeddings} rows (hashing 'none')")
-        if len(checked) == len(self.sparse):
-            return ids
-        # An id below 0 is an unsigned id of 2^63 or more: u % n = (id % n + 2^64 % n) % n.
-        rows = torch.remainder(ids, sizes)
-        wrap = per_id([2 ** 64 % f.num_embeddings for f in self.sparse])
-        rows = torch.where(ids < 0, torch.remainder(rows + wrap, sizes), rows)
-        for table, id_map in self.id_maps.items():  # every id is looked up: no data-dependent split to trace
-            in_table = per_id([int(f.table == table) for f in self.sparse]) == 1
-            rows = torch.where(in_table, id_map(ids), rows)
+                         f"range for its {f.num_embeddings} rows (hashing {f.hashing!r})")
+        rows = ids
+        for mode in sorted({f.hashing for f in self.sparse}):
+            hashed = HASHINGS[mode].torch(ids, sizes)
+            if mode == "managed":  # spread ids -> rows, by each managed table's fixed map
+                for table, id_map in self.id_maps.items():
+                    in_table = per_id([int(f.table == table) for f in self.sparse]) == 1
+                    rows = torch.where(in_table, id_map(hashed), rows)
+            else:
+                rows = torch.where(per_id([int(f.hashing == mode) for f in self.sparse]) == 1, hashed, rows)
         return rows
 
     def transform_numeric(self, numeric: torch.Tensor) -> torch.Tensor:
@@ -125,9 +124,9 @@ class ServingModel(nn.Module):
 
 
 class ManagedRows(nn.Module):
-    """Raw ids [N] int64 -> rows [N] of one managed table, as TorchRec's MCH maps them in
+    """Spread ids [N] int64 -> rows [N] of one managed table, as TorchRec's MCH maps them in
     evaluation on the ranks that trained it: the id spread as the reader spreads it
-    (trainer/data/ids.py), then its row in the map, or else the miss row of the rank whose
+    (`HASHINGS['managed']`, trainer/data/feature_ops.py), then its row in the map, or else the miss row of the rank whose
     range holds it. The map (embeddings/managed.py `served_tables`) is fixed: serving admits
     and evicts nothing.
 
@@ -143,7 +142,7 @@ class ManagedRows(nn.Module):
         self.register_buffer("miss_rows", miss_rows.clone())
         self.range_per_rank = -(-MANAGED_ID_RANGE // len(miss_rows))  # TorchRec's row-wise bucket size
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        spread = spread_ids(ids)
+    def forward(self, spread: torch.Tensor) -> torch.Tensor:
+        """Spread ids [N] (`HASHINGS['managed']`) -> rows [N]."""
         at = torch.searchsorted(self.keys, spread)
         return torch.where(self.keys[at] == spread, self.rows[at], self.miss_rows[spread // self.range_per_rank])

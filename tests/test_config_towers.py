@@ -1,0 +1,124 @@
+"""Each tower family's fields live in its own [model.<family>] table (trainer/config.py
+TOWER_FIELDS): a field that the chosen tower, tokenizer, feature kind or data order does
+not read is an error naming the field and the choice, the old flat keys name where they moved, and the
+resolved config a run writes holds only what the run reads, so that it loads again."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dense.layout import InputLayout
+from dense.towers import TOWERS, build_tower
+from tests import cli
+from trainer.config import TOWER_FIELDS, TOWER_TABLES, Config, ModelConfig
+from trainer.config_loader import MOVED, dump_toml, load_config, to_dict, unused_fields
+from trainer.data.datasets import synth_features
+
+DEBUG = "configs/debug.toml"
+
+
+def test_the_registry_and_the_config_know_the_same_towers():
+    assert sorted(TOWER_FIELDS) == TOWERS.names()
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_flat_key_names_where_it_moved(old, tmp_path):
+    new = MOVED[old]
+    table, _, name = new.rpartition(".")
+    message = (f"config key {old} has moved to {new}: in TOML, `{name} = ...` under [{table}]; "
+               f"on the command line, --{new}=...")
+    with pytest.raises(ValueError) as on_the_command_line:
+        load_config(None, [f"--{old}=1"])
+    assert str(on_the_command_line.value) == message
+    path = tmp_path / "old.toml"
+    path.write_text(f"[model]\n{old.removeprefix('model.')} = 1\n")
+    with pytest.raises(ValueError) as in_a_file:
+        load_config(path)
+    assert str(in_a_file.value) == message
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.moe.budget=0.3"],
+     "model.moe.budget is set, but tower 'rankmixer' does not read it (read by rankmixer_moe); remove it"),
+    (["--model.tower=dcnv2", "--model.num_tokens=4"],
+     "model.num_tokens is set, but tower 'dcnv2' has no tokens; remove it"),
+    (["--model.tower=mlp", "--model.dcnv2.cross_layers=2"],
+     "model.dcnv2.cross_layers is set, but tower 'mlp' does not read it (read by dcnv2); remove it"),
+    (["--model.tower=unimixer", "--model.unimixer.num_basis=2"],
+     "model.unimixer.num_basis is set, but tower 'unimixer' does not read it (read by unimixer_lite); remove it"),
+    (["--model.tokenizer=group", "--model.num_tokens=3"],
+     "model.num_tokens is set, but model.tokenizer='group' makes one token per group; remove it"),
+    (["--features.item_id.eviction_interval=5"],
+     "features.item_id.eviction_interval is set, but features.item_id.hashing='none' is not managed; remove it"),
+    (["--features.item_price.hashing=modulo"],
+     "features.item_price.hashing is set, but features.item_price.kind='numeric' does not read it; remove it"),
+    (["--data.follow=true"], "data.follow is set, but data.order='shuffled' does not read it; remove it"),
+    (["--data.order=time", "--data.valid_fraction=0.1"],
+     "data.valid_fraction is set, but data.order='time' does not read it; remove it"),
+])
+def test_a_field_the_choice_does_not_read_is_an_error(overrides, message):
+    with pytest.raises(ValueError) as error:
+        load_config("configs/synth.toml", overrides)
+    assert str(error.value) == message
+
+
+def test_a_file_field_of_the_file_own_tower_is_an_error(tmp_path):
+    path = tmp_path / "cfg.toml"
+    path.write_text('[model]\ntower = "mlp"\nhidden_dim = 32\n')
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value) == "model.hidden_dim is set, but tower 'mlp' has no tokens; remove it"
+
+
+def test_switching_the_tower_on_the_command_line_leaves_the_file_tower_fields_out(tmp_path):
+    """debug.toml sizes a RankMixer; `--model.tower=dcnv2` trains a DCNv2 with the same data
+    and run settings, and the config it writes holds no RankMixer field, so it loads alone."""
+    cfg = load_config(DEBUG, ["--model.tower=dcnv2", "--model.dcnv2.cross_layers=2"])
+    assert (cfg.model.tower, cfg.model.dcnv2.cross_layers) == ("dcnv2", 2)
+    dump_toml(cfg, tmp_path / "config.toml")
+    text = (tmp_path / "config.toml").read_text()
+    assert "num_tokens" not in text and "[model.moe]" not in text and "[model.dcnv2]" in text
+    assert to_dict(load_config(tmp_path / "config.toml")) == to_dict(cfg)  # equal in every field it reads
+
+
+def test_every_unused_field_is_truly_unread():
+    """Each tower builds the same module, bit for bit, whatever its unread fields hold."""
+    layout = InputLayout(synth_features())
+    for tower in TOWER_FIELDS:
+        plain = ModelConfig(tower=tower, num_tokens=4, hidden_dim=16, num_layers=1, ffn_ratio=2)
+        odd = dataclasses.replace(plain, **{t: dataclasses.replace(getattr(plain, t)) for t in TOWER_TABLES})
+        cfg = Config(model=odd)
+        for key in unused_fields(cfg):
+            if key.startswith("model."):
+                *path, name = key.split(".")[1:]
+                owner = odd
+                for part in path:
+                    owner = getattr(owner, part)
+                setattr(owner, name, _odd(getattr(owner, name)))
+        torch.manual_seed(0)
+        want = build_tower(plain, layout).state_dict()
+        torch.manual_seed(0)
+        got = build_tower(odd, layout).state_dict()
+        assert list(got) == list(want), tower
+        assert all(torch.equal(got[k], want[k]) for k in want), tower
+
+
+def _odd(value):
+    """Another valid value of the same type (a tower that read it would change)."""
+    if isinstance(value, bool) or isinstance(value, str):
+        return value  # choices: an unread choice cannot change a shape; covered by the loader's errors
+    if isinstance(value, list):
+        return [v + 3 for v in value]
+    return value + 3 if isinstance(value, int) else value / 2 + 0.25
+
+
+def test_help_groups_the_fields_by_tower_table():
+    proc = cli.rankmix("train", "--help")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for table, readers in [("moe", "rankmixer_moe"), ("unimixer", "unimixer, unimixer_lite"), ("dcnv2", "dcnv2")]:
+        header = next(line for line in lines if line.startswith(f"[model.{table}]"))
+        assert header.endswith(f"({readers}).")
+        after = lines[lines.index(header) + 1]
+        assert after.strip().startswith(f"--model.{table}.")
