@@ -2,8 +2,18 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-# The pinned stack differs per device: CPU fbgemm on machines without a GPU.
-DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# The pinned stack differs per device: DEVICE=cuda|cpu. Left out, it is detected on the machine
+# that runs make (CPU fbgemm where nvidia-smi sees no GPU): right for a developer's `make setup`,
+# wrong for an image built on a GPU-less builder, which must pass DEVICE=cuda (docs/distributed.md).
+ifeq ($(origin DEVICE),undefined)
+DEVICE := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+DEVICE_WHY := detected: nvidia-smi $(if $(filter cuda,$(DEVICE)),lists a GPU,lists no GPU here); pass DEVICE=cuda|cpu to choose
+else
+DEVICE_WHY := DEVICE=$(DEVICE) given
+endif
+ifeq ($(filter cpu cuda,$(DEVICE)),)
+$(error DEVICE must be cpu or cuda, got '$(DEVICE)')
+endif
 STAMP  := $(VENV)/.installed-$(DEVICE)
 ARGS   ?=
 # pytest-xdist workers: most tests wait for a subprocess to start on one core, so two pay off
@@ -16,11 +26,14 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/$(DEVICE).txt
+	@echo "rankmix: installing the $(DEVICE) stack ($(DEVICE_WHY))"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements/$(DEVICE).txt
 	# torchrec declares the CUDA fbgemm-gpu; its real needs are in requirements/.
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	# the CUDA wheels must agree with each other and with the driver; a mismatch leaves setup undone
+	if [ "$(DEVICE)" = cuda ]; then $(BIN)/rankmix doctor; fi
 	touch $@
 
 train: setup

@@ -396,10 +396,10 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
 
 
 def expert_hidden(dim: int, ratio: int, num_experts: int, configured: int) -> int:
-    """model.expert_hidden, or k D / E: the dense FFN's hidden units split over the experts."""
+    """model.moe.expert_hidden, or k D / E: the dense FFN's hidden units split over the experts."""
     if configured:
         return configured
     if ratio * dim % num_experts:
         raise ValueError(f"model.ffn_ratio x model.hidden_dim = {ratio * dim} does not split over "
-                         f"model.num_experts={num_experts}; set model.expert_hidden")
+                         f"model.moe.num_experts={num_experts}; set model.moe.expert_hidden")
     return ratio * dim // num_experts

@@ -2,7 +2,7 @@
 and SiameseNorm, with the linear temperature schedule of eq. 21.
 
 Tokens [B, T, D] are flattened to L = T*D and cut into n = L/blk blocks of blk values
-(`model.block_size`). The mixing of eq. 11 is the generalised Kronecker product
+(`model.unimixer.block_size`). The mixing of eq. 11 is the generalised Kronecker product
 W_G (x) {W_B^i}, an L x L matrix that is never built: eq. 14 applies the n per-block
 blk x blk matrices, then the n x n global matrix.
 """
@@ -18,35 +18,58 @@ from trainer.hooks import HookProvider, ServingForm, TrainingHooks
 from dense.rankmixer import in_dtype, uniform_init
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0) -> tuple[torch.Tensor, int]:
+def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0,
+             on_device: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """exp, then alternate row and column normalisation: [..., n, n] -> (doubly stochastic
-    [..., n, n], iterations run).
+    [..., n, n], iterations run [] on the logits' device).
 
     With `tol` > 0 it stops once every row's log-sum is within `tol` of 0 (each
     iteration ends on the columns, which are then exact): at tau = 1 that takes about
     10 iterations instead of the configured maximum, and backward unrolls only those.
-    The check reads one number back from the device: on a GPU, where that waits for the
-    queue, it runs every fifth iteration.
+    Where that test runs depends on the device (`on_device`, default: everywhere but the
+    CPU); both give the same result, bit for bit:
+
+    - on the CPU it reads the row sums back after each iteration, which waits for nothing;
+    - on a GPU such a read would wait for the whole queue, so every iteration runs and the
+      first within `tol` is kept, decided on the device (`_sinkhorn_on_device`).
+
     In log space and float32 even under autocast: at tau = 0.05 the logits are 20x the
     weights, and exp of that overflows bf16 while bf16 row sums drift by ~1e-2.
     """
     with torch.autocast(logits.device.type, enabled=False):
         log_p = logits.float()
-        every = 1 if log_p.device.type == "cpu" else 5
+        if tol and (log_p.device.type != "cpu" if on_device is None else on_device):
+            return _sinkhorn_on_device(log_p, iters, tol)
         for i in range(iters):
             rows = log_p.logsumexp(dim=-1, keepdim=True)
-            if tol and i and i % every == 0 and float(rows.detach().abs().amax()) <= tol:
-                return log_p.exp(), i
+            if tol and i and float(rows.detach().abs().amax()) <= tol:
+                return log_p.exp(), torch.tensor(i)
             log_p = log_p - rows
             log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
-        return log_p.exp(), iters
+        return log_p.exp(), torch.tensor(iters)
+
+
+def _sinkhorn_on_device(log_p: torch.Tensor, iters: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sinkhorn` with its tolerance test decided on the device, nothing read back: all
+    `iters` iterations run, and the log-probabilities of the first within `tol` are kept
+    (by `torch.where`, which passes their gradient on unchanged and the later iterations'
+    as zeros, so backward computes the early stop's gradient too)."""
+    kept, used = log_p, torch.full((), iters, device=log_p.device)  # used < iters: stopped
+    for i in range(iters):
+        rows = log_p.logsumexp(dim=-1, keepdim=True)
+        if i:
+            now = (rows.detach().abs().amax() <= tol) & (used == iters)
+            kept, used = torch.where(now, log_p, kept), used.masked_fill(now, i)
+        log_p = log_p - rows
+        log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
+    return torch.where(used < iters, kept, log_p).exp(), used
 
 
 def constrain_all(weights: list[torch.Tensor], tau: torch.Tensor | float, iters: int,
-                  tol: float = 0.0) -> tuple[list[torch.Tensor], int]:
+                  tol: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Eq. 15 for many matrices at once: symmetrise, divide by tau, Sinkhorn-Knopp.
     weights: [..., n, n] each, any n -> (the constrained float32 matrices in order, the
-    most iterations a batch ran).
+    most iterations a batch ran, [] on their device).
 
     Matrices of one size (every layer's local blocks, every layer's global matrix) run as
     one batched Sinkhorn: a tower's whole constraint is then one or two sequences of
@@ -60,17 +83,17 @@ def constrain_all(weights: list[torch.Tensor], tau: torch.Tensor | float, iters:
     for i, w in enumerate(weights):
         by_size.setdefault(w.shape[-1], []).append(i)
     out: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
-    most = 0
+    used = []
     with torch.autocast(weights[0].device.type, enabled=False):
         for n, members in by_size.items():
             w = torch.cat([weights[i].float().reshape(-1, n, n) for i in members])
-            p, used = sinkhorn((w + w.mT) / (2 * tau), iters, tol)
+            p, group_used = sinkhorn((w + w.mT) / (2 * tau), iters, tol)
             p = (p + p.mT) / 2
             counts = [weights[i].numel() // (n * n) for i in members]
             for i, part in zip(members, p.split(counts)):
                 out[i] = part.view(weights[i].shape)
-            most = max(most, used)
-    return out, most
+            used.append(group_used)
+    return out, torch.stack(used).amax()
 
 
 def temperature(step: int, tau_start: float, tau_end: float, anneal_steps: int) -> float:
@@ -88,7 +111,7 @@ class BlockMixing(nn.Module):
     def __init__(self, length: int, block: int, dim: int):
         super().__init__()
         if length % block:
-            raise ValueError(f"model.block_size={block} must divide the flattened token length "
+            raise ValueError(f"model.unimixer.block_size={block} must divide the flattened token length "
                              f"T*D = {length}")
         self.block, self.num_blocks = block, length // block
         self.dim, self.num_tokens = dim, length // dim  # Python ints: a traced forward's shapes are symbolic
@@ -300,7 +323,7 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
         """Mean Sinkhorn iterations per training forward since the last training log."""
         if kind != "train" or not self._iters[1]:
             return {}
-        iters, self._iters = self._iters[0] / self._iters[1], [0, 0]
+        iters, self._iters = float(self._iters[0]) / self._iters[1], [0, 0]  # summed on the device until now
         return {"unimixer/sinkhorn_iters": iters}
 
     def forward(self, e_input: torch.Tensor) -> torch.Tensor:

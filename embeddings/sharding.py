@@ -10,7 +10,8 @@ explicit type is built here with TorchRec's own constructors (`table_wise`, `row
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from torchrec.distributed import sharding_plan as sp
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 
@@ -31,7 +34,29 @@ from embeddings.torchrec_compat import ManagedTablesSharder, ReplicateAcrossRank
 from trainer.config import EmbeddingsConfig
 from trainer.registry import Registry
 
-PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]] = \
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware and batch TorchRec's planner plans for: training measures them
+    (trainer/dist.py `job_cluster`), `rankmix plan` is told them; both plan through
+    `plan_tables`."""
+
+    world_size: int
+    local_world_size: int
+    device: str  # "cuda" or "cpu"
+    batch_size: int  # rows per rank and step
+    hbm_bytes: int | None  # per GPU (unused on CPU); None: TorchRec's default
+    ddr_bytes: int | None  # host memory per rank; None: TorchRec's default
+
+    def topology(self) -> Topology:
+        """TorchRec's Topology of these facts (through its factory, which checks them)."""
+        return TopologyFactory.create_topology(
+            TrainerConfig(world_size=self.world_size, local_world_size=self.local_world_size,
+                          hbm_cap_bytes=self.hbm_bytes, ddr_cap_bytes=self.ddr_bytes),
+            kernel_config=KernelConfig(compute_device=self.device))
+
+
+PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, Cluster], ShardingPlan]] = \
     Registry("embeddings.plan")
 
 
@@ -47,30 +72,39 @@ def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection] | N
 
 
 @PLANS.register("auto")
-def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
-    """TorchRec's planner over the plain tables, run collectively so that every rank gets the
-    same plan. It sees the model without its managed tables: those are row-wise on every rank
-    whatever it would choose, and counted as whole tables they would crowd one rank out. The
-    dense modules stay, since the planner reserves memory for them."""
-    found = embedding_module(model)
-    if found is None:
+def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> ShardingPlan:
+    """TorchRec's planner over the plain tables. It sees the model without its managed
+    tables: those are row-wise on every rank whatever it would choose, and counted as whole
+    tables they would crowd one rank out. The dense modules stay, since the planner reserves
+    memory for them."""
+    if embedding_module(model) is None:
         return ShardingPlan({})
-    _, ebc = found
-    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type,
-                        local_world_size=_local_size())
-    constraints = {t.name: ParameterConstraints(sharding_types=list(cfg.sharding_types), compute_kernels=[FUSED])
-                   for t in ebc.embedding_bag_configs()}
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     unmanaged = nn.Module()
     for name, child in model.named_children():
         if not isinstance(child, ManagedCollisionEmbeddingBagCollection):
             unmanaged.add_module(name, child)
-    plan = planner.collective_plan(unmanaged, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
-    _whole_tables_as_table_wise(plan, model, device)
+    return plan_tables(unmanaged, list(cfg.sharding_types), cluster)
+
+
+def plan_tables(model: nn.Module, kinds: list[str], cluster: Cluster,
+                callbacks: Sequence[Callable] = ()) -> ShardingPlan:
+    """TorchRec's planner's plan of the model's EmbeddingBagCollection for `cluster`, with
+    `kinds` of sharding and the fused kernel: training's plan and `rankmix plan`'s. In a job it
+    runs collectively, so that every rank gets the same plan; `callbacks` see the chosen
+    sharding options."""
+    _, ebc = embedding_module(model)
+    constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
+                   for t in ebc.embedding_bag_configs()}
+    planner = EmbeddingShardingPlanner(topology=cluster.topology(), batch_size=cluster.batch_size,
+                                       constraints=constraints, callbacks=list(callbacks))
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = (planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if dist.is_initialized()
+            else planner.plan(model, sharders))
+    _whole_tables_as_table_wise(plan, model, cluster)
     return plan
 
 
-def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, device: torch.device) -> None:
+def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, cluster: Cluster) -> None:
     """The planner may label a table kept whole on one rank column-wise or
     table-column-wise (one shard; the label varies between runs with cost ties). Call it
     table-wise, which it is: TorchRec's DTensor state dict (async checkpoints) fails on
@@ -80,17 +114,16 @@ def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, device: to
         ranks = set(sharding.ranks or [])
         if sharding.sharding_type != "table_wise" and len(ranks) == 1:
             generator = sp.table_wise(rank=ranks.pop(), compute_kernel=FUSED)
-            plan.plan[path][name] = generator(ebc.embedding_bags[name].weight, _local_size(),
-                                              dist.get_world_size(), device.type,
-                                              EmbeddingBagCollectionSharder())
+            plan.plan[path][name] = generator(ebc.embedding_bags[name].weight, cluster.local_world_size,
+                                              cluster.world_size, cluster.device, EmbeddingBagCollectionSharder())
 
 
-def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, torch.device], ShardingPlan]:
-    def build(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
+def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, Cluster], ShardingPlan]:
+    def build(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> ShardingPlan:
         found = embedding_module(model)
         if found is None:
             return ShardingPlan({})
-        return _construct(model, device, {t.name: kind for t in found[1].embedding_bag_configs()})
+        return _construct(model, cluster, {t.name: kind for t in found[1].embedding_bag_configs()})
     build.__doc__ = f"Every table {kind}."
     return build
 
@@ -99,10 +132,10 @@ for _kind in ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_
     PLANS.register(_kind)(_explicit(_kind))
 
 
-def _construct(model: nn.Module, device: torch.device, kinds: dict[str, str]) -> ShardingPlan:
+def _construct(model: nn.Module, cluster: Cluster, kinds: dict[str, str]) -> ShardingPlan:
     """A plan giving each named table its sharding type (table-wise ones balanced by size)."""
     path, ebc = embedding_module(model)
-    world, local = dist.get_world_size(), _local_size()
+    world, local = cluster.world_size, cluster.local_world_size
     tables = {t.name: t for t in ebc.embedding_bag_configs()}
     load = [0] * world
     per_param = {}
@@ -125,33 +158,37 @@ def _construct(model: nn.Module, device: torch.device, kinds: dict[str, str]) ->
         else:
             raise ValueError(f"unknown sharding type {kind!r} for table {name!r}")
     module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=local,
-                                                    world_size=world, device_type=device.type)
+                                                    world_size=world, device_type=cluster.device)
     return ShardingPlan({path: module_plan})
 
 
-def build_plan(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device) -> ShardingPlan:
-    """The configured plan with `embeddings.table_sharding` applied on top."""
-    plan = PLANS.get(cfg.plan)(model, cfg, device)
+def build_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> ShardingPlan:
+    """The configured plan for `cluster` with `embeddings.table_sharding` applied on top."""
+    plan = PLANS.get(cfg.plan)(model, cfg, cluster)
     if cfg.table_sharding:
         path, ebc = embedding_module(model) or ("", None)
-        unknown = set(cfg.table_sharding) - ({t.name for t in ebc.embedding_bag_configs()} if ebc else set())
-        if unknown:
-            raise ValueError(f"embeddings.table_sharding names unknown tables: {sorted(unknown)}")
+        tables = {t.name for t in ebc.embedding_bag_configs()} if ebc else set()
+        if unknown := set(cfg.table_sharding) - tables:
+            raise ValueError(f"embeddings.table_sharding names unknown tables {sorted(unknown)}; the tables are "
+                             f"{sorted(tables)}")
         # TorchRec's constructor wants every table; keep only the overridden ones' entries.
         kinds = {t.name: cfg.table_sharding.get(t.name, "table_wise") for t in ebc.embedding_bag_configs()}
-        overridden = _construct(model, device, kinds).plan[path]
+        overridden = _construct(model, cluster, kinds).plan[path]
         plan.plan[path].update({name: overridden[name] for name in cfg.table_sharding})
     return plan
 
 
-def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device,
+def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device, cluster: Cluster | None = None,
                 output_dtensor: bool = False) -> DistributedModelParallel:
     """Shard the embedding tables by the configured plan; the rest is replicated (DDP).
 
+    `cluster` is what the planner plans for (training's is measured, trainer/dist.py
+    `job_cluster`); without one, this job's ranks with TorchRec's default memory and batch.
     `output_dtensor` makes the state dict hold DTensors instead of ShardedTensors, which
     DCP's async_save needs (docs/design.md §4.8)."""
-    plan = build_plan(model, cfg, device)
-    plan.plan.update(managed_plans(model, device, _local_size(), dist.get_world_size()))
+    cluster = cluster or Cluster(dist.get_world_size(), local_world_size(), device.type, BATCH_SIZE, None, None)
+    plan = build_plan(model, cfg, cluster)
+    plan.plan.update(managed_plans(model, device, local_world_size(), dist.get_world_size()))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],
@@ -175,5 +212,6 @@ def _size(table: EmbeddingBagConfig) -> int:
     return table.num_embeddings * table.embedding_dim
 
 
-def _local_size() -> int:
+def local_world_size() -> int:
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; every rank where nothing says)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

@@ -2,25 +2,34 @@
 
     torchx run -s local_cwd launch/component.py:train --nproc_per_node 2 --config configs/debug.toml
     torchx run -s slurm launch/component.py:train --nnodes 4 --nproc_per_node 8 --gpu 8 \\
-        --config configs/criteo_1tb.toml -- --train.steps=100000
+        --mounts type=bind,src=/shared,dst=/shared --config configs/criteo_1tb.toml -- \\
+        --data.cache_dir=/shared/cache --train.run_dir=/shared/runs/criteo --train.steps=100000
     torchx run -s kubernetes launch/component.py:train --image REGISTRY/rankmix:TAG --python python3 ...
 
 Each node runs `PYTHON -m torch.distributed.run --nnodes N --nproc_per_node M -m launch.cli
 train ...` with c10d rendezvous (torchx's own dist.ddp); the scheduler chooses the hosts.
 PYTHON is the interpreter that holds rankmix, so the job never depends on a `torchrun` that
-the node's PATH may not have.
+the node's PATH may not have. The job states its device (`--gpu` > 0: CUDA, else CPU), so a
+node without a visible GPU fails instead of training on its CPU.
 """
 
 # torchx's component linter reads annotations as written: no `from __future__ import
 # annotations`, and Optional / Dict rather than `X | None` / `dict`.
 import shlex
 import sys
-from typing import Dict, Optional
+from pathlib import PurePosixPath
+from typing import Dict, List, Optional
 
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
+from launch.cli import config_args
 from trainer.credentials import has_credentials, is_secret_name, redact_uri
+
+# Host memory per rank by default: a CPU rank holds its tables and the tower; a GPU rank's
+# host side holds the reader's prefetched and pinned batches, and DCP's staged copy of its
+# shards during an async save.
+MEM_MB_PER_RANK = {"cpu": 8192, "cuda": 32768}
 
 
 def train(
@@ -28,15 +37,17 @@ def train(
     config: str = "configs/debug.toml",
     nnodes: int = 1,
     nproc_per_node: int = 1,
-    cpu: int = 2,
+    cpu: int = 0,  # 0 for "derived": torchx parses an Optional[int] option as a string
     gpu: int = 0,
-    memMB: int = 8192,
+    memMB: int = 0,
     image: str = ".",
     python: str = sys.executable,
     name: str = "rankmix",
     max_retries: int = 0,
     env: Optional[Dict[str, str]] = None,
     rdzv_port: int = 29500,
+    mounts: Optional[List[str]] = None,
+    data_on_every_node: bool = False,
 ) -> specs.AppDef:
     """Train with `config` on nnodes x nproc_per_node processes.
 
@@ -45,30 +56,62 @@ def train(
         config: TOML run config, relative to the image's working directory
         nnodes: number of hosts
         nproc_per_node: processes (one per GPU on GPU hosts) per host
-        cpu: CPUs per host
-        gpu: GPUs per host
-        memMB: memory per host in MB
+        cpu: CPUs per host (0: 2 per process)
+        gpu: GPUs per host; more than 0 trains on CUDA (--train.device=cuda), 0 on CPU
+        memMB: memory per host in MB (0: 8192 per process on CPU, 32768 per process on GPU hosts)
         image: container image (Slurm and local_cwd: the working directory holding the repo)
         python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a container image, its own, e.g. python3)
         name: job name
         max_retries: times the scheduler restarts a failed job
         env: extra environment variables (no secrets: the job spec shows them; see check_env)
         rdzv_port: c10d rendezvous port on the first host
+        mounts: volumes for every host, as torchx's ddp takes them (type=bind,src=/shared,dst=/shared or type=volume,src=PVC,dst=/shared); with nnodes > 1, --data.cache_dir must be on a writable one
+        data_on_every_node: with nnodes > 1, the data is already on every host (a node-local copy, or an object store), so --data.cache_dir needs no shared volume
     """
     for option in overrides:
         if has_credentials(option):
             raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
                              "spec; give them to the job as AWS_* environment variables or a secret")
     check_env(env or {})
-    app = ddp("train", "--config", config, *overrides,
-              m="launch.cli", image=image, name=name, cpu=cpu, gpu=gpu, memMB=memMB,
-              j=f"{nnodes}x{nproc_per_node}", env=env, max_retries=max_retries, rdzv_port=rdzv_port)
+    options = dict(o.split("=", 1) for o in config_args(list(overrides), environment=False)[1] if "=" in o)
+    device = check_device(options.get("--train.device"), gpu, nproc_per_node)
+    if nnodes > 1 and not data_on_every_node:
+        check_shared_cache(options.get("--data.cache_dir"), mounts or [])
+    # stated even where it is the default, so that a node never silently trains elsewhere
+    device_option = [] if "--train.device" in options else [f"--train.device={device}"]
+    app = ddp("train", "--config", config, *overrides, *device_option,
+              m="launch.cli", image=image, name=name, cpu=cpu or 2 * nproc_per_node, gpu=gpu,
+              memMB=memMB or MEM_MB_PER_RANK[device] * nproc_per_node, j=f"{nnodes}x{nproc_per_node}", env=env,
+              max_retries=max_retries, rdzv_port=rdzv_port, mounts=mounts)
     role = app.roles[0]
     # ddp's command line starts with a bare `torchrun`, looked up on the node's PATH.
     flag, command = role.args
     assert flag == "-c" and command.startswith("torchrun "), role.args
     role.args = [flag, f"{shlex.quote(python)} -m torch.distributed.run {command[len('torchrun '):]}"]
     return app
+
+
+def check_device(device: Optional[str], gpu: int, nproc_per_node: int) -> str:
+    """The job's device: cuda with --gpu, else cpu; ValueError where --train.device or
+    --nproc_per_node does not fit --gpu."""
+    expected = "cuda" if gpu > 0 else "cpu"
+    if device not in (None, expected):
+        raise ValueError(f"--train.device={device} does not fit --gpu {gpu}: "
+                         f"{'give --gpu N for CUDA' if device == 'cuda' else 'a GPU job trains on cuda'}")
+    if gpu > 0 and nproc_per_node > gpu:
+        raise ValueError(f"--nproc_per_node {nproc_per_node} exceeds --gpu {gpu}: one process per GPU")
+    return expected
+
+
+def check_shared_cache(cache_dir: Optional[str], mounts: List[str]) -> None:
+    """ValueError unless --data.cache_dir is on a writable mount: every node reads the data
+    from it (say --data_on_every_node where each node has its own copy)."""
+    shared = [m.dst_path for m in specs.parse_mounts(mounts)
+              if isinstance(m, (specs.BindMount, specs.VolumeMount)) and not m.read_only]
+    if cache_dir is None or not any(PurePosixPath(cache_dir).is_relative_to(d) for d in shared):
+        raise ValueError(f"--nnodes > 1 needs --data.cache_dir on a shared writable volume of --mounts "
+                         f"(mounted at {shared or 'none'}, --data.cache_dir={cache_dir}); give --data_on_every_node "
+                         "where the data is already on every node")
 
 
 def check_env(env: Dict[str, str]) -> None:

@@ -89,7 +89,8 @@ def test_torchx_local_run_with_two_processes(tmp_path):
 def test_slurm_job_spec(tmp_path):
     proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "slurm",
                "launch/component.py:train", "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "8",
-               "--memMB", "65536", "--cpu", "32", "--config", "configs/movielens.toml", "--", "--train.steps=100")
+               "--memMB", "65536", "--cpu", "32", "--data_on_every_node", "True", "--config", "configs/movielens.toml",
+               "--", "--train.steps=100")
     assert proc.returncode == 0, proc.stderr[-3000:]
     script = proc.stdout
     assert "#SBATCH hetjob" in script  # one het-group per node
@@ -102,7 +103,7 @@ def test_slurm_job_spec(tmp_path):
 def test_kubernetes_job_spec():
     proc = run(str(BIN / "torchx"), "run", "--workspace", "", "--dryrun", "-s", "kubernetes",
                "launch/component.py:train", "--image", "registry.example/rankmix:1", "--nnodes", "2",
-               "--nproc_per_node", "4", "--gpu", "4", "--python", "python3")
+               "--nproc_per_node", "4", "--gpu", "4", "--python", "python3", "--data_on_every_node", "True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec = proc.stdout
     assert "kind: Job" in spec and "apiVersion: batch.volcano.sh/v1alpha1" in spec

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
 from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
+from trainer.dist import gloo_group, side_group
 from trainer.files import swap_folder
 from trainer.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
 
@@ -65,29 +66,28 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._pending: tuple[Path, Future, Callable[[str], None]] | None = None
         # async_save on the default group hung (docs/design.md §4.8): it gets a gloo group of its own.
-        self._group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self._group = gloo_group() if cfg.async_save else None
 
     def latest(self) -> Path | None:
         """This run's newest complete checkpoint, if any."""
         steps = complete_steps(self.folder)
         return self.folder / f"{PREFIX}{steps[-1]}" if steps else None
 
-    def due(self, step: int, last: bool) -> bool:
-        """Save after this step? Every `interval` steps, every `interval_minutes`, and at the end."""
+    def due(self, step: int, last: bool, timed: bool = False) -> bool:
+        """Save after this step? Every `interval` steps, at the end, and when `timed`: rank 0's
+        `time_due`, which every rank has agreed on."""
         if not self.cfg.enabled:
             return False
         if last and self.cfg.save_final:
             return True
-        by_steps = self.cfg.interval > 0 and step % self.cfg.interval == 0
-        by_time = False
-        if self.cfg.interval_minutes > 0:
-            # Ranks' clocks differ and a save is collective: every rank takes rank 0's
-            # verdict, and every rank must ask for it (a rank that skipped the broadcast
-            # because its own clock said "not yet" would hang the others).
-            flag = [time.monotonic() - self._last_save_time >= 60 * self.cfg.interval_minutes]
-            dist.broadcast_object_list(flag, src=0)
-            by_time = flag[0]
-        return by_steps or by_time
+        return (self.cfg.interval > 0 and step % self.cfg.interval == 0) or timed
+
+    def time_due(self) -> bool:
+        """`interval_minutes` have passed since the last save, by this rank's clock. Ranks'
+        clocks differ and a save is collective, so the trainer takes rank 0's verdict to every
+        rank on the all-reduce of its periodic check (`Trainer.check`), not a collective per step."""
+        minutes = self.cfg.interval_minutes
+        return minutes > 0 and time.monotonic() - self._last_save_time >= 60 * minutes
 
     def save(self, step: int, parts: dict[str, Any], on_done: Callable[[str], None] = print) -> None:
         """Write `parts` as step-`step` (collective), then apply retention. With async_save
@@ -98,13 +98,13 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
             if path.exists():  # a save of this step was interrupted, or is being redone
                 shutil.rmtree(path)
-        dist.barrier()
+        dist.barrier(group=side_group())
         self._last_save_time = time.monotonic()
         if self.cfg.async_save:  # stages a CPU copy now, writes it while training goes on
             future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group)
             self._pending = (path, future, on_done)
         else:
-            dcp.save(parts, checkpoint_id=str(path))
+            dcp.save(parts, checkpoint_id=str(path), process_group=side_group())
             self._finish(path, on_done)
 
     def wait(self) -> None:
@@ -134,7 +134,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._retain()
             on_done(f"saved {path}")
-        dist.barrier()
+        dist.barrier(group=side_group())
 
     def _retain(self) -> None:
         """Keep the newest `keep` complete checkpoints; drop incomplete ones older than them."""
@@ -156,12 +156,12 @@ def save_weights(path: Path, parts: dict[str, Any], step: int) -> None:
     new = path.with_name(f"{path.name}.step-{step}")
     if dist.get_rank() == 0:
         shutil.rmtree(new, ignore_errors=True)  # an interrupted save of this step
-    dist.barrier()
-    dcp.save(parts, checkpoint_id=str(new))
-    dist.barrier()
+    dist.barrier(group=side_group())
+    dcp.save(parts, checkpoint_id=str(new), process_group=side_group())
+    dist.barrier(group=side_group())
     if dist.get_rank() == 0:
         swap_folder(path, new)
-    dist.barrier()
+    dist.barrier(group=side_group())
 
 
 def model_tensors(path: Path) -> dict[str, Any]:
@@ -217,7 +217,8 @@ def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
     """dcp.load through rankmix's safe reader and planner (trainer/safe_load.py): nothing
     in `path` is unpickled unchecked. A refused file is reported as itself."""
     try:
-        dcp.load(parts, storage_reader=SafeReader(str(path), metadata), planner=LoadPlanner())
+        dcp.load(parts, storage_reader=SafeReader(str(path), metadata), planner=LoadPlanner(),
+                 process_group=side_group())
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeFileError)]
         if refused:

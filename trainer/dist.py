@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,12 @@ def tune_malloc() -> str:
     return "malloc keeps freed memory" if ok else "malloc tuning refused"
 
 
-def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
+def init_distributed(backend: str = "auto", device: str = "auto", timeout_minutes: float = 30.0) -> DistEnv:
     """Join the job `torchrun` describes in the environment, or start a job of one.
 
     DMP needs a process group even for one process, so a plain `rankmix train` makes
-    a world of size 1 on a free local port.
+    a world of size 1 on a free local port. Every group waits `timeout_minutes` for a
+    collective (NCCL's own 10 minutes can pass during a save to a slow shared filesystem).
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -68,10 +74,79 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> DistEnv:
     if local_world > 1:
         # Ranks sharing a host must share its cores: oversubscribed OpenMP pools spin
         # against each other and run many times slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, usable_cpus() // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=dev if use_cuda else None, **_attempt_store())
+        _start_groups(backend, dev if use_cuda else None, timedelta(minutes=timeout_minutes))
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def _start_groups(backend: str, device: torch.device | None, timeout: timedelta) -> None:
+    """The default group, and the gloo side group where the default is not gloo already."""
+    global _side_group, _timeout
+    _timeout = timeout
+    dist.init_process_group(backend=backend, device_id=device, timeout=timeout, **_attempt_store())
+    # On NCCL, file work and object collectives would queue behind the step's all-to-alls
+    # on the GPU; gloo runs them on the host.
+    _side_group = gloo_group() if backend != "gloo" else None
+
+
+_side_group: dist.ProcessGroup | None = None
+_timeout: timedelta = timedelta(minutes=30)  # init_distributed's, for the groups made later
+
+
+def side_group() -> dist.ProcessGroup | None:
+    """The gloo group that carries checkpoints (DCP), object collectives and the barriers
+    around file work; None where the default group is gloo already."""
+    return _side_group
+
+
+def gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank (collective), with the job's timeout."""
+    return dist.new_group(backend="gloo", timeout=_timeout)
+
+
+def job_cluster(device: torch.device, batch_size: int):
+    """This job's `embeddings.sharding.Cluster` (collective): the smallest GPU and the
+    smallest host share of all ranks, since every rank gets shards of the same plan."""
+    # on use: TorchRec, which `rankmix data` (it imports this module) does not need
+    from embeddings.sharding import Cluster, local_world_size
+
+    local = local_world_size()
+    hbm = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    smallest = torch.tensor([hbm, node_memory_bytes() // local], dtype=torch.int64, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    hbm, ddr = smallest.tolist()
+    return Cluster(dist.get_world_size(), local, device.type, batch_size, hbm, ddr)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity (cpusets), within the cgroup's CPU quota
+    (a Kubernetes CPU limit), where os.cpu_count() counts every CPU of the host."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_value("cpu.max")
+    if quota is not None:
+        limit, period = quota
+        cpus = min(cpus, max(1, math.ceil(limit / period)))
+    return cpus
+
+
+def node_memory_bytes() -> int:
+    """Memory this process's node gives it: physical memory, within the cgroup's limit (a
+    pod's memory limit)."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = _cgroup_value("memory.max")
+    return min(physical, limit[0]) if limit is not None else physical
+
+
+def _cgroup_value(name: str) -> tuple[int, ...] | None:
+    """The numbers of a cgroup v2 limit file of this process's cgroup, or None where there is
+    no limit ("max") or no such file."""
+    path = Path("/sys/fs/cgroup") / name
+    try:
+        fields = path.read_text().split()
+    except OSError:
+        return None
+    return tuple(int(f) for f in fields) if fields and fields[0] != "max" else None
 
 
 def _attempt_store() -> dict:
@@ -102,10 +177,12 @@ def shutdown(wait_for_peers: bool = True) -> None:
     only after every collective enqueued before it. After a failure the peers may be gone
     (`wait_for_peers=False`): the process is ending with an error anyway.
     """
+    global _side_group
     if dist.is_initialized():
         if wait_for_peers and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+    _side_group = None
     gc.collect()  # what held the groups goes now, while the interpreter is whole
 
 
@@ -114,7 +191,7 @@ def raise_on_every_rank(error: str | None) -> None:
     that only rank 0 makes stops the others too, instead of leaving them in a collective."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=side_group())
         error = box[0]
     if error:
         raise ValueError(error)
@@ -124,3 +201,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reduce_gradients_in_fixed_order(model: nn.Module) -> None:
+    """Have the DDP in `model`, if any, all-reduce every dense gradient on its own (`_reduce_each_gradient`)."""
+    ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+    # Two addends sum alike in either order; exact resume is promised on CPU (gloo) only.
+    if ddp is not None and dist.get_world_size(ddp.process_group) > 2 and \
+            dist.get_backend(ddp.process_group) == "gloo":
+        ddp.register_comm_hook(ddp.process_group, _reduce_each_gradient)
+
+
+# gloo's ring all-reduce adds an element's addends in an order set by the element's offset in the
+# buffer. DDP reduces buckets of gradients and regroups them after its first step (in the order
+# backward produced them), so the first step after a start or a resume would round otherwise than
+# the same step of an uninterrupted run. A gradient's own buffer is the same at every step.
+def _reduce_each_gradient(group, bucket):  # unannotated: DDP rejects annotations that are strings
+    """DDP comm hook: each gradient of `bucket` averaged over the ranks by an all-reduce of its own."""
+    size = dist.get_world_size(group)
+    futures = []
+    for grad in bucket.gradients():  # views into bucket.buffer()
+        grad.div_(size)  # before the sum, as DDP's own reduction does
+        futures.append(dist.all_reduce(grad, group=group, async_op=True).get_future())
+    return torch.futures.collect_all(futures).then(lambda _: bucket.buffer())

@@ -4,12 +4,14 @@
 |------|------------------------|-------------------------------------------------------------|
 | 0    |                        | finished                                                    |
 | 2    | ValueError             | bad input: config, options, data files (one line, no trace) |
-| 3    | NonFiniteLossError     | the loss or a dense gradient was NaN/inf; nothing updated   |
+| 3    | NonFiniteLossError     | the loss or a dense gradient was NaN/inf; training stopped  |
 | 4    | DataUnavailableError   | the data store could not be read within the retry budget    |
 | 143  | Interrupted            | SIGTERM/SIGINT: a due checkpoint was saved, then it stopped |
 
 Schedulers can act on these: 3 needs a person, 4 and 143 can be retried as they are
-(the run resumes from its newest complete checkpoint).
+(the run resumes from its newest complete checkpoint). After 3 no checkpoint holds an update
+of the non-finite step or a later one: the flags are read every `train.check_every` steps and
+before every save (`Trainer.check`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class RankmixError(RuntimeError):
 
 
 class NonFiniteLossError(RankmixError):
-    """Training stopped before an optimizer step because the loss was NaN or infinite."""
+    """Training stopped on a NaN or infinite loss or dense gradient norm; no checkpoint holds that update."""
 
     exit_code = 3
 

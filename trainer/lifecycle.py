@@ -1,10 +1,10 @@
-"""Stopping on request: SIGTERM (what Slurm and Kubernetes send first) and SIGINT.
+"""Stopping on request (SIGTERM, what Slurm and Kubernetes send first, and SIGINT), and the
+flags a training step leaves for the periodic check.
 
 A signal only sets a flag; the trainer acts on it at a step boundary, once every rank has
-seen it (the flag rides on the per-step all-reduce, see
-`Trainer._agree_on_finite_and_stop`), so that the ranks stop after the same step and write
-one consistent checkpoint. A second signal gets
-the default action: a user who presses Ctrl-C twice means it.
+seen it (the flag rides on the periodic check's all-reduce, see `StepFlags` and
+`Trainer.check`), so that the ranks stop after the same step and write one consistent
+checkpoint. A second signal gets the default action: a user who presses Ctrl-C twice means it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import signal
 import threading
 from types import FrameType
 
+import torch
+import torch.distributed as dist
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LOSS, GRADIENT = range(2)  # what StepFlags notes
+_HORIZON = 2 ** 62  # a step s is noted as _HORIZON - s: larger for earlier steps, and 0 is none
 
 
 class StopSignal:
@@ -44,3 +49,34 @@ class StopSignal:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+
+class StepFlags:
+    """What the training steps found since the last `read`, kept on the device so that a
+    step reads nothing back: the first step whose loss (LOSS) or dense gradient norm
+    (GRADIENT) was not finite. `read` agrees on them over the ranks in one all-reduce that
+    also carries this rank's votes for a stop and a timed save."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.noted = {LOSS: torch.zeros((), dtype=torch.int64, device=device),
+                      GRADIENT: torch.zeros((), dtype=torch.int64, device=device)}
+
+    def note_non_finite(self, slot: int, value: torch.Tensor, step: int) -> None:
+        """Note `step` in `slot` if `value` is not finite; an earlier step noted there stays."""
+        bad = torch.isfinite(value).logical_not().any()
+        # Python scalars go to the kernel as arguments: no host-to-device copy either.
+        self.noted[slot] = torch.maximum(self.noted[slot], bad * (_HORIZON - step))
+
+    def read(self, stop: bool, save: bool, world_size: int) -> tuple[int, int, bool, bool]:
+        """(first step of a non-finite loss, of a non-finite dense gradient norm (0: none), a
+        stop voted, a timed save voted), on any rank, since the last read; then clears them
+        (collective: the one read back of the steps in between)."""
+        flags = torch.stack([self.noted[LOSS], self.noted[GRADIENT],
+                             torch.full((), int(stop), device=self.device), torch.full((), int(save), device=self.device)])
+        if world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss, gradient, stop_vote, save_vote = flags.tolist()
+        for noted in self.noted.values():
+            noted.zero_()
+        return _HORIZON - loss if loss else 0, _HORIZON - gradient if gradient else 0, bool(stop_vote), bool(save_vote)

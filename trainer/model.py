@@ -24,11 +24,12 @@ class RankingModel(nn.Module):
     tables fed by `batch.managed_ids` (each None when there are none), are sharded by DMP; the
     rest is replicated (DDP).
 
-    `autocast_dtype` runs the tower and heads under autocast (weights stay fp32).
+    `autocast_dtype` runs the tower and heads under autocast (weights stay fp32) for
+    `autocast_device`, the type of the device the model runs on.
     """
 
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
-                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cuda",
+                 autocast_dtype: torch.dtype | None = None, autocast_device: str = "cpu",
                  managed_tables: nn.Module | None = None):
         super().__init__()
         self.ebc = ebc
@@ -43,8 +44,8 @@ class RankingModel(nn.Module):
         e_input = self.layout.assemble(self.pooled(batch), batch.dense)
         if self.autocast_dtype is None:
             return self.heads(self.tower(e_input))
-        # A fixed device type rather than e_input.device: TorchRec's pipeline traces this
-        # forward symbolically, where e_input is a proxy.
+        # The device type given at construction rather than e_input.device: TorchRec's
+        # pipeline traces this forward symbolically, where e_input is a proxy.
         with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
             return self.heads(self.tower(e_input)).float()
 
@@ -62,10 +63,11 @@ class RankingModel(nn.Module):
         return pooled
 
 
-def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None) -> RankingModel:
-    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads."""
+def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> RankingModel:
+    """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads; it
+    will run on a device of `device_type` (autocast's)."""
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
-                        autocast_dtype=autocast_dtype,
+                        autocast_dtype=autocast_dtype, autocast_device=device_type,
                         managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))

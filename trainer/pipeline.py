@@ -2,8 +2,9 @@
 
 The pipeline runs batch i+1's input distribution (the sparse all-to-all) while batch i
 computes. It calls `loss_fn(batch) -> (loss, aux)` instead of the model, and runs
-`check(loss)` before each backward, so that a non-finite loss still stops every rank
-before the fused sparse update (which happens inside backward).
+`check(loss)` before each backward: the trainer notes there, on the device, whether the
+loss is finite (read every train.check_every steps, never mid-step; docs/training.md,
+"Checks and precision").
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class CheckedSparseDistPipeline(SparseDistPipelineWithBackwardHooks):
     """TrainPipelineSparseDist whose backward first runs `check(loss)` then `after_backward()`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 loss_fn: Callable, check: Callable[[torch.Tensor], None], after_backward: Callable[[], None]):
-        super().__init__(model, optimizer, device, execute_all_batches=False, custom_model_fwd=loss_fn)
+                 loss_fn: Callable, check: Callable[[torch.Tensor], None], after_backward: Callable[[], None],
+                 execute_all_batches: bool = False):
+        super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches, custom_model_fwd=loss_fn)
         self._check = check
         self._after_backward = after_backward
 

@@ -1,0 +1,48 @@
+"""The layouts a CUDA planner picks, on CPU: 4 gloo ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2,
+two `rankmix launch --nnodes 2` processes, as two hosts run them), a table-row-wise table (row
+shards within a node, one per node) and a multi-shard column-wise table, saved asynchronously
+and resumed bit for bit."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli import REPO, run_env
+from object_store import free_port
+from test_checkpoint import assert_same_state, losses, train_args
+from trainer.checkpoint import complete_steps
+
+pytestmark = pytest.mark.slow
+LAYOUT = ("--embeddings.table_sharding.user_id=table_row_wise", "--embeddings.table_sharding.item=column_wise",
+          "--checkpoint.async_save=true")
+
+
+def two_nodes(*args: str) -> list[str]:
+    """Start node 0 and node 1 of a 2 x 2 job and wait for both; their stdouts."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "2", "--master-port", str(port), *args],
+                              cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
+
+
+def test_table_row_wise_and_column_wise_on_two_nodes_resume_bitwise_from_an_async_save(tmp_path):
+    cache, whole, halves = tmp_path / "cache", tmp_path / "whole", tmp_path / "halves"
+    two_nodes(*train_args(whole, cache, 12, *LAYOUT, "--checkpoint.interval=6", "--checkpoint.keep=0"))
+    plan = (whole / "plan.txt").read_text()
+    rows = [[cell.strip() for cell in line.split("|")] for line in plan.splitlines() if line.count("|") == 3]
+    layout = {row[0]: (row[1], row[3]) for row in rows if row[1].endswith("_wise")}  # the first table: types
+    assert layout["user_id"] == ("table_row_wise", "[0, 1]"), plan  # row shards on node 0's two ranks
+    assert layout["item"] == ("column_wise", "[0, 1, 2, 3]"), plan  # four column shards
+    two_nodes(*train_args(halves, cache, 6, *LAYOUT))
+    assert complete_steps(halves / "checkpoints") == [6]
+    out = two_nodes(*train_args(halves, cache, 12, *LAYOUT))
+    assert f"resumed from {halves / 'checkpoints' / 'step-6'} at step 6" in out[0]
+    assert_same_state(whole / "checkpoints" / "step-12", halves / "checkpoints" / "step-12", tmp_path)
+    assert losses(halves) == losses(whole) and len(losses(whole)) == 12
