@@ -29,8 +29,7 @@ def init_embeddings(model: nn.Module, seed: int) -> None:
             continue
         shape = tuple(value.size())
         for shard, (row0, col0) in local_shards(value):
-            n, m = shard.shape
-            shard.copy_(_rows(seed, table, shape, row0, n)[:, col0:col0 + m])
+            _fill(shard, seed, table, shape, row0, col0)
 
 
 def _table_of(key: str) -> str | None:
@@ -41,16 +40,20 @@ def _table_of(key: str) -> str | None:
     return None
 
 
-def _rows(seed: int, table: str, shape: tuple[int, int], start: int, count: int) -> torch.Tensor:
-    """Rows [start, start + count) of the table's full-width initial values."""
+def _fill(shard: torch.Tensor, seed: int, table: str, shape: tuple[int, int], row0: int, col0: int) -> None:
+    """Fill `shard`, the table's rows and columns from (row0, col0), block by block: besides the
+    shard only one block is held, never a second copy of a shard of many GB."""
+    n, m = shard.shape
+    for block in range(row0 // BLOCK_ROWS, -(-(row0 + n) // BLOCK_ROWS)):
+        first = block * BLOCK_ROWS
+        lo, hi = max(row0, first), min(row0 + n, first + BLOCK_ROWS)
+        shard[lo - row0:hi - row0].copy_(_block(seed, table, shape, block)[lo - first:hi - first, col0:col0 + m])
+
+
+def _block(seed: int, table: str, shape: tuple[int, int], block: int) -> torch.Tensor:
+    """Row block `block` of the table's full-width initial values."""
     num_embeddings, dim = shape
     bound = 1 / math.sqrt(num_embeddings)
-    first, last = start // BLOCK_ROWS, (start + count - 1) // BLOCK_ROWS
-    blocks = []
-    for block in range(first, last + 1):
-        g = torch.Generator().manual_seed(((seed * 1_000_003 + zlib.crc32(table.encode())) * 1_000_003 + block)
-                                          % 2**63)
-        n = min(BLOCK_ROWS, num_embeddings - block * BLOCK_ROWS)
-        blocks.append(torch.rand(n, dim, generator=g) * 2 * bound - bound)
-    offset = start - first * BLOCK_ROWS
-    return torch.cat(blocks)[offset:offset + count]
+    g = torch.Generator().manual_seed(((seed * 1_000_003 + zlib.crc32(table.encode())) * 1_000_003 + block) % 2**63)
+    n = min(BLOCK_ROWS, num_embeddings - block * BLOCK_ROWS)
+    return torch.rand(n, dim, generator=g) * 2 * bound - bound

@@ -2,10 +2,20 @@
 
 TorchRec's planner shards the config's tables for `world_size` devices of the given memory,
 on the meta device (no table is allocated), with the config's sharding types and fused
-kernel. Per rank this reports the table bytes and the fused optimizer's state (Adagrad: one
-accumulator per weight; row-wise Adagrad: one per row), TorchRec's own storage estimate
-(tables, optimizer, input and output buffers), the replicated dense tower with its gradient
-and RMSProp state, and the all-to-all bytes of one step.
+kernel; an explicit `embeddings.plan` or `embeddings.table_sharding` gets training's own
+constructed plan (`build_plan`) instead. Per rank this reports the table bytes and the fused
+optimizer's state (Adagrad: one accumulator per weight; row-wise Adagrad: one per row),
+TorchRec's own storage estimate (tables, optimizer, input and output buffers; a constructed
+plan's is its weights and optimizer state), the replicated dense tower with its gradient and
+RMSProp state, and the all-to-all bytes of one step.
+
+Host memory. Per rank it also counts what the host holds besides the planned shards
+(`host_memory`): the runtime (torch and TorchRec loaded), the init's row blocks
+(embeddings/init.py), the training reader's buffers (trainer/data/reader.py, Memory),
+evaluation's fixed state and its reader (trainer/streaming_metrics.py), and with
+`checkpoint.async_save` DCP's staged copy of the rank's state. On a CPU rank the shards and
+the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
+before the first read); a node fits when its ranks' sums fit in local_world_size x --ddr-gb.
 """
 
 from __future__ import annotations
@@ -14,24 +24,29 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ShardingPlan
 
 from dense.model import build_dense
+from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, managed_plans
-from embeddings.sharding import FUSED
+from embeddings.sharding import Cluster, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from trainer.config import Config, EmbeddingsConfig
+from trainer.data.encode import RowEncoder
+from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
+from trainer.streaming_metrics import BUCKET_ROWS, LIFETIME_BINS
 from trainer.train import per_rank_batch_size
 
 GB = 2**30
+RUNTIME_BYTES = 2**29
+"""A rank's interpreter with torch, TorchRec and FBGEMM loaded: 0.41 GB RSS measured on the CPU stack,
+plus gloo's buffers and the model's Python objects."""
 
 
 @dataclass
@@ -45,47 +60,67 @@ class RankMemory:
 
 
 @dataclass
+class HostMemory:
+    """One rank's bytes of host memory (`host_memory`)."""
+
+    resident: int  # the planned shards and the dense state, on a CPU rank; 0 on a GPU rank
+    init: int
+    reader: int
+    evaluation: int
+    async_save: int
+
+    @property
+    def total(self) -> int:
+        return RUNTIME_BYTES + self.resident + self.init + self.reader + self.evaluation + self.async_save
+
+
+@dataclass
 class ClusterPlan:
-    """What `rankmix plan` prints (`text`), and the per-rank bytes behind it."""
+    """What `rankmix plan` prints (`text`), and the plan and per-rank bytes behind it."""
 
     text: str
     memory: list[RankMemory]
     fits: bool
+    plan: ShardingPlan
+    host: list[HostMemory] = field(default_factory=list)
+
+
+def given_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_gb: float,
+                  local_world_size: int) -> Cluster:
+    """The Cluster of `rankmix plan`'s options: what training measures, told instead."""
+    if world_size < 1 or world_size % local_world_size:
+        raise ValueError(f"--world-size {world_size} is not a multiple of --local-world-size {local_world_size}")
+    if device == "cuda" and not hbm_gb:
+        raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
+    return Cluster(world_size, local_world_size, device, per_rank_batch_size(cfg, world_size),
+                   int(hbm_gb * GB) if device == "cuda" else 0, int(ddr_gb * GB))
 
 
 def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_gb: float,
                  local_world_size: int) -> ClusterPlan:
     """The plan, per-rank memory, all-to-all traffic and the verdict."""
-    if world_size < 1 or world_size % local_world_size:
-        raise ValueError(f"--world-size {world_size} is not a multiple of --local-world-size {local_world_size}")
-    if device == "cuda" and not hbm_gb:
-        raise ValueError("--device cuda needs --hbm-gb (memory per GPU)")
+    cluster = given_cluster(cfg, world_size, device, hbm_gb, ddr_gb, local_world_size)
     if not cfg.features:
         raise ValueError("features is empty: give the config's [[features]] schema")
-    batch = per_rank_batch_size(cfg, world_size)
+    batch = cluster.batch_size
     plan, options = ShardingPlan({}), []
     ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device; None when every table is managed
     if ebc is not None:
         holder = nn.Module()
         holder.ebc = ebc
-        kinds = list(cfg.embeddings.sharding_types) if cfg.embeddings.plan == "auto" else [cfg.embeddings.plan]
-        constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
-                       for t in ebc.embedding_bag_configs()}
         try:
             with _quiet_torchrec():
-                topology = Topology(world_size=world_size, compute_device=device, local_world_size=local_world_size,
-                                    hbm_cap=int(hbm_gb * GB) if device == "cuda" else None, ddr_cap=int(ddr_gb * GB))
-                # the callback keeps the chosen sharding options (per-shard sizes and storage), which the plan omits
-                planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints,
-                                                   callbacks=[_keeping(options)])
-                plan = planner.plan(holder, [EmbeddingBagCollectionSharder()])
+                if cfg.embeddings.plan == "auto" and not cfg.embeddings.table_sharding:
+                    # the callback keeps the chosen sharding options (per-shard sizes and storage), which the plan omits
+                    plan = plan_tables(holder, list(cfg.embeddings.sharding_types), cluster, [_keeping(options)])
+                else:  # training's own plan: TorchRec's constructors, which the planner lacks on CPU (row-wise)
+                    plan = build_plan(holder, cfg.embeddings, cluster)
         except PlannerError as e:
-            return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False)
-        for sharding in plan.plan["ebc"].values():
-            # a table kept whole on one rank is table-wise, whatever label cost ties gave it
-            if len(set(sharding.ranks or [])) == 1:
-                sharding.sharding_type = "table_wise"
+            return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False, plan)
     memory = _rank_memory(options, world_size, cfg.embeddings)
+    if not options:
+        for sharding in plan.plan.get("ebc", {}).values():
+            _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings)
     managed_text = _add_managed_tables(cfg, memory, device, local_world_size)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
@@ -104,10 +139,83 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     lines += ["", f"all-to-all per rank and step: pooled embeddings {pooled / 2**20:.1f} MB forward and "
               f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB",
               f"dense tower and heads: {dense_params:,} parameters, replicated"]
+    host = host_memory(cfg, memory, dense, dense_params, device, batch)
+    lines += ["", *_host_lines(host)]
     worst = max(m.estimate for m in memory) + dense
-    lines.append(f"fits: {'yes' if worst <= capacity else 'no'} (fullest rank {worst / GB:.2f} GB of "
-                 f"{capacity / GB:g} GB)")
-    return ClusterPlan("\n".join(lines), memory, worst <= capacity)
+    node, node_bytes = _fullest_node(host, local_world_size)
+    node_capacity = local_world_size * ddr_gb * GB
+    fits = worst <= capacity and node_bytes <= node_capacity
+    if worst > capacity:
+        lines.append(f"fits: no (fullest rank {worst / GB:.2f} GB of {capacity / GB:g} GB)")
+    elif node_bytes > node_capacity:
+        lines.append(f"fits: no (host memory: node {node}'s {local_world_size} ranks need {node_bytes / GB:.2f} GB "
+                     f"of {local_world_size} x {ddr_gb:g} GB)")
+    else:
+        lines.append(f"fits: yes (fullest rank {worst / GB:.2f} GB of {capacity / GB:g} GB; host memory: fullest "
+                     f"node {node_bytes / GB:.2f} GB of {node_capacity / GB:g} GB)")
+    return ClusterPlan("\n".join(lines), memory, fits, plan, host)
+
+
+def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params: int, device: str,
+                batch: int) -> list[HostMemory]:
+    """Each rank's host bytes besides the runtime (module docstring, Host memory); `dense`: the
+    dense state's bytes, gradients included."""
+    row = row_bytes(cfg)
+    widest = max((f.embedding_dim for f in cfg.features if f.kind != "numeric"), default=0)
+    init = 2 * BLOCK_ROWS * widest * 4  # a block's fp32 draw and its scaled copy (embeddings/init.py `_block`)
+    # the window being consumed, the next one and its permuted copy, one decoded slice, the batch
+    # being assembled (and PREFETCH_BATCHES pinned ones on a GPU rank), a read buffer per column
+    window = cfg.data.shuffle_buffer + SLICE_ROWS
+    batches = 1 + (PREFETCH_BATCHES if device == "cuda" else 0)
+    columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column).columns
+    reader = (3 * window + SLICE_ROWS + batches * batch) * row + READ_BUFFER * len(columns)
+    evaluation = evaluation_bytes(cfg, batch, row)
+    out = []
+    for m in memory:
+        resident = m.estimate + dense if device == "cpu" else 0
+        # a checkpoint holds no gradients
+        staged = m.tables + m.optimizer + m.id_maps + dense - dense_params * 4 if cfg.checkpoint.async_save else 0
+        out.append(HostMemory(resident, init, reader, evaluation, staged))
+    return out
+
+
+def row_bytes(cfg: Config) -> int:
+    """Bytes of one encoded row (trainer/data/batch.py `Rows`): an int64 id per `id` feature,
+    max_len int64 ids and an int64 offset per list feature (one id when max_len is 0: the plan
+    cannot know the data's lengths), float32 numeric features and labels, an int64 user."""
+    ids = sum(8 if f.kind == "id" else 8 * max(f.max_len, 1) + 8 for f in cfg.features if f.kind != "numeric")
+    numeric = 4 * sum(f.kind == "numeric" for f in cfg.features)
+    return ids + numeric + 4 * len(cfg.model.tasks) + (8 if cfg.data.user_column else 0)
+
+
+def evaluation_bytes(cfg: Config, batch: int, row: int) -> int:
+    """Evaluation's fixed state: `SplitMetrics`' float64 histograms, UAUC's bucket of rows with
+    the sort's copies, the training window's histogram codes, and the evaluation reader
+    (unshuffled: windows of one slice; the window, the next one and a decoded slice)."""
+    tasks = len(cfg.model.tasks)
+    histograms = tasks * 2 * LIFETIME_BINS * 8
+    uauc = 3 * BUCKET_ROWS * (8 + 8 * tasks) if cfg.data.user_column else 0
+    window = cfg.metrics.window_batches * batch * tasks * 8
+    return histograms + uauc + window + (3 * SLICE_ROWS + cfg.data.eval_batch_size) * row
+
+
+def _host_lines(host: list[HostMemory]) -> list[str]:
+    """The per-rank table of host memory."""
+    lines = [f"host memory per rank (host GB: the sum, with the runtime's {RUNTIME_BYTES / GB:.3f} GB of torch "
+             "and TorchRec)",
+             f"{'rank':>4} {'resident GB':>12} {'init GB':>8} {'reader GB':>10} {'eval GB':>8} "
+             f"{'async save GB':>14} {'host GB':>8}"]
+    for rank, h in enumerate(host):
+        lines.append(f"{rank:>4} {h.resident / GB:>12.3f} {h.init / GB:>8.3f} {h.reader / GB:>10.3f} "
+                     f"{h.evaluation / GB:>8.3f} {h.async_save / GB:>14.3f} {h.total / GB:>8.3f}")
+    return lines
+
+
+def _fullest_node(host: list[HostMemory], local_world_size: int) -> tuple[int, int]:
+    """(node, bytes) of the node whose ranks (local_world_size consecutive ones) need the most host memory."""
+    nodes = [sum(h.total for h in host[i:i + local_world_size]) for i in range(0, len(host), local_world_size)]
+    node = max(range(len(nodes)), key=nodes.__getitem__)
+    return node, nodes[node]
 
 
 def _keeping(options: list) -> Callable[[list], list]:
@@ -152,15 +260,21 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
     lines = ["", "managed table | sharding type | rows per rank"]
     for table, sharding in plans.items():
         per_row = mch_bytes_per_slot(mch_module(collection, table))
-        for shard in sharding.sharding_spec.shards:
-            rows, cols = shard.shard_sizes
-            m = memory[shard.placement.rank()]
-            tables, optimizer = _shard_bytes(rows, cols, cfg.embeddings)
-            m.tables, m.optimizer, m.id_maps = m.tables + tables, m.optimizer + optimizer, m.id_maps + rows * per_row
-            m.estimate += tables + optimizer + rows * per_row
+        _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings, per_row)
         sizes = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
         lines.append(f"{table} | row_wise | " + (f"{len(sizes)} x {sizes[0]:,}" if len(set(sizes)) == 1 else str(sizes)))
     return lines
+
+
+def _add_shards(memory: list[RankMemory], shards: list, cfg: EmbeddingsConfig, id_map_row: int = 0) -> None:
+    """Add shards of a constructed plan (TorchRec's ShardMetadata) to `memory`: their weights,
+    optimizer state and, for a managed table, `id_map_row` bytes of MCH map a row."""
+    for shard in shards:
+        rows, cols = shard.shard_sizes
+        m = memory[shard.placement.rank()]
+        tables, optimizer = _shard_bytes(rows, cols, cfg)
+        m.tables, m.optimizer, m.id_maps = m.tables + tables, m.optimizer + optimizer, m.id_maps + rows * id_map_row
+        m.estimate += tables + optimizer + rows * id_map_row
 
 
 def _all_to_all_bytes(tables: list, batch: int, world_size: int) -> tuple[int, int]:
@@ -174,8 +288,8 @@ def _all_to_all_bytes(tables: list, batch: int, world_size: int) -> tuple[int, i
 
 @contextlib.contextmanager
 def _quiet_torchrec():
-    """The planner's advice to its own developers (TopologyFactory, the storage reservation's
-    dry-run caveats) is not the user's to act on; the training path silences it the same way."""
+    """The planner's advice to its own developers (the storage reservation's dry-run caveats)
+    is not the user's to act on; the training path silences it the same way."""
     logger = logging.getLogger("torchrec")
     level = logger.level
     logger.setLevel(logging.ERROR)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.hooks import TrainingHooks
@@ -11,13 +12,14 @@ from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv
-from trainer.metrics import task_metrics
+from trainer.streaming_metrics import SplitMetrics
 
 
 class Evaluator:
-    """Scores whole splits: every rank reads its share of the rows, the logits, labels,
-    users and weights of all ranks are gathered, and `task_metrics` runs over all of them
-    (never an average of per-rank figures). The caller puts the model in eval mode.
+    """Scores whole splits: every rank reads its share of the rows into a `SplitMetrics`
+    (fixed memory; UAUC's rows spill into the run folder), whose state is summed over the
+    ranks at the end: whole-split figures, never an average of per-rank ones. The caller puts
+    the model in eval mode.
     `retries`: the readers' object-store retry arguments, as the trainer's own reader has them."""
 
     def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks,
@@ -33,29 +35,18 @@ class Evaluator:
         data = self.cfg.data
         reader = ParquetReader(path, self.encoder, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
                                rank=self.env.rank, world_size=self.env.world_size, **self.retries, **split)
-        logits, labels, users, weights = [], [], [], []
-        for i, batch in enumerate(reader):
-            if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
-                break
-            batch = batch.to(self.env.device)
-            logits.append(self.model(batch).float())
-            labels.append(batch.labels)
-            users.append(batch.users)
-            weights.append(batch.weights)
-        gathered = [_gather(torch.cat(t)) for t in (logits, labels, users, weights)]
-        keep = gathered[3] > 0
-        metrics = task_metrics(gathered[0][keep], gathered[1][keep], gathered[2][keep], self.task_names,
-                               with_uauc=bool(data.user_column))
-        metrics["examples"] = int(keep.sum())
+        rows = reader.num_rows
+        if self.cfg.metrics.eval_batches:
+            rows = min(rows, self.cfg.metrics.eval_batches * data.eval_batch_size * self.env.world_size)
+        spill = Path(self.cfg.train.run_dir) if data.user_column else None
+        with SplitMetrics(self.task_names, self.env.device, spill, rows) as split_metrics:
+            for i, batch in enumerate(reader):
+                if self.cfg.metrics.eval_batches and i >= self.cfg.metrics.eval_batches:
+                    break
+                batch = batch.to(self.env.device)
+                keep = batch.weights > 0
+                split_metrics.add(self.model(batch).float()[keep], batch.labels[keep], batch.users[keep])
+            metrics = split_metrics.compute()
         for hook in self.hooks.metrics:
             metrics.update(hook("eval"))
         return metrics
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate `t` from every rank on the CPU (every rank holds equally many rows)."""
-    if dist.get_world_size() == 1:
-        return t.cpu()
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out).cpu()

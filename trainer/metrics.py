@@ -26,8 +26,12 @@ def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor) -> float:
     rate = float(labels.double().mean())
     if rate in (0.0, 1.0):
         return float("nan")
-    entropy = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
-    return logloss(probs, labels) / entropy
+    return logloss(probs, labels) / base_rate_entropy(rate)
+
+
+def base_rate_entropy(rate: float) -> float:
+    """Entropy in nats of a label that is 1 with probability `rate` (0 < rate < 1)."""
+    return -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
 
 
 def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -37,7 +41,16 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
-    """Per-user AUC averaged over users with both classes, weighted by their impressions.
+    """Per-user AUC averaged over users with both classes, weighted by their impressions."""
+    total, weight = uauc_sums(scores, labels, users)
+    if not weight:
+        return float("nan")
+    return total / weight
+
+
+def uauc_sums(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> tuple[float, float]:
+    """(sum of per-user AUC x impressions, impressions) over users with both classes, so that
+    disjoint sets of users add up (trainer/streaming_metrics.py).
 
     Vectorised rank-sum (Mann-Whitney) form with tied scores given their average rank,
     so it scales to millions of users.
@@ -56,11 +69,9 @@ def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
     pos = np.bincount(uid, y)
     neg = count - pos
     both = (pos > 0) & (neg > 0)
-    if not both.any():
-        return float("nan")
     rank_sum = np.bincount(uid, rank * y)[both]
     per_user = (rank_sum - pos[both] * (pos[both] + 1) / 2) / (pos[both] * neg[both])
-    return float((per_user * count[both]).sum() / count[both].sum())
+    return float((per_user * count[both]).sum()), float(count[both].sum())
 
 
 def task_metrics(logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor,

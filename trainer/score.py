@@ -6,7 +6,7 @@ inputs' common folder under `--out` (so inputs of one name in different folders 
 theirs), written to a hidden temporary file and renamed when complete: the kept columns
 (the task labels and the user column when present, plus `keep`) and one `pred_<task>`
 probability per task. The model runs in evaluation mode, so a Sparse-MoE tower uses its
-inference router alone (or the dense training router with model.moe_inference=dense).
+inference router alone (or the dense training router with model.moe.inference=dense).
 When the files carry the task labels, AUC, UAUC and logloss are computed too.
 """
 
@@ -30,8 +30,8 @@ from trainer.data.encode import RowEncoder
 from trainer.data.batch import Batch
 from trainer.data.reader import resolve_files
 from trainer.dist import DistEnv, init_distributed
-from trainer.metrics import task_metrics
 from trainer.state import ModelState, apply_trained_step
+from trainer.streaming_metrics import SplitMetrics
 
 
 def _output_paths(fs, files: list[str], out: str) -> list[Path]:
@@ -109,18 +109,19 @@ class Scorer:
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
         user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
         encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user)
-        logits, labels, users = [], [], []
-        rows = 0
-        for path, target in zip(files, targets):
-            for chunk_logits, batch in self._score_file(fs, path, target, encoder, batch_size, keep):
-                logits.append(chunk_logits)
-                labels.append(batch.labels)
-                users.append(batch.users)
-                rows += len(chunk_logits)
-        summary = {"files": len(files), "rows": rows, "out": out}
-        if labelled and rows:
-            summary.update(task_metrics(torch.cat(logits), torch.cat(labels), torch.cat(users), self.tasks,
-                                        with_uauc=bool(user)))
+        rows = sum(pq.ParquetFile(path, filesystem=fs).metadata.num_rows for path in files) if labelled else 0
+        spill = Path(out) if labelled and user else None  # UAUC's rows wait there, in a hidden folder
+        scored = 0
+        with SplitMetrics(self.tasks, torch.device("cpu"), spill, rows) as metrics:
+            for path, target in zip(files, targets):
+                for logits, batch in self._score_file(fs, path, target, encoder, batch_size, keep):
+                    if labelled:
+                        metrics.add(logits, batch.labels, batch.users)
+                    scored += len(logits)
+            summary = {"files": len(files), "rows": scored, "out": out}
+            if labelled and scored:
+                summary.update(metrics.compute())
+                del summary["examples"]
         summary.update(self.model.metrics())
         return summary
 

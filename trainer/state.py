@@ -31,6 +31,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from trainer.hooks import TrainingHooks
 from trainer.data.reader import ParquetReader
+from trainer.dist import side_group
 
 
 def apply_trained_step(model: nn.Module, step: int) -> None:
@@ -82,6 +83,10 @@ class RankLocal(Protocol):
         """Take up the state saved by `len(saved)` ranks (in rank order) in this world size."""
 
 
+INPUT_RECORD = ("files", "consumed", "partition")
+"""Keys of a reader's state that record the input read so far, the same on every rank."""
+
+
 class PerRankState:
     """Rank-local parts, gathered from every rank into one JSON text (a collective in
     `state_dict`; see `encode_state`); on load each rank takes its own entry, or, when the
@@ -93,7 +98,7 @@ class PerRankState:
     def state_dict(self) -> str:
         mine = {name: part.state_dict() for name, part in self.parts.items()}
         states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, mine)
+        dist.all_gather_object(states, mine, group=side_group())
         return encode_state(states)
 
     def load_state_dict(self, text: str) -> None:
@@ -249,12 +254,16 @@ class TrainedPosition:
         epoch does not (each rank's rows change), so that is an error unless
         checkpoint.data_position = next_epoch."""
         epoch, step = saved[0]["epoch"], saved[0]["step"]
-        if step and self.data_position != "next_epoch":
+        inside = step and not saved[0].get("done")  # a partition's last step is its epoch's end
+        if inside and self.data_position != "next_epoch":
             raise ValueError(
                 f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}); at world "
-                f"size {self.reader.world_size} that position would replay or skip rows. Resume at the saved "
+                f"size {dist.get_world_size()} that position would replay or skip rows. Resume at the saved "
                 f"world size, or set checkpoint.data_position=next_epoch to continue from the start of epoch "
                 f"{epoch + 1}")
+        # This rank's fresh position, with what the saved one records of the input read so far
+        # (files; partitions consumed), so that its checks run and no partition is trained again.
         position = self.reader.state_dict()
+        position.update({key: saved[0][key] for key in INPUT_RECORD if key in saved[0]})
         position.update(epoch=epoch + 1 if step else epoch, step=0)
         self.load_state_dict(position)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
@@ -109,9 +109,13 @@ class Rows:
         index = np.asarray(index, np.int64)
         values, offsets = [], []
         for v, o in zip(self.values, self.offsets):
-            v, o = (v[index], None) if o is None else _gather(v, o, index)
-            values.append(v)
-            offsets.append(o)
+            if o is None:
+                values.append(v[index])
+                offsets.append(None)
+            else:
+                flat, lengths = _bag_positions(o, index)
+                values.append(v[flat])
+                offsets.append(_offsets(lengths))
         return Rows(self.keys, offsets, values, self.dense[index], self.labels[index],
                     None if self.users is None else self.users[index], self.num_managed)
 
@@ -138,28 +142,108 @@ class Rows:
 
     def to_batch(self, weights: np.ndarray | None = None) -> Batch:
         """A Batch owning its memory (copies: a batch must not keep a whole window alive)."""
-        n = self.num_rows
-        plain = len(self.keys) - self.num_managed
-        return Batch(
-            sparse=self._jagged(range(plain)),
-            managed_ids=self._jagged(range(plain, len(self.keys))) if self.num_managed else None,
-            dense=torch.from_numpy(self.dense.copy()) if self.dense.shape[1] else torch.zeros(n, 0),
-            labels=torch.from_numpy(self.labels.copy()) if self.labels.shape[1] else torch.zeros(n, 0),
-            users=torch.from_numpy(self.users.copy()) if self.users is not None
-            else torch.zeros(n, dtype=torch.int64),
-            weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
-        )
+        return assemble([Part(self)], weights)
 
-    def _jagged(self, features: range) -> KeyedJaggedTensor:
-        """Sparse features `features` of these rows as one KeyedJaggedTensor (copies)."""
-        n = self.num_rows
-        values = np.concatenate([self.own_values(s) for s in features]) if len(features) else np.zeros(0, np.int64)
-        lengths = np.ones((len(features), n), np.int64)
-        for row, s in zip(lengths, features):
-            if self.offsets[s] is not None:
-                np.subtract(self.offsets[s][1:], self.offsets[s][:-1], out=row)
-        return KeyedJaggedTensor(keys=[self.keys[s] for s in features], values=torch.from_numpy(values),
-                                 lengths=torch.from_numpy(lengths.reshape(-1)))
+
+@dataclass(frozen=True)
+class Part:
+    """Rows `index` of `rows` (any order, repeats allowed), or all of them in order when
+    `index` is None: a share of a batch, picked without copying. A shuffled window is one
+    part, its permutation the index, so that a batch gathers its rows straight from the window."""
+
+    rows: Rows
+    index: np.ndarray | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows if self.index is None else len(self.index)
+
+    def slice(self, start: int, stop: int | None = None) -> "Part":
+        """Rows start..stop-1 of this part (views)."""
+        if self.index is None:
+            return Part(self.rows.slice(start, stop))
+        return Part(self.rows, self.index[start:stop])
+
+    def as_rows(self) -> Rows:
+        """These rows as one Rows (a copy where an index picks them)."""
+        return self.rows if self.index is None else self.rows.take(self.index)
+
+    def copy_into(self, column: np.ndarray, out: np.ndarray) -> None:
+        """This part's rows of one of its rows' per-row columns, into `out`."""
+        if self.index is None:
+            out[...] = column
+        else:
+            np.take(column, self.index, axis=0, out=out)
+
+    def lengths_into(self, s: int, out: np.ndarray) -> np.ndarray | None:
+        """The bag sizes of sparse feature `s` into `out`; returns the positions of their ids
+        in `values[s]` where an index picks the bags (None: they lie in one run)."""
+        o = self.rows.offsets[s]
+        if self.index is None:
+            np.subtract(o[1:], o[:-1], out=out)
+            return None
+        flat, out[...] = _bag_positions(o, self.index)
+        return flat
+
+    def ids_into(self, s: int, flat: np.ndarray | None, out: np.ndarray) -> None:
+        """The ids of sparse feature `s`, bag after bag, into `out`; `flat` from `lengths_into`."""
+        rows = self.rows
+        if rows.offsets[s] is None:
+            self.copy_into(rows.values[s], out)
+        elif flat is None:
+            out[...] = rows.own_values(s)
+        else:
+            np.take(rows.values[s], flat, out=out)
+
+
+def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
+    """The rows of `parts`, one after the other, as a Batch owning its memory: every column is
+    copied or gathered straight into the batch's arrays, the one copy a batch needs."""
+    first = parts[0].rows
+    n = sum(p.num_rows for p in parts)
+    plain = len(first.keys) - first.num_managed
+    return Batch(
+        sparse=_jagged(parts, range(plain)),
+        managed_ids=_jagged(parts, range(plain, len(first.keys))) if first.num_managed else None,
+        dense=torch.from_numpy(_column(parts, lambda r: r.dense)) if first.dense.shape[1] else torch.zeros(n, 0),
+        labels=torch.from_numpy(_column(parts, lambda r: r.labels)) if first.labels.shape[1] else torch.zeros(n, 0),
+        users=torch.from_numpy(_column(parts, lambda r: r.users)) if first.users is not None
+        else torch.zeros(n, dtype=torch.int64),
+        weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
+    )
+
+
+def _column(parts: list[Part], column: Callable[[Rows], np.ndarray]) -> np.ndarray:
+    """One per-row column of `parts`' rows, one after the other, in a new array."""
+    like = column(parts[0].rows)
+    out = np.empty((sum(p.num_rows for p in parts), *like.shape[1:]), like.dtype)
+    row = 0
+    for p in parts:
+        p.copy_into(column(p.rows), out[row:row + p.num_rows])
+        row += p.num_rows
+    return out
+
+
+def _jagged(parts: list[Part], features: range) -> KeyedJaggedTensor:
+    """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies)."""
+    lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
+    fills = []  # (part, feature, Part.lengths_into's positions, ids) in the order of the values
+    for row, s in zip(lengths, features):
+        start = 0
+        for p in parts:
+            stop = start + p.num_rows
+            if p.rows.offsets[s] is None:
+                fills.append((p, s, None, p.num_rows))
+            else:
+                fills.append((p, s, p.lengths_into(s, row[start:stop]), int(row[start:stop].sum())))
+            start = stop
+    values = np.empty(sum(f[3] for f in fills), np.int64)
+    start = 0
+    for p, s, flat, k in fills:
+        p.ids_into(s, flat, values[start:start + k])
+        start += k
+    return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
+                             lengths=torch.from_numpy(lengths.reshape(-1)))
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -184,8 +268,13 @@ def _concat_offsets(offsets: list[np.ndarray | None], rows: list[int]) -> np.nda
     return out
 
 
-def _gather(values: np.ndarray, offsets: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The bags `index` of one jagged feature: their ids and offsets into them. Arrow's
-    list `take` does this in one pass, about twice as fast as building a flat index."""
-    bags = pa.LargeListArray.from_arrays(offsets, values).take(index)  # from_arrays: zero-copy views
-    return bags.values.to_numpy(), bags.offsets.to_numpy()
+def _bag_positions(offsets: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bags `index` of one jagged feature: the positions of their ids, bag after bag, and
+    their sizes. numpy's gather by these positions is faster than Arrow's list `take` for
+    a batch (1.7 against 2.7 ms per 65,536 rows of 9.5 ids from a 65,536-row window)."""
+    starts = offsets[index]
+    lengths = offsets[index + 1] - starts
+    ends = np.cumsum(lengths)
+    flat = np.repeat(starts - (ends - lengths), lengths)
+    flat += np.arange(len(flat))
+    return flat, lengths

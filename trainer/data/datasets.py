@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from trainer.config import Config, FeatureSpec, SynthTeacherName
 from trainer.data import capacity as capacity_data
 from trainer.data import synth as synth_data
 from trainer.data.movielens import convert_movielens
+from trainer.dist import side_group
 from trainer.registry import Registry
 
 
@@ -34,7 +36,7 @@ DATASETS: Registry[Callable[[Config], DatasetFiles]] = Registry("data.dataset")
 
 
 def build_dataset(cfg: Config) -> DatasetFiles:
-    """Resolve `data.dataset`; call on every rank (rank 0 prepares, the others wait)."""
+    """Resolve `data.dataset`; call on every rank (each node's local rank 0 prepares, the others wait)."""
     return DATASETS.get(cfg.data.dataset)(cfg)
 
 
@@ -50,11 +52,12 @@ def parquet(cfg: Config) -> DatasetFiles:
 
 
 def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
-    """`folder` made once by rank 0, into a temporary folder renamed when complete, so
-    `folder` only ever exists whole. Runs that share a cache may make it at the same time:
-    the first rename wins, and a later one never replaces a folder another run may be reading."""
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not (folder / "_SUCCESS").exists():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    """`folder` made by each node's local rank 0, into a temporary folder renamed when
+    complete, so `folder` only ever exists whole. data.cache_dir may be node-local (each node
+    needs its own copy) or shared (nodes and runs may make it at the same time): the first
+    rename wins, and a later one never replaces a folder another process may be reading."""
+    if _node_leader() and not (folder / "_SUCCESS").exists():
+        tmp = folder.with_name(folder.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         summary = make(tmp)
         (tmp / "_SUCCESS").write_text(json.dumps(summary, indent=1, default=str))
@@ -62,8 +65,15 @@ def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
             os.replace(tmp, folder)
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=side_group())
     return folder
+
+
+def _node_leader() -> bool:
+    """Local rank 0 of this node (rank 0 where no launcher set LOCAL_RANK), or no job at all."""
+    if not dist.is_initialized():
+        return True
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
 
 
 # The cache folder names each teacher's version: bump it whenever a writer's rows change,

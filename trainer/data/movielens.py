@@ -49,6 +49,7 @@ _NON_NUMERIC_ZIP = 11
 _YEAR_BASE, _YEAR_MAX, _YEAR_MISSING = 1919, 80, 81
 _UNKNOWN_GENRE = "unknown"
 _POSITIVE_RATING = 4.0
+_MAX_ID = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,10 @@ class _Inter:
 
 @dataclass(frozen=True)
 class _Users:
-    """Per-user feature lookups, indexed by raw user id (row 0 unused)."""
+    """Per-user features; row i describes user ids[i]. Ids may reach 2^63 - 1, so nothing is
+    sized by the largest id."""
 
-    known: np.ndarray  # bool
+    ids: np.ndarray  # int64, sorted, distinct
     age: np.ndarray
     gender: np.ndarray
     occupation: np.ndarray
@@ -72,9 +74,9 @@ class _Users:
 
 @dataclass(frozen=True)
 class _Items:
-    """Per-item feature lookups, indexed by raw item id (row 0 unused)."""
+    """Per-item features; row i describes item ids[i] (sorted, distinct int64)."""
 
-    known: np.ndarray  # bool
+    ids: np.ndarray
     genres: pa.ListArray
     year: np.ndarray
 
@@ -103,9 +105,10 @@ def convert_movielens(
     inter = _read_inter(paths["inter"])
     users = _read_users(paths["user"])
     items = _read_items(paths["item"])
-    _check_ids(inter, users, items, paths["inter"])
+    user_rows = _rows_of(inter.user, users.ids, "user_id", paths["inter"])
+    item_rows = _rows_of(inter.item, items.ids, "item_id", paths["inter"])
 
-    table = _build_table(inter, users, items, history_len)
+    table = _build_table(inter, users, items, user_rows, item_rows, history_len)
     cut = _time_cut(inter.ts, valid_fraction)
     # Sorting by (timestamp, user, item) keeps the output deterministic when timestamps tie.
     order = np.lexsort((inter.item, inter.user, inter.ts))
@@ -123,8 +126,8 @@ def convert_movielens(
         "positive_rate": float(labels.mean()),
         "train_positive_rate": _mean_label(train),
         "valid_positive_rate": _mean_label(valid),
-        "num_users": int(users.known.size - 1),
-        "num_items": int(items.known.size - 1),
+        "num_users": int(users.ids.size),
+        "num_items": int(items.ids.size),
         "files": [str(p) for p in written],
     }
 
@@ -203,7 +206,7 @@ def _read_users(path: Path) -> _Users:
     rows = _read_rows(path, _USER_COLS)
     ids, ages, genders, occs, zips = [], [], [], [], []
     for lineno, (uid, age, gender, occ, zip_code) in rows:
-        if not uid.isdigit() or not age.isdigit() or gender not in _GENDERS:
+        if not _is_id(uid) or not age.isdigit() or gender not in _GENDERS:
             raise _malformed(path, lineno, f"user_id={uid!r} age={age!r} gender={gender!r}")
         ids.append(int(uid))
         ages.append(int(age))
@@ -212,21 +215,14 @@ def _read_users(path: Path) -> _Users:
         # Canadian postcodes (e.g. 'T8H1N') share one bucket rather than inventing a letter scheme.
         zips.append(int(zip_code[0]) + 1 if zip_code[:1].isdigit() else _NON_NUMERIC_ZIP)
     occ_ids = {name: i for i, name in enumerate(sorted(set(occs)), start=1)}
-    size = max(ids, default=0) + 1
-    lookup = _Users(
-        known=np.zeros(size, bool),
-        age=np.zeros(size, np.int64),
-        gender=np.zeros(size, np.int64),
-        occupation=np.zeros(size, np.int64),
-        zip=np.zeros(size, np.int64),
+    ids, last = _distinct(ids)
+    return _Users(
+        ids=ids,
+        age=np.searchsorted(_AGE_EDGES, np.asarray(ages)[last], side="right") + 1,
+        gender=np.asarray(genders, np.int64)[last],
+        occupation=np.asarray([occ_ids[o] for o in occs], np.int64)[last],
+        zip=np.asarray(zips, np.int64)[last],
     )
-    idx = np.asarray(ids, np.int64)
-    lookup.known[idx] = True
-    lookup.age[idx] = np.searchsorted(_AGE_EDGES, np.asarray(ages), side="right") + 1
-    lookup.gender[idx] = genders
-    lookup.occupation[idx] = [occ_ids[o] for o in occs]
-    lookup.zip[idx] = zips
-    return lookup
 
 
 def _read_items(path: Path) -> _Items:
@@ -234,32 +230,41 @@ def _read_items(path: Path) -> _Items:
     rows = _read_rows(path, _ITEM_COLS)
     ids, years, genre_names = [], [], []
     for lineno, (iid, year, genres) in rows:
-        if not iid.isdigit():
+        if not _is_id(iid):
             raise _malformed(path, lineno, f"item_id={iid!r}")
         ids.append(int(iid))
         # The raw data spells a missing year as 'unkonwn'; any non-year counts as missing.
         years.append(int(year) if year.strip().isdigit() else None)
         genre_names.append(genres.split() or [_UNKNOWN_GENRE])
     genre_ids = {g: i for i, g in enumerate(sorted({g for gs in genre_names for g in gs}), start=1)}
-    size = max(ids, default=0) + 1
-    per_item: list[list[int]] = [[] for _ in range(size)]
-    year_bucket = np.zeros(size, np.int64)
-    known = np.zeros(size, bool)
-    for iid, year, genres in zip(ids, years, genre_names):
-        known[iid] = True
-        per_item[iid] = sorted({genre_ids[g] for g in genres})
-        year_bucket[iid] = _YEAR_MISSING if year is None else min(max(year - _YEAR_BASE, 1), _YEAR_MAX)
-    return _Items(known, pa.array(per_item, type=pa.list_(pa.int64())), year_bucket)
+    ids, last = _distinct(ids)
+    genres = pa.array([sorted({genre_ids[g] for g in gs}) for gs in genre_names], type=pa.list_(pa.int64()))
+    year_bucket = np.asarray([_YEAR_MISSING if y is None else min(max(y - _YEAR_BASE, 1), _YEAR_MAX) for y in years],
+                             np.int64)
+    return _Items(ids, genres.take(pa.array(last)), year_bucket[last])
 
 
-def _check_ids(inter: _Inter, users: _Users, items: _Items, path: Path) -> None:
-    """Every rating must refer to a user and an item that have features."""
-    for name, ids, known in (("user_id", inter.user, users.known), ("item_id", inter.item, items.known)):
-        bad = (ids < 1) | (ids >= known.size)
-        bad[~bad] = ~known[ids[~bad]]
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"{path}: rating row {i + 1} has {name}={ids[i]} with no features")
+def _is_id(text: str) -> bool:
+    """A decimal id that fits int64."""
+    return text.isdigit() and int(text) <= _MAX_ID
+
+
+def _distinct(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids, sorted, and for each the index of its last line (a later line
+    overrides an earlier one, as before)."""
+    ids = np.asarray(ids, np.int64)
+    last = ids.size - 1 - np.unique(ids[::-1], return_index=True)[1]
+    return ids[last], last
+
+
+def _rows_of(ids: np.ndarray, known: np.ndarray, name: str, path: Path) -> np.ndarray:
+    """The feature row of each rating's id; every rating must refer to an id >= 1 that has features."""
+    rows = np.searchsorted(known, ids)
+    bad = (ids < 1) | (np.r_[known, 0][rows] != ids)  # the 0 stands past the last id
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{path}: rating row {i + 1} has {name}={ids[i]} with no features")
+    return rows
 
 
 def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, np.ndarray]:
@@ -288,19 +293,20 @@ def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, np.ndarray]
     return hist_sorted.take(pa.array(inverse)), full
 
 
-def _build_table(inter: _Inter, users: _Users, items: _Items, history_len: int) -> pa.Table:
-    """All output columns, in input row order."""
+def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndarray, item_rows: np.ndarray,
+                 history_len: int) -> pa.Table:
+    """All output columns, in input row order; `user_rows` and `item_rows` are each rating's feature rows."""
     hist_items, hist_len = _history(inter, history_len)
     days, seconds = np.divmod(inter.ts, 86_400)
     columns = {
         "user_id": inter.user,
-        "user_age": users.age[inter.user],
-        "user_gender": users.gender[inter.user],
-        "user_occupation": users.occupation[inter.user],
-        "user_zip": users.zip[inter.user],
+        "user_age": users.age[user_rows],
+        "user_gender": users.gender[user_rows],
+        "user_occupation": users.occupation[user_rows],
+        "user_zip": users.zip[user_rows],
         "item_id": inter.item,
-        "item_genres": items.genres.take(pa.array(inter.item)),
-        "item_year": items.year[inter.item],
+        "item_genres": items.genres.take(pa.array(item_rows)),
+        "item_year": items.year[item_rows],
         "hour": seconds // 3_600,
         "weekday": (days + 3) % 7,  # 1970-01-01 was a Thursday
         "hist_items": hist_items,

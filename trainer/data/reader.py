@@ -28,16 +28,25 @@ W*B - 1 rows of an epoch are not trained on: contiguous slices leave each rank f
 B rows of its own plus at most W-1 rows of imbalance; interleaving leaves only the last,
 partial round of W*B rows. `epoch_rows(epoch)` gives the split's rows and the rows used.
 
-Windows. A rank's pieces are grouped into *windows* of at least `shuffle_buffer` rows; a
-window is read, encoded, permuted with a seed of (seed, epoch, rank, window) and its rows
-are streamed into batches (a batch may straddle two windows). The batches a rank has
-yielded in the epoch fix its position exactly: the state is just (epoch, step), and
-resuming re-reads one window and skips into it.
+Windows. A rank's pieces are cut into *slices* where their row group's rows cross a
+multiple of SLICE_ROWS (a piece within one slice stays whole), and the slices are grouped
+into *windows* of at least `shuffle_buffer` rows; a window is read, encoded and given a
+permutation seeded with (seed, epoch, rank, window), and its rows are streamed into batches
+in that order (a batch may straddle two windows). The batches a rank has yielded in the
+epoch fix its position exactly: the state is just (epoch, step), and resuming re-reads one
+window and skips into it.
 
-Memory: at most the current and the next window, each below `shuffle_buffer` plus one
-piece, and the decoded row group of the last piece read. A window is held encoded, as
-numpy columns (`Rows`): encoding, shuffling and batch assembly work on whole columns, and
-a batch is a slice of the window copied once into its tensors.
+Memory: O(shuffle_buffer + SLICE_ROWS) rows, whatever the row groups' size: the window
+being consumed and the next window being loaded, each below `shuffle_buffer + SLICE_ROWS`
+rows, one decoded slice, and a READ_BUFFER per column being read. A row group is decoded a
+slice at a time (`iter_batches`); the slices before a piece's first row are decoded and
+dropped. A window is held encoded, as numpy columns
+(`Rows`): encoding works on whole columns, and a batch's rows are copied (in order) or
+gathered (by the permutation) once, straight from the window into its tensors; the window
+itself is never copied in shuffled order. A slice is decoded on one thread (the loader's):
+pyarrow's pool spent 10-20% more CPU on row-group-sized reads, and would compete with the
+training step's threads. With `pin_memory`, PREFETCH_BATCHES more batches wait in pinned
+memory.
 
 Object stores. An s3:// URI gets pyarrow's AWS standard retry strategy (`retry_attempts`
 tries per request). On top of it, a listing, footer or row-group read that fails with a
@@ -57,7 +66,9 @@ import itertools
 import json
 import logging
 import posixpath
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -74,13 +85,18 @@ import pyarrow.parquet as pq
 import torch.distributed as dist
 
 from trainer.credentials import redact_uri
-from trainer.data.batch import Batch, Rows
+from trainer.data.batch import Batch, Part, Rows, assemble
 from trainer.data.encode import RowEncoder
 from trainer.errors import DataUnavailableError
 
 log = logging.getLogger("rankmix.data")
 T = TypeVar("T")
 
+SLICE_ROWS = 65_536  # rows decoded at once: a larger row group is read in slices of this size
+# Column chunks are read through a buffer of this many bytes each, not whole: a row group's
+# chunks, even compressed, can be far larger than a slice.
+READ_BUFFER = 1 << 20
+PREFETCH_BATCHES = 2  # pinned batches made ahead of the consumer
 FIRST_RETRY_DELAY = 0.25  # seconds; doubled after each failure ...
 MAX_RETRY_DELAY = 10.0    # ... up to this: a store that comes back is found within 10 s
 S3_URI_OPTIONS = ("endpoint_override", "scheme", "region")
@@ -278,14 +294,17 @@ class ParquetReader:
     failing object store is retried (module docstring); 0 seconds gives up at once.
     `holdout_fraction` > 0 splits every row group: `holdout=True` reads only the last share of
     its rows (a validation split carved from training files), `holdout=False` only the rest.
+    `pin_memory` assembles and pins batches ahead in a prefetch thread, so that copies to a
+    CUDA device with non_blocking=True overlap compute (it needs CUDA).
     """
 
     def __init__(self, paths: str, encoder: RowEncoder, *, batch_size: int, shuffle_buffer: int = 0,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  rank: int = 0, world_size: int = 1, num_epochs: int = 0,
                  retry_seconds: float = 300.0, retry_attempts: int = 3, holdout_fraction: float = 0.0,
-                 holdout: bool = False):
+                 holdout: bool = False, pin_memory: bool = False):
         self.encoder = encoder
+        self.pin_memory = pin_memory
         self.batch_size = batch_size
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -300,7 +319,7 @@ class ParquetReader:
         self.row_groups = self._split(self._agreed_input(paths, retry_seconds, retry_attempts))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self.epoch, self.step = 0, 0
-        self._filler: Rows | None = None
+        self._filler: Part | None = None
         self.peak_buffered_rows = 0
 
     # ------------------------------------------------------------------ metadata
@@ -313,6 +332,7 @@ class ParquetReader:
             self.fs, self.files = self.store.fs, [i.path for i in infos]
             groups = self._discover()
             view = _input_view(infos, groups)
+            self.input_files = [[path, size, rows] for path, size, rows in view]  # in the state: lists, as JSON has them
         except Exception as e:  # any failure: the other ranks must not wait for this rank in the check
             failure = e
         if self.world_size > 1 and dist.is_initialized():
@@ -419,21 +439,28 @@ class ParquetReader:
             rows = min(self._rank_rows(r) for r in range(self.world_size))
             raise ValueError(f"{self.source}: a rank gets only {rows} rows in epoch {self.epoch}, fewer than "
                              f"one batch of {self.batch_size}; use a smaller batch or fewer ranks")
-        windows = self._windows(self._pieces(self.epoch, self.rank))
-        chunks = self._window_stream(windows, skip=self.step * self.batch_size)
-        held: list[Rows] = []  # rows read and not yet yielded, in order
+        batches = self._batches(self.epoch, self.step, steps)
+        # Pinning gets a thread of its own (it waits on the CUDA driver); without it, handing each
+        # batch from a thread to the consumer would cost more than assembling it.
+        for batch in _pinned_ahead(batches) if self.pin_memory else batches:
+            self.step += 1  # here, not in the thread: the position is that of the batches handed out
+            yield batch
+
+    def _batches(self, epoch: int, step: int, steps: int) -> Iterator[Batch]:
+        """Batches `step` to `steps` - 1 of `epoch`."""
+        windows = self._windows(_sliced(self._pieces(epoch, self.rank)))
+        chunks = self._window_stream(windows, epoch, skip=step * self.batch_size)
+        held: list[Part] = []  # rows read and not yet yielded, in order
         seen = False
-        while self.step < steps:
+        for _ in range(step, steps):
             while sum(r.num_rows for r in held) < self.batch_size and (t := next(chunks, None)) is not None:
                 held.append(t)
                 seen = True
             if not seen and self._filler is None:  # evaluation on a rank with no rows left: pad with any row
-                self._filler = self._read(Piece(self.row_groups[0], 0, 1))
-            rows = _take_front(held, self.batch_size)
-            self.step += 1
-            yield self._padded(rows)
+                self._filler = Part(self._read(Piece(self.row_groups[0], 0, 1)))
+            yield self._padded(_take_front(held, self.batch_size))
 
-    def _window_stream(self, windows: list[list[Piece]], skip: int) -> Iterator[Rows]:
+    def _window_stream(self, windows: list[list[Piece]], epoch: int, skip: int) -> Iterator[Part]:
         """Encoded, shuffled rows of `windows`, starting `skip` rows in. The next window is
         read and encoded in a background thread while this one is consumed: Parquet decode
         and most of the encoding run outside the GIL."""
@@ -450,7 +477,7 @@ class ParquetReader:
         files = _LastFile(self.fs)
         try:
             with ThreadPoolExecutor(max_workers=1) as pool:
-                load = partial(self._load_window, epoch=self.epoch, files=files)
+                load = partial(self._load_window, epoch=epoch, files=files)
                 future = pool.submit(load, todo[0][1], todo[0][0])
                 for k, (_, _, start) in enumerate(todo):
                     rows = future.result()
@@ -460,26 +487,26 @@ class ParquetReader:
         finally:
             files.close()
 
-    def _padded(self, rows: Rows | None) -> Batch:
+    def _padded(self, parts: list[Part]) -> Batch:
         """Evaluation's short batches are filled to batch_size with weight-0 copies of rows."""
-        real = rows.num_rows if rows is not None else 0
+        real = sum(p.num_rows for p in parts)
         if real:
-            self._filler = rows.slice(0, 1)
+            self._filler = parts[0]  # its first row pads a later batch without rows of its own
         if real == self.batch_size:
-            return rows.to_batch()
-        source = rows if real else self._filler
+            return assemble(parts)
+        source = Rows.concat([p.as_rows() for p in parts or [self._filler.slice(0, 1)]])
         weights = np.zeros(self.batch_size, np.float32)
         weights[:real] = 1.0
-        take = np.resize(np.arange(source.num_rows), self.batch_size)
-        return source.take(take).to_batch(weights)
+        return assemble([Part(source, np.resize(np.arange(source.num_rows), self.batch_size))], weights)
 
-    def _load_window(self, pieces: list[Piece], index: int, epoch: int, files: "_LastFile") -> Rows:
+    def _load_window(self, pieces: list[Piece], index: int, epoch: int, files: "_LastFile") -> Part:
+        """The window's rows, with their permutation where they are shuffled: batches gather
+        from the window by it, rather than the whole window being copied in shuffled order."""
         rows = Rows.concat([self._read(p, files) for p in pieces])
-        if self.shuffle and self.shuffle_buffer:
-            rng = np.random.default_rng([self.seed, epoch, self.rank, index])
-            rows = rows.take(rng.permutation(rows.num_rows))
         self.peak_buffered_rows = max(self.peak_buffered_rows, rows.num_rows)
-        return rows
+        if self.shuffle and self.shuffle_buffer:
+            return Part(rows, np.random.default_rng([self.seed, epoch, self.rank, index]).permutation(rows.num_rows))
+        return Part(rows)
 
     def _read(self, p: Piece, files: "_LastFile | None" = None) -> Rows:
         g = p.group
@@ -506,11 +533,21 @@ class ParquetReader:
                 "row_groups": len(self.row_groups), "rows": self.num_rows}
 
     def state_dict(self) -> dict:
-        """Exact position: epoch and batches yielded in it, plus what gives them meaning."""
-        return {"epoch": self.epoch, "step": self.step, **self._identity()}
+        """Exact position: epoch and batches yielded in it, plus what gives them meaning, the
+        files (path, bytes, rows of each row group) included."""
+        return {"epoch": self.epoch, "step": self.step, "files": self.input_files, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at `state`'s position; a position that means something else here is an error."""
+        """Resume at `state`'s position; a position that means something else here is an error,
+        files added, removed or rewritten since the save included."""
+        if "files" not in state:
+            raise ValueError("data reader state has no list of the files it read (an older rankmix saved it): "
+                             "start a new run folder from its weights (checkpoint.load_path=<the checkpoint>, "
+                             "checkpoint.load_mode=weights)")
+        change = file_change(state["files"], self.input_files)
+        if change:
+            raise ValueError(f"data reader state was saved over other files: {change}; the saved position "
+                             "cannot be honoured (a run's input must not change; see docs/continuous.md)")
         for key, mine in self._identity().items():
             if state.get(key) != mine:
                 raise ValueError(f"data reader state was saved with {key}={state.get(key)} but this run has "
@@ -524,6 +561,23 @@ def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tupl
     for g in groups:
         rows[g.path].append(g.num_rows)
     return [(f.path, f.size, rows[f.path]) for f in files]
+
+
+def file_change(saved: list[list], mine: list[list], rows: bool = True) -> str | None:
+    """The first file, in path order, added, removed or changed between two lists of
+    [path, bytes, rows of each row group] (`rows=False`: compare paths and bytes only), in words."""
+    def described(files: list[list]) -> dict[str, tuple]:
+        return {f[0]: (f[1], list(f[2])) if rows else (f[1], None) for f in files}
+    before, after = described(saved), described(mine)
+    for path in sorted(before.keys() | after.keys()):
+        if path not in after:
+            return f"{path} was removed"
+        if path not in before:
+            return f"{path} was added"
+        if before[path] != after[path]:
+            return (f"{path} changed from {_described(before[path])} to {_described(after[path])}" if rows else
+                    f"{path} changed from {before[path][0]} to {after[path][0]} bytes")
+    return None
 
 
 def _check_same_input(source: str, view: list | None, failure: Exception | None) -> None:
@@ -566,9 +620,9 @@ def _described(file: tuple[int, list[int]] | None) -> str:
     return f"{size} bytes in {len(rows)} row group(s) of {sum(rows)} rows"
 
 
-def _take_front(held: list[Rows], n: int) -> Rows | None:
-    """Remove the first `n` rows from `held` (fewer where it runs out) and return them:
-    a view when they lie in one window, a copy where they straddle two."""
+def _take_front(held: list[Part], n: int) -> list[Part]:
+    """Remove the first `n` rows from `held` (fewer where it runs out) and return them, as
+    views: a part of each window they lie in."""
     parts = []
     while n and held:
         head = held[0]
@@ -578,14 +632,69 @@ def _take_front(held: list[Rows], n: int) -> Rows | None:
             parts.append(head.slice(0, n))
             held[0] = head.slice(n)
         n -= parts[-1].num_rows
-    return Rows.concat(parts) if parts else None
+    return parts
+
+
+def _sliced(pieces: list[Piece]) -> list[Piece]:
+    """`pieces` cut where their row group's rows cross a multiple of SLICE_ROWS: the units
+    read, decoded and windowed. A piece within one slice of its row group stays whole."""
+    out = []
+    for p in pieces:
+        start, first = p.start, p.group.first
+        while start < p.stop:
+            stop = min(p.stop, ((first + start) // SLICE_ROWS + 1) * SLICE_ROWS - first)
+            out.append(Piece(p.group, start, stop))
+            start = stop
+    return out
+
+
+_END = object()
+
+
+def _pinned_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """`batches`, assembled and pinned up to PREFETCH_BATCHES ahead in a thread of their own
+    (the prefetch thread); an error there is raised here. Closing this generator stops the thread."""
+    ready: queue.Queue = queue.Queue(PREFETCH_BATCHES)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for batch in batches:
+                if not put(batch.pin_memory()):
+                    return
+            put(_END)
+        except BaseException as e:  # handed to the consumer, which raises it
+            put(e)
+        finally:
+            batches.close()  # the window loader's thread and open files, in the thread that uses them
+
+    thread = threading.Thread(target=run, name="rankmix-reader-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 class _LastFile:
     """The Parquet file read last, kept open for the next row group: consecutive row
     groups often share a file, and opening one (footer parse, reader set-up) costs about
-    a third of decoding a 16k-row row group. Also the row group decoded last, while a
-    later piece of it may follow (interleaved pieces). Used by one thread at a time."""
+    a third of decoding a 16k-row row group. Also the row group being read, as a stream of
+    SLICE_ROWS-row batches and the batch decoded last, while a later piece of it may follow
+    (interleaved pieces, slices). Used by one thread at a time."""
 
     def __init__(self, fs: pafs.FileSystem):
         self.fs = fs
@@ -593,30 +702,48 @@ class _LastFile:
         self.stream: pa.NativeFile | None = None
         self.file: pq.ParquetFile | None = None
         self.group: RowGroup | None = None
-        self.table: pa.Table | None = None
+        self.batches: Iterator[pa.RecordBatch] | None = None
+        self.batch: pa.RecordBatch | None = None
+        self.start = 0  # the row group's row that self.batch starts at
 
     def read(self, piece: Piece, columns: list[str]) -> pa.Table:
-        """The rows of `piece`; after a failure the file is re-opened on the next call."""
+        """The rows of `piece`, decoding at most the slices up to them; after a failure the
+        file is re-opened on the next call."""
         g = piece.group
+        lo, hi = g.first + piece.start, g.first + piece.stop
         try:
-            if g != self.group:
-                self.group = self.table = None
-                self.table = self._open(g.path).read_row_group(g.index, columns=columns)
-                self.group = g
+            if g != self.group or lo < self.start:
+                self.group = self.batches = self.batch = None
+                file = self._open(g.path)
+                if file.metadata.row_group(g.index).num_rows <= SLICE_ROWS:  # one slice: the faster call
+                    self.batches = iter(file.read_row_group(g.index, columns=columns,
+                                                            use_threads=False).to_batches())
+                else:
+                    self.batches = file.iter_batches(batch_size=SLICE_ROWS, row_groups=[g.index], columns=columns,
+                                                     use_threads=False)
+                self.start, self.batch, self.group = 0, next(self.batches), g
+            parts = []
+            while True:
+                end = self.start + self.batch.num_rows
+                if end > lo:
+                    parts.append(self.batch.slice(max(lo - self.start, 0), min(hi, end) - max(lo, self.start)))
+                if end >= hi:
+                    break
+                self.start, self.batch = end, next(self.batches)
         except BaseException:
             self.close()  # the stream may be dead
             raise
-        table = self.table
         if piece.stop == g.num_rows:  # the rank's last piece of this row group
-            self.group = self.table = None
-        return table.slice(g.first + piece.start, piece.num_rows)
+            self.group = self.batches = self.batch = None
+            self.start = 0
+        return pa.Table.from_batches(parts)
 
     def _open(self, path: str) -> pq.ParquetFile:
         if path != self.path:
             self.close()
             stream = self.fs.open_input_file(path)
             try:
-                self.file = pq.ParquetFile(stream)
+                self.file = pq.ParquetFile(stream, pre_buffer=False, buffer_size=READ_BUFFER)
             except BaseException:
                 stream.close()
                 raise
@@ -626,4 +753,5 @@ class _LastFile:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
-        self.path = self.stream = self.file = self.group = self.table = None
+        self.path = self.stream = self.file = self.group = self.batches = self.batch = None
+        self.start = 0

@@ -1,0 +1,91 @@
+"""`rankmix plan` counts host memory: the init's blocks, the reader's buffers, evaluation's
+fixed state and async-save staging, per rank, and says `fits: no` when a node's ranks need
+more than its RAM. The expected bytes are worked out here by hand from the synthetic schema."""
+
+import re
+from pathlib import Path
+
+from cli import rankmix
+from launch.plan import GB, plan_cluster
+from trainer.config_loader import load_config
+
+SYNTH = str(Path(__file__).resolve().parents[1] / "configs" / "synth.toml")
+OPTIONS = ["--data.shuffle_buffer=8192", "--data.batch_size=32", "--data.eval_batch_size=1024",
+           "--metrics.window_batches=10", "--checkpoint.async_save=true"]
+# configs/synth.toml's encoded row: 8 `id` features x 8 B; item_tags (id_list, no max_len) one
+# id and an offset, 16 B; hist_items (sequence, max_len 30) 30 ids and an offset, 248 B; two
+# float32 numeric features, one float32 label, the int64 user: 64 + 16 + 248 + 8 + 4 + 8 B.
+ROW = 348
+COLUMNS = 13  # 12 feature columns (user_id among them) and the label `click`
+RUNTIME = 2**29
+SLICE, BUCKET, BINS, BLOCK = 65_536, 131_072, 2**20, 16_384
+
+
+def expected_host() -> dict[str, int]:
+    """Every rank's init, reader and evaluation bytes for OPTIONS on 2 CPU ranks."""
+    return {
+        "init": 2 * BLOCK * 16 * 4,  # two fp32 blocks of the widest table (dim 16)
+        # three windows of shuffle_buffer + a slice, a decoded slice, one batch; a 1 MiB read buffer per column
+        "reader": (3 * (8192 + SLICE) + SLICE + 32) * ROW + COLUMNS * 2**20,
+        # one task: 2 x 2^20 float64 bins, UAUC's bucket of (user, logit, label) rows thrice,
+        # 10 windowed batches of int64 codes, the evaluation reader's 3 slices and batch
+        "evaluation": 2 * BINS * 8 + 3 * BUCKET * 16 + 10 * 32 * 8 + (3 * SLICE + 1024) * ROW,
+    }
+
+
+def test_plan_prints_each_ranks_host_memory():
+    cfg = load_config(SYNTH, OPTIONS)
+    plan = plan_cluster(cfg, 2, "cpu", 0.0, 24.0, 2)
+    params = int(re.search(r"dense tower and heads: ([\d,]+) parameters", plan.text).group(1).replace(",", ""))
+    want = expected_host()
+    assert len(plan.host) == 2
+    for rank, (m, h) in enumerate(zip(plan.memory, plan.host)):
+        assert (h.init, h.reader, h.evaluation) == (want["init"], want["reader"], want["evaluation"])
+        # a CPU rank holds its shards and the dense weights, gradients and RMSProp state in host memory;
+        # the async save stages the tables, optimizer state, weights and RMSProp state
+        assert h.resident == m.estimate + params * 4 * 3
+        assert h.async_save == m.tables + m.optimizer + params * 4 * 2
+        total = RUNTIME + h.resident + sum(want.values()) + h.async_save
+        assert h.total == total
+        row = (f"{rank:>4} {h.resident / GB:>12.3f} {want['init'] / GB:>8.3f} {want['reader'] / GB:>10.3f} "
+               f"{want['evaluation'] / GB:>8.3f} {h.async_save / GB:>14.3f} {total / GB:>8.3f}")
+        assert row in plan.text.splitlines(), plan.text
+    assert "rank  resident GB  init GB  reader GB  eval GB  async save GB  host GB" in plan.text
+    assert plan.fits and plan.text.splitlines()[-1].endswith(
+        f"host memory: fullest node {sum(h.total for h in plan.host) / GB:.2f} GB of 48 GB)")
+
+
+def test_a_gpu_rank_keeps_no_tables_on_the_host_and_a_sync_save_stages_nothing():
+    cfg = load_config(SYNTH, OPTIONS[:-1])
+    plan = plan_cluster(cfg, 2, "cuda", 80.0, 24.0, 2)
+    # on a GPU rank the reader also pins PREFETCH_BATCHES = 2 more batches
+    assert [(h.resident, h.reader, h.async_save) for h in plan.host] == \
+        [(0, expected_host()["reader"] + 2 * 32 * ROW, 0)] * 2
+
+
+def test_a_node_whose_ranks_need_more_host_memory_than_it_has_does_not_fit():
+    proc = rankmix("plan", "--config", "configs/synth.toml", "--world-size", "4", "--local-world-size", "2",
+                   "--device", "cpu", "--ddr-gb", "0.6", *OPTIONS)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    cfg = load_config(SYNTH, OPTIONS)
+    host = plan_cluster(cfg, 4, "cpu", 0.0, 0.6, 2).host
+    node = max((0, 1), key=lambda n: host[2 * n].total + host[2 * n + 1].total)
+    need = (host[2 * node].total + host[2 * node + 1].total) / GB
+    assert need > 1.2  # the runtime alone is 0.5 GB a rank
+    assert proc.stdout.splitlines()[-1] == \
+        f"fits: no (host memory: node {node}'s 2 ranks need {need:.2f} GB of 2 x 0.6 GB)"
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_explicit_row_wise_plan_on_cpu_is_sized_as_training_shards_it():
+    """TorchRec's planner has no row-wise sharding on CPU: `rankmix plan` builds training's own
+    plan instead, each table cut into 4 blocks of ceil(rows / 4) rows."""
+    cfg = load_config(SYNTH, ["--embeddings.plan=row_wise", "--embeddings.optimizer=rowwise_adagrad"])
+    plan = plan_cluster(cfg, 4, "cpu", 0.0, 24.0, 4)
+    tables = {"user_id": (5001, 16), "user_age": (9, 8), "user_gender": (3, 4), "item": (2001, 16),
+              "item_category": (33, 8), "item_tags": (201, 8), "hour": (24, 4), "weekday": (7, 4), "device": (5, 4)}
+    for rank, m in enumerate(plan.memory):
+        rows = {name: min(max(n - rank * -(-n // 4), 0), -(-n // 4)) for name, (n, _) in tables.items()}
+        assert m.tables == sum(rows[name] * dim * 4 for name, (_, dim) in tables.items())
+        assert m.optimizer == m.estimate - m.tables == sum(rows.values()) * 4
+    assert plan.fits and "user_id       | [3753, 0]     | [1248, 16]  | rank:3/cpu" in plan.text, plan.text
