@@ -7,11 +7,14 @@ r"""`rankmix`: train, and convert or generate data.
         [--tables fp32|fp16|int8|int4] [--moe sparse|dense] [--section.key=value ...]
     rankmix score (--checkpoint RUN_OR_STEP_DIR | --model EXPORT_DIR) --data FILES --out DIR [--config F.toml] \
         [--batch-size N] [--keep COLS|*] [--section.key=value ...]
+    rankmix publish apply --base PUBLISHED_DIR --delta PUBLISHED_DIR_OR_DELTA_PT --out DIR
     rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
     rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
         [--local-world-size N] [--section.key=value ...]
-    rankmix data synth --out DIR [--rows N] [--files N] [--seed N] [--teacher default|capacity]
+    rankmix doctor
+    rankmix data synth --out DIR [--rows N] [--files N] [--seed N] [--teacher default|capacity] \
+        [--days N --drift D]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \
         [--row-group-size N]
@@ -172,7 +175,7 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--format", default="pt2", help="pt2 (torch.export) | torchscript | weights")
     parser.add_argument("--tables", help="fp32 (default) | fp16 | int8 | int4 (TorchRec quantized tables)")
     parser.add_argument("--moe", help="sparse: the inference router's experts only | dense: the training router, "
-                        "every expert (default: the run's model.moe_inference)")
+                        "every expert (default: the run's model.moe.inference)")
     args, rest = parser.parse_known_args(argv)
     from trainer.serving.export import FORMATS  # on use: torch and TorchRec
 
@@ -200,11 +203,27 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def publish(argv: list[str]) -> int:
+    """`publish apply`: the next full artifact from a published base and a delta (trainer/serving/publish.py)."""
+    parser = argparse.ArgumentParser(prog="rankmix publish")
+    sub = parser.add_subparsers(dest="action", required=True)
+    a = sub.add_parser("apply", help="the next full artifact from a published one and the delta after it")
+    a.add_argument("--base", required=True, help="a published artifact's folder (with tables.pt)")
+    a.add_argument("--delta", required=True, help="the next published folder, or its delta.pt")
+    a.add_argument("--out", required=True, help="the new artifact's folder")
+    args = parser.parse_args(argv)
+    from trainer.serving.publish import apply  # on use: torch and TorchRec
+
+    manifest = apply(args.base, args.delta, args.out)
+    print(json.dumps({**manifest, "out": args.out}))
+    return 0
+
+
 def score(argv: list[str]) -> int:
     """Predictions of a trained checkpoint, or of a serving artifact, for Parquet files, one
     output file per input."""
     parser = argparse.ArgumentParser(prog="rankmix score", epilog="other --section.key=value options override "
-                                     "the run's config (e.g. --model.moe_inference=dense)")
+                                     "the run's config (e.g. --model.moe.inference=dense)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a step-N folder, or a run folder (newest)")
     source.add_argument("--model", help="a serving artifact's folder (rankmix export)")
@@ -268,6 +287,10 @@ def data(argv: list[str]) -> int:
     s.add_argument("--teacher", choices=get_args(SynthTeacherName), default="default",
                    help="capacity: high-order crosses over 16 Zipf fields and a behaviour sequence "
                         "(trainer/data/capacity.py), streamed in bounded memory")
+    s.add_argument("--days", type=int, default=0, help="write N day partitions date=YYYY-MM-DD/ of --rows rows "
+                   "each, from a drifting teacher (default teacher only; docs/continuous.md)")
+    s.add_argument("--drift", type=float, default=0.0, help="with --days: share of the teacher's users' and "
+                   "items' weights and item popularity ranks that move each day")
     m = sub.add_parser("movielens", help="MovieLens-100K (RecBole layout) to Parquet")
     m.add_argument("--src", required=True)
     m.add_argument("--out", required=True)
@@ -303,7 +326,14 @@ def data(argv: list[str]) -> int:
                                   **common)
     elif args.kind == "synth":
         from trainer.data.datasets import SYNTH_TEACHERS  # on use: torch (datasets' process group)
-        summary = SYNTH_TEACHERS[args.teacher].write(args.out, rows=args.rows, files=args.files, seed=args.seed)
+        from trainer.data.synth import write_days as synth_days  # on use: pyarrow
+        if args.days and args.teacher != "default":
+            raise ValueError(f"--days: only the default teacher drifts, not --teacher {args.teacher}")
+        if args.drift and not args.days:
+            raise ValueError("--drift needs --days: a single log does not drift")
+        summary = (synth_days(args.out, days=args.days, drift=args.drift, rows=args.rows, files=args.files,
+                              seed=args.seed) if args.days else
+                   SYNTH_TEACHERS[args.teacher].write(args.out, rows=args.rows, files=args.files, seed=args.seed))
     else:
         from trainer.data.movielens import convert_movielens  # on use: pyarrow
         summary = convert_movielens(args.src, args.out)
@@ -331,6 +361,12 @@ def plan(argv: list[str]) -> int:
     return 0 if result.fits else 1
 
 
+def doctor(argv: list[str]) -> int:
+    """Whether this machine's torch, CUDA, NCCL, FBGEMM and TorchRec train (launch/doctor.py)."""
+    from launch.doctor import doctor as run_doctor  # on use: torch
+    return run_doctor(argv)
+
+
 def sweep(argv: list[str]) -> int:
     """Scaling curves (launch/sweep.py)."""
     from launch.sweep import sweep as run_sweep  # on use: numpy (torch once it checks the grid)
@@ -338,7 +374,7 @@ def sweep(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": recorded(train), "launch": launch, "export": export, "score": score, "sweep": sweep,
-            "data": data, "plan": plan}
+            "data": data, "plan": plan, "doctor": doctor, "publish": publish}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,8 @@ from test_launch import bare_env
 REPO = Path(__file__).resolve().parents[1]
 # The guide's pages in reading order: a block may use what an earlier page's blocks made.
 GUIDE = [REPO / "README.md", *(REPO / "docs" / f"{page}.md" for page in (
-    "training", "distributed", "checkpoints", "serving", "data", "models", "results", "performance"))]
+    "training", "distributed", "checkpoints", "serving", "data", "continuous", "models", "results", "performance",
+    "scale"))]
 MARKER = re.compile(r"<!-- readme-test: not run here: (.+?) -->")
 # What the runnable blocks' trainings are cut to; the README names this variable.
 OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --metrics.tensorboard=false "

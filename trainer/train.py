@@ -7,7 +7,8 @@ import logging
 import random
 import time
 import warnings
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +28,23 @@ from trainer.config_loader import dump_toml
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
+from trainer.data.partitions import PartitionedReader, ProgressiveMetrics
 from trainer.data.reader import ParquetReader
-from trainer.dist import DistEnv, init_distributed, raise_on_every_rank
+from trainer.dist import (DistEnv, init_distributed, job_cluster, raise_on_every_rank, reduce_gradients_in_fixed_order,
+                          side_group)
 from trainer.files import write_atomic
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointManager, resolve_load_path
 from trainer.metric_logger import MetricLogger, StepMeter
+from trainer.streaming_metrics import TrainingWindow
 from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
-from trainer.lifecycle import StopSignal
+from trainer.lifecycle import GRADIENT, LOSS, StepFlags, StopSignal
 from trainer.run_folder import RunLock
 from trainer.evaluation import Evaluator
 from trainer.selection import ModelSelection
+from trainer.serving.publish import Publisher
 from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
 
@@ -56,7 +61,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device)
+        self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device, cfg.launch.pg_timeout_minutes)
         self.run_dir = Path(cfg.train.run_dir)
         self.run_lock = self._claim_run_folder()
         try:
@@ -81,6 +86,7 @@ class Trainer:
         """Everything the run needs, its checkpoint restored; the run folder's config and plan
         are written last, once the restore accepted this config."""
         seed_everything(cfg.train.seed, cfg.train.deterministic and self.env.device.type == "cpu")
+        set_matmul_precision(cfg.train.mixed_precision, self.env.device)
         files = build_dataset(cfg)
         cfg.features = files.features
         self.eval_path = files.eval_path
@@ -88,11 +94,8 @@ class Trainer:
         self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=self.env.device)
         self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column)
         self.batch_size = per_rank_batch_size(cfg, self.env.world_size)
-        self.train_reader = ParquetReader(
-            files.train_path, self.encoder, batch_size=self.batch_size, shuffle=cfg.data.shuffle,
-            shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.train.seed,
-            rank=self.env.rank, world_size=self.env.world_size, holdout_fraction=cfg.data.valid_fraction,
-            **self._retries())
+        self.time_order = cfg.data.order == "time"
+        self.train_reader = self._train_reader(files.train_path)
         # The validation split: its own files, or the tail of every training row group.
         self.valid_split = ((cfg.data.valid_path, {}) if cfg.data.valid_path else
                             (files.train_path, {"holdout_fraction": cfg.data.valid_fraction, "holdout": True})
@@ -111,15 +114,25 @@ class Trainer:
         self.pipeline = self._build_pipeline()
         self.step = 0
         self.position = TrainedPosition(self.train_reader, cfg.checkpoint.data_position)
-        self.total_steps = cfg.train.steps or sum(
-            self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs))
-        if self.total_steps == 0:
+        # In time order the steps are those of the partitions after the restored position (_plan_partitions).
+        self.total_steps = cfg.train.steps or (0 if self.time_order else sum(
+            self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs)))
+        if self.total_steps == 0 and not self.time_order:
             raise ValueError(f"{redact_uri(files.train_path)}: not one batch of {self.batch_size} rows "
                              f"per rank in {cfg.train.epochs} epoch(s)")
         self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=self.env.is_main,
                                    tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
+        self.window = TrainingWindow(self.model, self.task_names, cfg.metrics.window_batches)
+        self.progressive = ProgressiveMetrics(self.model, self.task_names, self.env.device) if self.time_order else None
+        self._next_evaluated = -1  # the last partition (epoch) metrics.eval_next_partition evaluated
+        self.partition_end: list[Callable[[str], None]] = []
+        """Called with a partition's name once its last step is trained (data.order=time), after its
+        progressive metrics are logged and before any checkpoint of that step: where publishing hooks in."""
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.env.rank)
         self.stop_signal = StopSignal()
+        self.flags = StepFlags(self.env.device)
+        self._checked_step = -1  # the step `check` last read the flags after
+        self._timed_save_step = -1  # the step after which every rank agreed a timed save is due
         self._stop_at: int | None = None  # the step to stop after, once every rank saw a signal
         self.data_rows: dict[str, int] = {}  # the last complete epoch's rows (see _log_epoch_rows)
         self.checkpoint_parts = {
@@ -129,6 +142,11 @@ class Trainer:
         if self.valid_split:
             self.checkpoint_parts["best"] = self.selection.best
         self.restore()
+        if self.time_order:
+            self._plan_partitions(files.train_path)
+        self.publisher = Publisher(cfg, self.model, self.run_dir)  # after the restore: it tracks from here
+        if cfg.publish.every_partition:
+            self.partition_end.append(lambda partition: self.publish(partition, partition))
         if self.env.is_main:
             self._describe_run()
 
@@ -146,12 +164,44 @@ class Trainer:
         """How the readers ride out object-store faults (data.retry_*)."""
         return {"retry_seconds": self.cfg.data.retry_seconds, "retry_attempts": self.cfg.data.retry_attempts}
 
+    def _train_reader(self, path: str) -> ParquetReader | PartitionedReader:
+        """data.order: one shuffled file list, or the partitions in time order, each read by a
+        ParquetReader of its own (trainer/data/partitions.py)."""
+        data = self.cfg.data
+
+        def reader(paths: str, seed: int, epochs: int = 0) -> ParquetReader:
+            return ParquetReader(
+                paths, self.encoder, batch_size=self.batch_size, shuffle=data.shuffle,
+                shuffle_buffer=data.shuffle_buffer, seed=seed, num_epochs=epochs,
+                rank=self.env.rank, world_size=self.env.world_size, holdout_fraction=data.valid_fraction,
+                pin_memory=self.env.device.type == "cuda", **self._retries())  # then the H2D copies are async
+        if not self.time_order:
+            return reader(path, self.cfg.train.seed)
+        # each partition shuffled with a seed of its own name: the same rows wherever it falls in a run
+        return PartitionedReader(
+            path, lambda uri, name: reader(uri, (self.cfg.train.seed << 32) + zlib.crc32(name.encode()), 1),
+            marker=data.success_marker, **self._retries())
+
+    def _plan_partitions(self, path: str) -> None:
+        """Time order, once restored: train.steps, else the steps of the complete partitions after
+        the restored position (none is an error for a run that has trained nothing, unless it follows)."""
+        self.total_steps = self.cfg.train.steps or self.step + self.train_reader.steps_left()
+        if self.total_steps == 0 and not self.cfg.data.follow:
+            raise ValueError(f"{redact_uri(path)}: no complete partition with a batch of {self.batch_size} rows "
+                             f"per rank (data.order=time, data.success_marker={self.cfg.data.success_marker!r})")
+        if self.logger.bar is not None:
+            self.logger.bar.total = self.total_steps
+        if self.step == self.total_steps and self.step:
+            self.logger.write(f"no new complete partition after {self.train_reader.sequence[-1].name}")
+
     def _build_model(self) -> nn.Module:
-        model = build_model(self.cfg, autocast_dtype(self.cfg.train.mixed_precision, self.env.device))
+        model = build_model(self.cfg, autocast_dtype(self.cfg.train.mixed_precision, self.env.device),
+                            self.env.device.type)
         self.cost = measure_cost(model.tower, model.heads, model.layout.width, torch.device("cpu"))  # before it moves
-        sharded = shard_model(model, self.cfg.embeddings, self.env.device,
+        sharded = shard_model(model, self.cfg.embeddings, self.env.device, job_cluster(self.env.device, self.batch_size),
                               output_dtensor=self.cfg.checkpoint.async_save)
         init_embeddings(sharded, self.cfg.train.seed)
+        reduce_gradients_in_fixed_order(sharded)
         return sharded
 
     def _build_optimizer(self) -> CombinedOptimizer:
@@ -183,8 +233,11 @@ class Trainer:
             choice = "sparse_dist" if self.env.world_size > 1 or self.env.device.type == "cuda" else "none"
         if choice == "none":
             return None
+        # Time order's batches end with the known partitions: the pipeline must still train the
+        # two it read ahead (the loop never steps past them).
         return CheckedSparseDistPipeline(self.model, self.optimizer, self.env.device, loss_fn=self._pipeline_loss,
-                                         check=self.check_finite, after_backward=self.check_gradients)
+                                         check=self.check_finite, after_backward=self.check_gradients,
+                                         execute_all_batches=self.time_order)
 
     # ------------------------------------------------------------------ the loop
 
@@ -195,14 +248,38 @@ class Trainer:
         try:
             with self.stop_signal:
                 meter = self._train_loop(batches)
+                while self._followed():
+                    batches.close()
+                    batches = self.batches()
+                    meter = self._train_loop(batches)
         finally:
             batches.close()  # stops the reader's prefetch thread now, not at interpreter exit
         self.checkpoints.wait()
-        if self._stop_at is not None and self.step < self.total_steps:
+        if self._stop_at is not None and (self.step < self.total_steps or self.cfg.data.follow):
             raise Interrupted(f"stopped by {self.stop_signal.name} after step {self.step}" +
                               (f"; resume from {self.checkpoints.latest()}" if self.checkpoints.latest() else ""))
         self.restore_best()
         return self.finish(self.evaluate(), meter.examples_per_sec)
+
+    def _followed(self) -> bool:
+        """data.follow, once the known partitions are trained: poll data.train_path every
+        data.poll_seconds until new complete partitions land (True: train them) or a stop signal
+        reaches every rank (False, after a checkpoint of this step). Collective: the ranks agree
+        on the stop in the flags' all-reduce and on the partitions through rank 0's listing."""
+        if not self.cfg.data.follow or self._stop_at is not None or self.step < self.total_steps \
+                or self.cfg.train.steps or self.selection.best.exhausted:
+            return False
+        while True:
+            if self.flags.read(bool(self.stop_signal.received), False, self.env.world_size)[2]:
+                self._stop_at = self.step
+                if self.cfg.checkpoint.enabled and not self.cfg.checkpoint.save_final:  # else saved at this step
+                    self.save_checkpoint()
+                return False
+            if self.train_reader.refresh():
+                self.total_steps = self.step + self.train_reader.steps_left()
+                if self.total_steps > self.step:
+                    return True
+            time.sleep(self.cfg.data.poll_seconds)
 
     def close(self, ok: bool = True) -> None:
         """Release what outlives the loop, in dependency order, on success and failure alike:
@@ -221,19 +298,26 @@ class Trainer:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
         meter = StepMeter(len(self.task_names), self.env.device)
         while self.step < self.total_steps and not self.selection.best.exhausted:
+            if self.cfg.metrics.eval_next_partition:
+                self.evaluate_next_partition()
             tic = time.perf_counter()
             task_losses = self.train_step(batches)
             meter.add(task_losses, self.batch_size * self.env.world_size, time.perf_counter() - tic)
             self.logger.advance()
+            if self._check_due():
+                self.check()
             if self._due(self.cfg.metrics.log_every) or self.step == self.total_steps:
                 self.log_train(*meter.flush())
             if self.valid_split and self._validation_due():
                 self.validate()
             if self._due(self.cfg.metrics.eval_every) and self.step < self.total_steps:
                 self.evaluate()
-            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps or self.selection.best.exhausted)
+            saved = self.checkpoints.due(self.step, last=self.step == self.total_steps or self.selection.best.exhausted,
+                                         timed=self._timed_save_step == self.step)
             if saved:
                 self.save_checkpoint()
+            if self.publisher.due(self.step):
+                self.publish(f"step-{self.step}")
             if self._stopping(saved):
                 break
         return meter
@@ -248,7 +332,40 @@ class Trainer:
         epoch = self.position.epoch
         rows = self.train_reader.epoch_rows(epoch)
         self.data_rows = {"epoch": epoch, "rows": rows.rows, "rows_trained": rows.used, "rows_dropped": rows.dropped}
-        self.logger.log(self.step, "data", self.data_rows)
+        partition = self.position.current.get("partition", "")  # data.order=time: an epoch is a partition
+        self.logger.log(self.step, "data", {**self.data_rows, **({"partition": partition} if partition else {})})
+        if self.time_order:
+            self.on_partition_end(partition)
+
+    def on_partition_end(self, partition: str) -> None:
+        """After the last step of `partition` (data.order=time): log its progressive metrics
+        (collective), then call the `partition_end` callbacks."""
+        self.logger.log(self.step, "progressive", {"partition": partition, "epoch": self.position.epoch,
+                                                   **self.progressive.compute()})
+        for callback in self.partition_end:
+            callback(partition)
+
+    def evaluate_next_partition(self) -> None:
+        """Before the first step of a partition that follows trained steps (data.order=time):
+        the model's metrics over its files, logged as `next_partition` (collective)."""
+        epoch = self._partition_ahead()
+        if epoch in (-1, self._next_evaluated):
+            return
+        self._next_evaluated = epoch
+        self.check()
+        metrics = self._metrics_on(self.train_reader.uri(epoch))
+        self.logger.log(self.step, "next_partition", {"partition": self.train_reader.sequence[epoch].name,
+                                                      "epoch": epoch, **metrics})
+
+    def _partition_ahead(self) -> int:
+        """The partition (epoch) whose first step is next, -1 inside a partition or before any step."""
+        epoch, step = self.position.epoch, self.position.step
+        if not self.step or 0 < step < self.train_reader.steps_in_epoch(epoch):
+            return -1
+        epoch += step > 0
+        while self.train_reader.steps_in_epoch(epoch) == 0:  # skipped: fewer rows than a batch per rank
+            epoch += 1
+        return epoch
 
     def _epoch_ended(self) -> bool:
         """The step just trained was its epoch's last."""
@@ -316,6 +433,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return task_losses.detach()
 
+    def _check_due(self) -> bool:
+        """Read the flags (`check`) every train.check_every steps, at every log step (which
+        reads the losses back anyway) and after the last step; validation, evaluation and
+        saves read them first too."""
+        return (self._due(self.cfg.train.check_every) or self._due(self.cfg.metrics.log_every)
+                or self.step == self.total_steps)
+
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
@@ -352,35 +476,38 @@ class Trainer:
         return loss, task_losses
 
     def check_finite(self, loss: torch.Tensor) -> None:
-        """Stop every rank before any update (the sparse update runs inside backward)."""
-        self._agree_on_finite_and_stop(
-            loss.detach(), f"non-finite loss at step {self.step + 1} (rank {self.env.rank}: {{value}}); training "
-            "stopped before any update of this step")
+        """Note on the device whether the loss is finite; `check` reads it (reading it here
+        would wait for the device every step)."""
+        self.flags.note_non_finite(LOSS, loss, self.step + 1)
 
     def check_gradients(self) -> None:
-        """Stop every rank before the dense step if a dense gradient is not finite; clip."""
+        """Note on the device whether the dense gradient norm is finite (read by `check`); clip."""
         grads = [p.grad for p in self.dense_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        self._agree_on_finite_and_stop(
-            norm, f"non-finite dense gradient norm at step {self.step + 1} (rank {self.env.rank}: {{value}}); "
-            "stopped before the optimizer step. The fused sparse update already ran inside backward: resume "
-            "from the last checkpoint")
+        self.flags.note_non_finite(GRADIENT, norm, self.step + 1)
         if self.cfg.optim.grad_clip_norm:
             torch.nn.utils.clip_grads_with_norm_(grads, self.cfg.optim.grad_clip_norm, norm)
 
-    def _agree_on_finite_and_stop(self, value: torch.Tensor, message: str) -> None:
-        """Raise NonFiniteLossError on every rank when `value` is not finite on any rank.
-        The same all-reduce carries this rank's stop-signal vote, so every rank agrees on
-        the step a signal takes effect without a collective of its own."""
-        votes = torch.stack([(~torch.isfinite(value)).float().reshape(()),
-                             torch.tensor(float(self.stop_signal.received), device=value.device)])
-        if self.env.world_size > 1:
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        bad, stop = votes.tolist()
+    def check(self) -> None:
+        """Read the flags of the steps since the last read, agreed by every rank in one
+        all-reduce (collective; once per step at most): raise NonFiniteLossError on every rank
+        if a loss or dense gradient norm was not finite, and take up a stop signal or a timed
+        save any rank voted for. Every save reads them first, so no checkpoint holds an update
+        of a non-finite step (docs/training.md, "Checks")."""
+        if self._checked_step == self.step:
+            return
+        self._checked_step = self.step
+        loss, gradient, stop, save = self.flags.read(
+            bool(self.stop_signal.received), self.env.is_main and self.checkpoints.time_due(), self.env.world_size)
+        found = [(step, what) for step, what in ((loss, "loss"), (gradient, "dense gradient norm")) if step]
+        if found:
+            step, what = min(found, key=lambda f: f[0])  # a non-finite loss makes its gradients non-finite too
+            raise NonFiniteLossError(f"non-finite {what} at step {step} (read after step {self.step}); training "
+                                     f"stopped: no checkpoint holds an update of step {step} or later")
         if stop:
             self.stop_signal.agreed = True
-        if bad:
-            raise NonFiniteLossError(message.format(value=value.item()))
+        if save:
+            self._timed_save_step = self.step
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients for the dense side; the fused sparse optimizer updates embeddings here."""
@@ -391,12 +518,13 @@ class Trainer:
         return loss, task_losses.detach()
 
     def log_train(self, task_losses: torch.Tensor, examples_per_sec: float) -> None:
-        """Weighted and per-task loss, throughput and both learning rates."""
+        """Weighted and per-task loss, throughput, both learning rates, the window's AUC, NE and calibration."""
         values = {"loss": float(task_losses @ self.task_weights.cpu().double()),
                   "examples_per_sec": examples_per_sec,
                   **{f"{n}/loss": float(v) for n, v in zip(self.task_names, task_losses)},
                   **{f"lr/{name}": opt.param_groups[0]["lr"] for name, opt in self.optimizer.optimizers},
                   self.mfu_name: self.mfu(examples_per_sec)}
+        values.update(self.window.compute())  # a collective: every rank logs
         for hook in self.hooks.metrics:
             values.update(hook("train"))
         self.logger.log(self.step, "train", values)
@@ -406,6 +534,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Metrics over the whole held-out (test) split, logged as `eval`."""
+        self.check()
         metrics = self._metrics_on(self.eval_path)
         self.logger.log(self.step, "eval", metrics)
         return metrics
@@ -413,6 +542,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Metrics over the validation split, logged as `valid`; the best so far keeps its
         weights in <run_dir>/best (trainer/selection.py::ModelSelection)."""
+        self.check()  # before the best weights are saved
         path, split = self.valid_split
         metrics = self._metrics_on(path, **split)
         epochs = self.epochs_trained()
@@ -455,13 +585,24 @@ class Trainer:
         self.step = state["step"]
 
     def save_checkpoint(self) -> None:
+        """Save the run at this step, once the flags are read (`check`): never a non-finite update."""
+        self.check()
         self.checkpoints.save(self.step, self.checkpoint_parts, on_done=self.logger.write)
+
+    def publish(self, name: str, partition: str | None = None) -> None:
+        """Publish the model as it is after this step as `<publish folder>/<name>`, a serving
+        artifact and its delta (trainer/serving/publish.py; collective), once the flags are read."""
+        self.check()
+        self.checkpoints.wait()  # one save at a time
+        folder = self.publisher.publish(name, self.step, {"model": self.checkpoint_parts["model"], "trainer": {
+            "step": self.step, "world_size": self.env.world_size}}, partition)
+        self.logger.write(f"published {folder}")
 
     def restore(self) -> None:
         """Resume from this run's newest complete checkpoint, else start from checkpoint.load_path."""
         ck = self.cfg.checkpoint
         latest = [self.checkpoints.latest() if ck.enabled and ck.resume else None]
-        dist.broadcast_object_list(latest, src=0)  # every rank resumes from the same one
+        dist.broadcast_object_list(latest, src=0, group=side_group())  # every rank resumes from the same one
         if latest[0] is not None:
             self.load_checkpoint(latest[0], full=True)
         elif ck.load_path:
@@ -501,13 +642,18 @@ def per_rank_batch_size(cfg: Config, world_size: int) -> int:
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
-    """train.mixed_precision -> the tower's autocast dtype (weights stay fp32)."""
-    if mixed_precision == "none":
+    """train.mixed_precision -> the tower's autocast dtype (weights stay fp32). auto is bf16
+    on CUDA only: most CPUs have no bf16 matrix units, and the CPU tests' exact comparisons are fp32."""
+    if mixed_precision == "none" or (mixed_precision == "auto" and device.type != "cuda"):
         return None
-    if device.type != "cuda":
-        raise ValueError(f"train.mixed_precision={mixed_precision!r} needs a CUDA device, this run is on "
-                         f"{device.type}")
     return torch.bfloat16
+
+
+def set_matmul_precision(mixed_precision: str, device: torch.device) -> None:
+    """On CUDA, float32 matmuls outside autocast in TF32, unless train.mixed_precision=none
+    asks for float32 throughout. The CPU's are left alone (exact tests)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("highest" if mixed_precision == "none" else "high")
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -9,12 +9,21 @@ Rows are generated in fixed-size chunks, each from its own generator seeded with
 ``[seed, 1, chunk_index]``; the row stream therefore depends only on ``seed``,
 ``num_users`` and ``num_items`` (and the teacher only on those), never on how the
 rows are split into files or row groups.
+
+``write_days`` writes a drifting log instead: one Hive partition ``date=YYYY-MM-DD/`` a day,
+each with a ``_SUCCESS`` marker, from a teacher that moves day by day (``day_teachers``): users
+and items are born over the days (70% of each exist on the first day, all on the last), and
+each day a share ``drift`` of the users' and items' latent vectors and biases is drawn anew,
+the hour x device cross moves by that share, and that share of the item popularity ranks swap
+places. Day d's rows come from generators seeded with ``[seed, 3, d, file]``.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-__all__ = ["SCHEMA", "write_synthetic"]
+__all__ = ["SCHEMA", "write_synthetic", "write_days", "day_teachers", "teacher_click_logit"]
 
 SCHEMA = pa.schema(
     [
@@ -345,7 +354,7 @@ def _category_index(
     item_category: np.ndarray, rank_ids: np.ndarray, cdf: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Build sorted keys so one searchsorted draws a popular item from any category."""
-    pop = np.empty(len(item_category))
+    pop = np.zeros(len(item_category))  # items not yet born (write_days) stay at 0
     pop[rank_ids] = np.diff(cdf, prepend=0.0)
     ids = np.argsort(item_category[1:], kind="stable") + 1
     cats = item_category[ids]
@@ -518,3 +527,111 @@ def _remove_stale_parts(split_dir: Path, written: list[Path]) -> None:
     for stale in split_dir.glob("part-*.parquet"):
         if stale.name not in keep:
             stale.unlink()
+
+
+# --------------------------------------------------------------------------- drifting days
+
+FIRST_DAY = datetime.date(2026, 1, 1)
+_BORN_FIRST_DAY = 0.7  # share of users and items that exist on the first day; all exist on the last
+
+
+def write_days(
+    out_dir: str | os.PathLike,
+    *,
+    days: int,
+    drift: float,
+    rows: int = 20_000,
+    files: int = 2,
+    row_group_size: int = 8_192,
+    seed: int = 0,
+    num_users: int = NUM_USERS,
+    num_items: int = NUM_ITEMS,
+) -> dict:
+    """Write `days` partitions ``date=YYYY-MM-DD/`` of `rows` rows each (module docstring) and
+    return a summary; each partition's ``_SUCCESS`` is written last."""
+    _validate(rows, 0.5, files, row_group_size, seed, num_users, num_items)
+    if isinstance(days, bool) or not isinstance(days, int) or days < 1:
+        raise ValueError(f"days must be a positive integer, got {days!r}")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift must be in [0, 1], got {drift}")
+    partitions, clicks = [], 0
+    for day, teacher in enumerate(day_teachers(seed, days, drift, num_users, num_items)):
+        folder = Path(out_dir) / f"date={FIRST_DAY + datetime.timedelta(days=day)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "_SUCCESS").unlink(missing_ok=True)  # incomplete while it is rewritten
+        written, day_clicks = [], 0
+        for i in range(files):
+            n = rows * (i + 1) // files - rows * i // files
+            table = _chunk_table(teacher, np.random.default_rng([seed, 3, day, i]), n)
+            path = folder / f"part-{i:05d}.parquet"
+            _write_atomic(table, path, row_group_size)
+            day_clicks += pc.sum(table["click"]).as_py() or 0
+            written.append(path)
+        _remove_stale_parts(folder, written)
+        (folder / "_SUCCESS").write_text(json.dumps({"rows": rows, "ctr": day_clicks / rows}))
+        partitions.append(folder.name)
+        clicks += day_clicks
+    return {"partitions": partitions, "rows": rows * days, "drift": drift, "ctr": clicks / (rows * days)}
+
+
+def day_teachers(seed: int, days: int, drift: float, num_users: int = NUM_USERS,
+                 num_items: int = NUM_ITEMS) -> list[_Teacher]:
+    """The teacher of every day of `write_days` (module docstring)."""
+    base = _build_teacher(seed, num_users, num_items)
+    rng = np.random.default_rng([seed, 2])
+    user_birth = rng.permutation(num_users) + 1
+    # one item of every category is born first: draws within a category always find one
+    cats = base.item_category[1:]
+    first = np.array([1 + np.flatnonzero(cats == c)[0] for c in np.unique(cats)])
+    rest = rng.permutation(np.setdiff1d(np.arange(1, num_items + 1), first))
+    item_birth = np.concatenate([first, rest])
+    teachers, teacher = [], base
+    for day in range(days):
+        if day:
+            teacher = _drifted(teacher, np.random.default_rng([seed, 2, day]), drift)
+        born = _BORN_FIRST_DAY + (1 - _BORN_FIRST_DAY) * (day / (days - 1) if days > 1 else 1.0)
+        teachers.append(_born(teacher, user_birth[:round(born * num_users)], item_birth[:round(born * num_items)]))
+    return teachers
+
+
+def _drifted(teacher: _Teacher, rng: np.random.Generator, drift: float) -> _Teacher:
+    """The next day's teacher: a share `drift` of users' and items' vectors and biases drawn
+    anew, the hour x device cross moved by `drift`, that share of popularity ranks swapped."""
+    def moved(values: np.ndarray, scale: float) -> np.ndarray:
+        out = values.copy()
+        rows = np.flatnonzero(rng.random(len(values) - 1) < drift) + 1  # row 0 is padding
+        out[rows] = rng.normal(0.0, scale, (len(rows), *values.shape[1:]))
+        return out
+    ranks = teacher.item_rank_ids.copy()
+    swapped = np.flatnonzero(rng.random(len(ranks)) < drift)
+    ranks[swapped] = ranks[rng.permutation(swapped)]
+    fresh = _double_centred(rng.normal(size=teacher.hour_device.shape))
+    return replace(teacher, user_vec=moved(teacher.user_vec, 1.0), user_bias=moved(teacher.user_bias, 0.4),
+                   item_vec=moved(teacher.item_vec, 1.0), item_bias=moved(teacher.item_bias, 0.4),
+                   item_rank_ids=ranks, hour_device=(1 - drift) * teacher.hour_device + drift * fresh)
+
+
+def _born(teacher: _Teacher, users: np.ndarray, items: np.ndarray) -> _Teacher:
+    """`teacher` drawing only the users and items born so far, by their popularity ranks."""
+    user_ranks = teacher.user_rank_ids[np.isin(teacher.user_rank_ids, users)]
+    item_ranks = teacher.item_rank_ids[np.isin(teacher.item_rank_ids, items)]
+    item_cdf = _zipf_cdf(len(item_ranks))
+    keys, cat_items = _category_index(teacher.item_category, item_ranks, item_cdf)
+    return replace(teacher, user_rank_ids=user_ranks, user_cdf=_zipf_cdf(len(user_ranks)), item_rank_ids=item_ranks,
+                   item_cdf=item_cdf, category_keys=keys, category_items=cat_items)
+
+
+def _zipf_cdf(n: int) -> np.ndarray:
+    """The cdf of rank^-ZIPF_EXPONENT over n ranks, as `_zipf` draws them."""
+    cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -ZIPF_EXPONENT)
+    cdf /= cdf[-1]
+    cdf[-1] = 1.0
+    return cdf
+
+
+def teacher_click_logit(teacher: _Teacher, table: pa.Table) -> np.ndarray:
+    """`teacher`'s noise-free click logit of the rows of `table` (SCHEMA's columns)."""
+    users, items = table["user_id"].to_numpy(), table["item_id"].to_numpy()
+    hist = table["hist_items"].combine_chunks()
+    hist_frac = _history_match(teacher, items, hist.values.to_numpy(), hist.offsets.to_numpy())
+    return _click_logit(teacher, users, items, table["hour"].to_numpy(), table["device"].to_numpy(), hist_frac)

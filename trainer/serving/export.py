@@ -14,11 +14,13 @@ world size saved them) into one plain EmbeddingBagCollection, which TorchRec's
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +47,7 @@ FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
 MOE = ("sparse", "dense")
 EXAMPLE_ROWS = 8
+PUBLISHED = ("tables.pt", "delta.pt")  # what a published artifact adds (trainer/serving/publish.py)
 
 
 # What a quantized table's width (elements per row) must be a multiple of: FBGEMM packs rows
@@ -56,46 +59,68 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
            moe: str | None = None) -> dict:
     """Write the serving artifact of `checkpoint` (a step folder, or a run folder: its newest)
     into folder `out`; returns the manifest. `moe` (sparse | dense) overrides the config's
-    model.moe_inference."""
-    moe = moe or cfg.model.moe_inference
+    model.moe.inference."""
+    moe = moe or cfg.model.moe.inference
     for option, value, choices in (("--format", fmt, FORMATS), ("--tables", tables, TABLES), ("--moe", moe, MOE)):
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
-    _check_widths(cfg, tables)
+    check_widths(cfg, tables)
     source = resolve_load_path(checkpoint, "--checkpoint").resolve()
-    folder = _out_folder(out)
-    cfg = replace(cfg, model=replace(cfg.model, moe_inference=moe))
+    folder = out_folder(out)
+    cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, inference=moe)))
     step = trained_step(source)
     model = serving_model(cfg, model_tensors(source), step, tables, source)
+    files, manifest = artifact_files(cfg, model, fmt, tables)
+    manifest.update(checkpoint=str(source), step=step)
+    write_artifact(cfg, folder, files, manifest)
+    return manifest
+
+
+def artifact_files(cfg: Config, model: ServingModel, fmt: str, tables: str) -> tuple[dict[str, bytes], dict]:
+    """(the artifact's model and example batch as file contents by name, its manifest without
+    the source and step), `model` traced in `fmt`."""
     inputs = example_inputs(model)
     tables_size = table_bytes(model)
     drop_state_dict_views(model)
     with torch.no_grad():
         outputs = model(*inputs)
         program = trace_model(model, inputs, fmt)
+    files = {FORMATS[fmt]: saved(lambda f: save_model(program, f, fmt)),
+             "example_inputs.pt": saved(lambda f: torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), f)),
+             "example_outputs.pt": saved(lambda f: torch.save(outputs, f))}
+    manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": cfg.model.moe.inference,
+                "tower": cfg.model.tower, "table_bytes": tables_size, "needs_fbgemm": needs_fbgemm(program, fmt),
+                "tasks": [t.name for t in cfg.model.tasks], "managed": managed_tables(model)}
+    return files, manifest
+
+
+def write_artifact(cfg: Config, folder: Path, files: dict[str, bytes], manifest: dict) -> None:
+    """`files`, `manifest` and the config's contract (config.toml, README.md) as the artifact
+    folder `folder`, which appears whole or not at all (an earlier one there is replaced)."""
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))  # renamed when complete
     try:
-        save_model(program, tmp / FORMATS[fmt], fmt)
-        torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), tmp / "example_inputs.pt")
-        torch.save(outputs, tmp / "example_outputs.pt")
-        manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": moe, "tower": cfg.model.tower,
-                    "checkpoint": str(source), "step": step, "table_bytes": tables_size,
-                    "needs_fbgemm": needs_fbgemm(program, fmt), "tasks": [t.name for t in cfg.model.tasks],
-                    "managed": managed_tables(model)}
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         dump_toml(cfg, tmp / "config.toml")
         write_readme(tmp / "README.md", cfg, manifest)
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the artifact is for a server to read
-        shutil.rmtree(folder, ignore_errors=True)  # an earlier export, or an empty folder (_out_folder)
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier export, or an empty folder (out_folder)
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
 
 
-def _out_folder(out: str) -> Path:
+def saved(write: Callable[[io.BytesIO], None]) -> bytes:
+    """What `write` writes to a file object (torch.save, `save_model`), as bytes."""
+    buffer = io.BytesIO()
+    write(buffer)
+    return buffer.getvalue()
+
+
+def out_folder(out: str) -> Path:
     """--out as an absolute folder that is new, empty or an earlier export, which the export
     replaces (checked before any work: the export may take minutes)."""
     folder = Path(out).resolve()
@@ -113,12 +138,13 @@ def _is_export(folder: Path) -> bool:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
-    ours = {"README.md", "config.toml", "manifest.json", "example_inputs.pt", "example_outputs.pt", *FORMATS.values()}
+    ours = {"README.md", "config.toml", "manifest.json", "example_inputs.pt", "example_outputs.pt", *FORMATS.values(),
+            *PUBLISHED}
     return isinstance(manifest, dict) and manifest.get("file") in FORMATS.values() and \
         {p.name for p in folder.iterdir()} <= ours
 
 
-def _check_widths(cfg: Config, tables: str) -> None:
+def check_widths(cfg: Config, tables: str) -> None:
     multiple = _WIDTH_MULTIPLE[tables]
     for f in cfg.features:
         if f.kind != "numeric" and f.embedding_dim % multiple:
@@ -130,7 +156,12 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
                   source: Path | str = "the checkpoint") -> ServingModel:
     """The ServingModel of `cfg` with the weights `state` (RankingModel's names), loaded from
     `source`, trained to `step`."""
-    state, id_maps = served_tables(state)
+    return served_model(cfg, *served_tables(state), step, tables, source)
+
+
+def served_model(cfg: Config, state: dict[str, torch.Tensor], id_maps: dict[str, tuple], step: int,
+                 tables: str = "fp32", source: Path | str = "the checkpoint") -> ServingModel:
+    """`serving_model` of weights whose managed tables are already served (`served_tables`)."""
     ebc = EmbeddingBagCollection(tables=table_configs(cfg.features), device=torch.device("meta"))
     ebc = ebc.to_empty(device="cpu")
     layout, tower, heads = build_dense(cfg.model, cfg.features)
@@ -202,11 +233,12 @@ def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str)
     return torch.export.export(model, inputs, dynamic_shapes=({0: ids}, {1: batch}, {0: batch}), strict=False)
 
 
-def save_model(program, path: Path, fmt: str) -> None:
+def save_model(program, f, fmt: str) -> None:
+    """Write the program to `f`, a path or a binary file object."""
     if fmt == "torchscript":
-        program.save(str(path))
+        torch.jit.save(program, f)
     else:
-        torch.export.save(program, str(path))
+        torch.export.save(program, f)
 
 
 def needs_fbgemm(program, fmt: str) -> bool:

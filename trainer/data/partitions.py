@@ -1,0 +1,265 @@
+"""Hive-partitioned logs in time order (data.order = "time"; docs/continuous.md).
+
+Listing. `data.train_path` holds `KEY=VALUE/` folders (nested ones too: `date=.../hour=.../`),
+parsed with pyarrow's hive partitioning. A partition is a folder of Parquet files under such
+folders; it is complete once it holds `data.success_marker` ("": every partition is complete,
+for writers that publish a partition atomically). Incomplete partitions are never read. Time
+order is the order of the partition values, folder by folder: a key whose values are all
+integers compares as integers, any other as strings (ISO dates sort as dates).
+
+Reading. `PartitionedReader` reads the partitions one after the other, each through a
+`ParquetReader` of its own (one epoch, shuffled within `shuffle_buffer`), so ranks split every
+partition as they split a fixed file list: disjoint rows, equal steps. To the trainer an
+"epoch" is one partition: `epoch` counts the partitions this run folder has trained.
+
+State. A checkpoint holds the partitions consumed, each with its files (path, bytes, rows of
+each row group), and the partition being trained with its ParquetReader position. On resume a
+consumed partition whose files changed (compared by path and bytes, from the listing alone)
+is an error naming the file, as is a new partition that sorts before the last consumed one; a
+consumed partition that is gone (retention) is not. The partitions after the last consumed one
+are the new work.
+
+Agreement. Rank 0 lists the partitions and broadcasts the list over the side group, so every
+rank trains the same partitions whatever its own view of a store being written to.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.credentials import redact_uri
+from trainer.data.batch import Batch
+from trainer.data.reader import EpochRows, ParquetReader, _open_store, file_change
+from trainer.dist import side_group
+from trainer.streaming_metrics import SplitMetrics
+
+log = logging.getLogger("rankmix.data")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One complete partition: its folder below the root, its files and its place in time."""
+
+    name: str  # "date=2026-11-30", or "date=2026-11-30/hour=03": the folder below data.train_path
+    key: tuple  # the partition values, folder by folder: what time order sorts by
+    files: tuple[tuple[str, int], ...]  # (path, bytes) of its Parquet files, from the listing
+
+
+def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3) -> list[Partition]:
+    """The complete partitions under `root`, in time order (module docstring)."""
+    store, path = _open_store(root, retry_seconds, retry_attempts)
+    shown = redact_uri(root)
+    infos = store.call(lambda: store.fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)),
+                       path)
+    folders: dict[str, dict[str, int]] = {}  # partition folder -> {file name: bytes}
+    for info in infos:
+        if info.is_file and (info.base_name.endswith(".parquet") or info.base_name == marker):
+            folder = posixpath.relpath(posixpath.dirname(info.path), path)
+            if info.base_name.endswith(".parquet") and not _is_partition(folder):
+                raise ValueError(f"{shown}: {info.path} lies outside the KEY=VALUE partition folders "
+                                 "that data.order=time reads")
+            folders.setdefault(folder, {})[info.path] = info.size
+    if not folders:
+        raise ValueError(f"{shown}: no KEY=VALUE partition folders with Parquet files (data.order=time)")
+    keys = _keys(shown, list(folders))
+    complete = [Partition(name, keys[name], tuple(sorted((p, size) for p, size in files.items()
+                                                       if p.endswith(".parquet"))))
+                for name, files in folders.items()
+                if not marker or posixpath.join(path, name, marker) in files]
+    return sorted(complete, key=lambda p: p.key)
+
+
+def _is_partition(folder: str) -> bool:
+    return folder != "." and all("=" in part.strip("=") for part in folder.split("/"))
+
+
+def _keys(shown: str, folders: list[str]) -> dict[str, tuple]:
+    """Each folder's partition values, parsed by pyarrow's hive partitioning (URL-decoded),
+    integers where every value of a key is one."""
+    names = [part.split("=", 1)[0] for part in folders[0].split("/")]
+    for folder in folders:
+        if [part.split("=", 1)[0] for part in folder.split("/")] != names:
+            raise ValueError(f"{shown}: partition {folder} does not have the keys {'/'.join(names)} of "
+                             f"{folders[0]}: every partition needs the same keys, in the same order")
+    hive = ds.partitioning(pa.schema([(n, pa.string()) for n in names]), flavor="hive")
+    values = {f: ds.get_partition_keys(hive.parse(f"/{f}/")) for f in folders}
+    numeric = {n: all(_is_int(v[n]) for v in values.values()) for n in names}
+    return {f: tuple(int(v[n]) if numeric[n] else v[n] for n in names) for f, v in values.items()}
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _child(root: str, name: str) -> str:
+    """The URI of the folder `name` under `root`, keeping a URI's options (`?...`)."""
+    base, sep, options = root.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{options}"
+
+
+class PartitionedReader:
+    """Batches of the complete partitions under `root`, one partition after the other, each
+    read by `open_partition(uri, name)` -> a one-epoch ParquetReader. `refresh()` (collective)
+    takes up partitions that completed since; `__iter__` yields the batches of the
+    partitions known when it gets to them and ends after the last."""
+
+    def __init__(self, root: str, open_partition: Callable[[str, str], ParquetReader], *, marker: str,
+                 retry_seconds: float = 300.0, retry_attempts: int = 3):
+        self.root, self.marker = root, marker
+        self.open_partition = open_partition
+        self._retries = (retry_seconds, retry_attempts)
+        self.sequence: list[Partition] = []  # consumed partitions (trained by this run folder), then pending ones
+        self.consumed: tuple[dict, ...] = ()  # {"partition", "files"} of sequence[:epoch]; replaced, never changed
+        self.readers: dict[int, ParquetReader] = {}  # by epoch, opened on demand
+        self.epoch = 0
+        self.refresh()
+
+    # ------------------------------------------------------------------ listing
+
+    def refresh(self) -> list[Partition]:
+        """Take up the complete partitions after the last known one (collective: rank 0's
+        listing); returns them. A new partition that sorts before it is an error."""
+        listed = self._agreed_listing()
+        last = self.sequence[-1] if self.sequence else None
+        new = [p for p in listed if last is None or p.key > last.key]
+        known = {p.name for p in self.sequence}
+        late = [p for p in listed if last is not None and p.key <= last.key and p.name not in known]
+        if late:
+            raise ValueError(f"{redact_uri(self.root)}: partition {late[0].name} completed after {last.name} was "
+                             "taken up but sorts before it: time order cannot train it")
+        self.sequence += new
+        return new
+
+    def _agreed_listing(self) -> list[Partition]:
+        """Rank 0's listing on every rank; its error (a ValueError) raised on every rank."""
+        box: list = [None]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                box[0] = list_partitions(self.root, self.marker, *self._retries)
+            except ValueError as e:
+                box[0] = str(e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0, group=side_group())
+        if isinstance(box[0], str):
+            raise ValueError(box[0])
+        return box[0]
+
+    def reader(self, epoch: int) -> ParquetReader:
+        """The reader of the `epoch`-th partition (collective the first time: it lists its files)."""
+        if epoch not in self.readers:
+            self.readers[epoch] = self.open_partition(self.uri(epoch), self.sequence[epoch].name)
+        return self.readers[epoch]
+
+    def uri(self, epoch: int) -> str:
+        """The folder of the `epoch`-th partition."""
+        return _child(self.root, self.sequence[epoch].name)
+
+    @property
+    def partition(self) -> str:
+        """The partition being trained, or the next one."""
+        return self.sequence[self.epoch].name if self.epoch < len(self.sequence) else ""
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Steps of the `epoch`-th partition (0 for one of fewer rows than a batch per rank)."""
+        return self.reader(epoch).steps_in_epoch(0)
+
+    def epoch_rows(self, epoch: int) -> EpochRows:
+        return self.reader(epoch).epoch_rows(0)
+
+    def steps_left(self) -> int:
+        """Steps of the known partitions from the current position (collective: opens them)."""
+        current = self.readers[self.epoch].step if self.epoch in self.readers else 0
+        return sum(self.steps_in_epoch(e) for e in range(self.epoch, len(self.sequence))) - current
+
+    # ------------------------------------------------------------------ streaming
+
+    def __iter__(self) -> Iterator[Batch]:
+        while self.epoch < len(self.sequence):
+            reader = self.reader(self.epoch)
+            if reader.steps_in_epoch(0):
+                yield from reader
+            else:
+                log.warning("partition %s: fewer rows than one batch per rank; skipped", self.partition)
+            self.consumed = self._consumed(reader)
+            self.readers.pop(self.epoch - 1, None)  # the one before: the trainer may still ask about this one
+            self.epoch += 1
+
+    def _consumed(self, reader: ParquetReader) -> tuple[dict, ...]:
+        """The consumed partitions once the current one, read by `reader`, is done."""
+        part = self.sequence[self.epoch]
+        return (*self.consumed, {"partition": part.name, "key": list(part.key), "files": reader.input_files})
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """Partitions consumed (the current one too once its last batch is out: `done`, an
+        epoch boundary in any world size) and the position inside the current one."""
+        current = self.readers.get(self.epoch)
+        step = current.step if current is not None else 0
+        done = current is not None and step == current.steps_in_epoch(0)
+        return {"epoch": self.epoch, "step": step, "partition": self.partition, "done": done,
+                "consumed": self._consumed(current) if done else self.consumed,
+                "reader": current.state_dict() if step and not done else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the saved partitions: refuse a trained partition whose files changed
+        or a new one that sorts before the last trained one; resume inside the saved current one."""
+        consumed = tuple(state["consumed"])
+        listed = {p.name: p for p in self.sequence}
+        for c in consumed:
+            if c["partition"] in listed:
+                change = file_change([[path, size, []] for path, size, _ in c["files"]],
+                                     [[path, size, []] for path, size in listed[c["partition"]].files], rows=False)
+                if change:
+                    raise ValueError(f"data reader state: partition {c['partition']} was trained, but {change} "
+                                     "since; a trained partition must not change (write a new partition instead)")
+        names = {c["partition"] for c in consumed}
+        after = [p for p in self.sequence if p.name not in names]
+        if consumed and after and after[0].key < tuple(consumed[-1]["key"]):
+            raise ValueError(f"data reader state: partition {after[0].name} is new but sorts before the last "
+                             f"trained partition {consumed[-1]['partition']}: time order cannot train it")
+        # Trained partitions keep their epoch numbers and are never read again (their files may be gone).
+        trained = [Partition(c["partition"], tuple(c["key"]), ()) for c in consumed]
+        self.sequence, self.consumed, self.readers, self.epoch = trained + after, consumed, {}, len(consumed)
+        if state.get("reader"):
+            if self.partition != state["partition"]:
+                raise ValueError(f"data reader state: partition {state['partition']} was being trained, but it is "
+                                 "no longer complete under data.train_path")
+            self.reader(self.epoch).load_state_dict(state["reader"])
+
+
+class ProgressiveMetrics:
+    """AUC, NE and calibration of a partition's training rows, each scored by the training
+    forward before its update (online training's "progressive" metrics: no extra forward). A
+    forward hook on `model` (training mode) feeds a whole-split `SplitMetrics`; `compute` reads
+    it (collective) and starts the next partition afresh. After a resume inside a partition it
+    covers the rows trained since."""
+
+    def __init__(self, model: nn.Module, task_names: list[str], device: torch.device):
+        self.task_names, self.device = task_names, device
+        self.split = SplitMetrics(task_names, device)
+        model.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple, logits: torch.Tensor) -> None:
+        if module.training:
+            self.split.add(logits.detach(), args[0].labels, args[0].users)
+
+    def compute(self) -> dict[str, float]:
+        """'auc', 'ne', 'calibration' per task ('<task>/auc', ...; the first task's also bare) and 'examples'."""
+        figures = self.split.compute()
+        self.split = SplitMetrics(self.task_names, self.device)
+        return {k: v for k, v in figures.items() if k == "examples" or k.split("/")[-1] in ("auc", "ne", "calibration")}
