@@ -12,6 +12,7 @@ import pytest
 
 from cli import run_env
 from trainer.config_loader import load_config
+from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 TOWERS = ("rankmixer", "rankmixer_moe", "unimixer", "unimixer_lite", "mlp", "dcnv2")
@@ -109,6 +110,17 @@ def test_gpu_check_trains_managed_tables_with_a_config_that_loads():
     assert args[0] == "--config"
     cfg = load_config(str(REPO / args[1]), args[2:])
     assert cfg.train.device == "cuda" and [f.name for f in cfg.features if f.hashing == "managed"] == ["user_id"]
+
+
+def test_gpu_check_trains_the_layouts_of_a_cuda_planner_with_a_config_that_loads():
+    """The fp16, row-wise Adagrad, table-row-wise and column-wise run of bench/gpu_check.sh
+    needs a GPU; its options must load here, and name tables the config has."""
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    args = shlex.split(re.search(r'^LAYOUT="(.*?)"$', script, re.M | re.S).group(1))
+    cfg = load_config(str(REPO / args[1]), args[2:])
+    assert (cfg.train.device, cfg.embeddings.data_type, cfg.embeddings.optimizer) == ("cuda", "fp16", "rowwise_adagrad")
+    assert cfg.embeddings.table_sharding == {"user_id": "table_row_wise", "item": "column_wise"}
+    assert cfg.data.dataset == "synth" and set(cfg.embeddings.table_sharding) <= {f.table for f in synth_features()}
 
 
 SCALE_FIGURES = [
