@@ -69,6 +69,7 @@ def _mangled(function: str) -> str:
 # assignment (not its I/O, retries and agreement).
 MODULES = {
     "ids": Target("trainer/data/ids.py", ("tests/test_ids_pinned.py", "tests/test_reader_rows.py")),
+    "feature_ops": Target("trainer/data/feature_ops.py", ("tests/test_ids_pinned.py", "tests/test_config_choices.py")),
     "stable_hash": Target("trainer/data/csvlog.py", ("tests/test_ids_pinned.py",),
                           ("stable_hash", "hashed_column")),
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
@@ -106,6 +107,8 @@ _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list 
 EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.data.ids.x__hash", "reduce: bool = False) -> np.ndarray:",
      "every caller passes `reduce`: the default is never used"),
+    ("trainer.data.ids.x__hash", 'return HASHINGS["managed"].numpy(values, None)',
+     "the managed hashing spreads over MANAGED_ID_RANGE whatever the table's rows"),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=None)", _COPY),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, )", _COPY),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=True)", _COPY),
@@ -131,9 +134,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.data.ids.x_encode_ids",
      "if reduce and spec.max_len and lengths.size and lengths.max() >= spec.max_len:",
      "cutting to max_len lists whose longest is max_len keeps every id"),
-    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, copy=None).view(np.uint64).copy()", _COPY),
-    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, ).view(np.uint64).copy()", _COPY),
-    ("trainer.data.ids.x_spread", "z = values.astype(np.int64, copy=True).view(np.uint64).copy()", _COPY),
+    ("trainer.data.feature_ops.x_spread", "z = values.astype(np.int64, copy=None).view(np.uint64).copy()", _COPY),
+    ("trainer.data.feature_ops.x_spread", "z = values.astype(np.int64, ).view(np.uint64).copy()", _COPY),
+    ("trainer.data.feature_ops.x_spread", "z = values.astype(np.int64, copy=True).view(np.uint64).copy()", _COPY),
     ("trainer.data.csvlog.x_hashed_column",
      "ids = np.array([stable_hash(v) for v in enc.dictionary.to_pylist()], None)",
      "ids below 2^63 make numpy infer int64, its default integer on 64-bit platforms"),

@@ -89,6 +89,8 @@ def test_managed_ids_are_spread_in_every_layout():
     values, lengths = encode_ids(_list([[STATES[0]], [], [STATES[1], STATES[2]]], pa.uint64()),
                                  FeatureSpec(name="f", kind="id_list", num_embeddings=10, hashing="managed"), "w")
     assert values.tolist() == SPREAD[:3] and lengths.tolist() == [1, 0, 2]
+    # ids that are all below num_embeddings are spread too: a managed table's rows are not its ids
+    assert encode_ids(pa.array([1, 1], pa.int64()), spec, "w")[0].tolist() == [SPREAD[-1]] * 2
 
 
 def test_managed_negative_ids_are_errors_naming_the_row():
