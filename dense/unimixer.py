@@ -25,7 +25,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0,
 
     With `tol` > 0 it stops once every row's log-sum is within `tol` of 0 (each
     iteration ends on the columns, which are then exact): at tau = 1 that takes about
-    10 iterations instead of the configured maximum, and backward unrolls only those.
+    10 iterations instead of the configured maximum; on the CPU backward unrolls only those,
+    elsewhere every iteration runs and `torch.where` keeps the first within `tol`.
     Where that test runs depends on the device (`on_device`, default: everywhere but the
     CPU); both give the same result, bit for bit:
 

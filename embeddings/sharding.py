@@ -188,7 +188,7 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device, c
     DCP's async_save needs (docs/design.md §4.8)."""
     cluster = cluster or Cluster(dist.get_world_size(), local_world_size(), device.type, BATCH_SIZE, None, None)
     plan = build_plan(model, cfg, cluster)
-    plan.plan.update(managed_plans(model, device, local_world_size(), dist.get_world_size()))
+    plan.plan.update(managed_plans(model, device, cluster.local_world_size, cluster.world_size))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],

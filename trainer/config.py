@@ -340,7 +340,7 @@ class ModelConfig:
     """Self-attention token mixing (self_attention)."""
 
 
-TOWER_TABLES = ("rankmixer", "moe", "unimixer", "mlp", "dcnv2", "attention")
+TOWER_TABLES = tuple(dict.fromkeys(table for uses in TOWER_FIELDS.values() for table in uses.tables))
 """ModelConfig's per-tower tables."""
 
 

@@ -123,7 +123,7 @@ class LoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UnsafeFileError(f"checkpoint value {fqn!r} refused: it is not plain data ({_first_line(e)}). "
+            raise UnsafeFileError(f"checkpoint value {fqn!r} refused: it is not plain data ({first_line(e)}). "
                                   "Load checkpoints only from sources you trust; see README, Trust") from None
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, less its unchecked unpickling
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -131,7 +131,8 @@ class LoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
@@ -186,5 +187,5 @@ def load_pt2(path: Path) -> torch.export.ExportedProgram:
         try:
             return torch.export.load(str(path))
         except pickle.UnpicklingError as e:
-            raise UnsafeFileError(f"{path}: refused: a payload is not plain tensors ({_first_line(e)})") from None
+            raise UnsafeFileError(f"{path}: refused: a payload is not plain tensors ({first_line(e)})") from None
 

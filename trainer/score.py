@@ -109,8 +109,8 @@ class Scorer:
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
         user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
         encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user)
-        rows = sum(pq.ParquetFile(path, filesystem=fs).metadata.num_rows for path in files) if labelled else 0
         spill = Path(out) if labelled and user else None  # UAUC's rows wait there, in a hidden folder
+        rows = sum(pq.ParquetFile(path, filesystem=fs).metadata.num_rows for path in files) if spill else 0  # buckets
         scored = 0
         with SplitMetrics(self.tasks, torch.device("cpu"), spill, rows) as metrics:
             for path, target in zip(files, targets):

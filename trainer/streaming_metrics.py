@@ -92,7 +92,7 @@ def _first_task(out: dict[str, float], task_names: list[str], metrics: tuple[str
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the ranks (in place) when there are several."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.all_reduce(t)
     return t
 
@@ -165,14 +165,12 @@ class UserBuckets:
 
     def __init__(self, folder: Path, num_tasks: int, rows: int):
         self.num_tasks = num_tasks
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self.buckets = max(world, math.ceil(rows / BUCKET_ROWS))
+        self.buckets = max(_world(), math.ceil(rows / BUCKET_ROWS))
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix=".uauc-", dir=folder))
         self.dtype = np.dtype([("user", "<i8"), ("logits", "<f4", (num_tasks,)), ("labels", "<f4", (num_tasks,))])
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
-        self.sizes = np.zeros(self.buckets, dtype=np.int64)
 
     def add(self, logits: np.ndarray, labels: np.ndarray, users: np.ndarray) -> None:
         rows = np.empty(len(users), self.dtype)
@@ -195,7 +193,6 @@ class UserBuckets:
             if n:
                 with open(self.folder / f"{b}.bin", "ab") as f:
                     rows[start:start + n].tofile(f)
-        self.sizes += counts
 
     def _read(self, b: int) -> np.ndarray:
         path = self.folder / f"{b}.bin"
@@ -251,31 +248,30 @@ def _gather_rows(rows: np.ndarray, owner: int, device: torch.device, num_tasks: 
 class TrainingWindow:
     """AUC, NE and calibration over the last `batches` training batches of every rank, from
     the training forward's logits (a forward hook on `model`, training mode only). Holds the
-    window's histogram codes (int64 [B, K] per batch) and [K, 4] sums; at `compute` they
-    become a [K, 2, WINDOW_BINS] histogram, all-reduced with the sums in one collective.
+    window's logits and labels ([B, K] per batch, detached: the step does no more); at
+    `compute` they become a [K, 2, WINDOW_BINS] histogram and [K, 4] sums, all-reduced in one
+    collective.
     The window starts empty after a resume."""
 
     def __init__(self, model: nn.Module, task_names: list[str], batches: int):
         self.task_names = task_names
-        self.codes: deque[torch.Tensor] = deque(maxlen=batches)
-        self.sums: deque[torch.Tensor] = deque(maxlen=batches)
+        self.batches: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=batches)
         if batches:
             model.register_forward_hook(self._record)
 
     def _record(self, module: nn.Module, args: tuple, logits: torch.Tensor) -> None:
         if module.training:
-            logits, labels = logits.detach(), args[0].labels
-            self.codes.append(_codes(logits, labels, WINDOW_BINS))
-            self.sums.append(_sums(logits, labels))
+            self.batches.append((logits.detach(), args[0].labels))
 
     def compute(self) -> dict[str, float]:
         """'window/<task>/auc', '/ne', '/calibration' (and 'window/auc'... for the first task);
         {} when off (collective when on)."""
-        if self.codes.maxlen == 0 or not self.codes:
+        if not self.batches:
             return {}
         k = len(self.task_names)
-        hist = torch.bincount(torch.cat(list(self.codes)).flatten(), minlength=k * 2 * WINDOW_BINS)
-        state = _all_reduce(torch.cat([hist.double(), torch.stack(list(self.sums)).sum(0).flatten()]))
+        logits, labels = (torch.cat(t) for t in zip(*self.batches))
+        hist = torch.bincount(_codes(logits, labels, WINDOW_BINS).flatten(), minlength=k * 2 * WINDOW_BINS)
+        state = _all_reduce(torch.cat([hist.double(), _sums(logits, labels).flatten()]))
         state = state.cpu().numpy()
         figures = _task_figures(state[:k * 2 * WINDOW_BINS].reshape(k, 2, WINDOW_BINS),
                                 state[k * 2 * WINDOW_BINS:].reshape(k, _SUMS), self.task_names)

@@ -270,7 +270,9 @@ class Trainer:
                 or self.cfg.train.steps or self.selection.best.exhausted:
             return False
         while True:
-            if self.flags.read(bool(self.stop_signal.received), False, self.env.world_size)[2]:
+            self._checked_step = -1  # every poll reads the flags again, the stop vote with them
+            self.check()
+            if self.stop_signal.agreed:
                 self._stop_at = self.step
                 if self.cfg.checkpoint.enabled and not self.cfg.checkpoint.save_final:  # else saved at this step
                     self.save_checkpoint()

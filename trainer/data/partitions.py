@@ -222,8 +222,7 @@ class PartitionedReader:
         listed = {p.name: p for p in self.sequence}
         for c in consumed:
             if c["partition"] in listed:
-                change = file_change([[path, size, []] for path, size, _ in c["files"]],
-                                     [[path, size, []] for path, size in listed[c["partition"]].files], rows=False)
+                change = file_change(c["files"], listed[c["partition"]].files, rows=False)
                 if change:
                     raise ValueError(f"data reader state: partition {c['partition']} was trained, but {change} "
                                      "since; a trained partition must not change (write a new partition instead)")

@@ -299,12 +299,7 @@ def _double_centred(table: np.ndarray) -> np.ndarray:
 
 def _zipf(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Return ids in popularity-rank order and the cdf of rank^-ZIPF_EXPONENT."""
-    rank_ids = rng.permutation(n).astype(np.int64) + 1
-    weights = np.arange(1, n + 1, dtype=np.float64) ** -ZIPF_EXPONENT
-    cdf = np.cumsum(weights)
-    cdf /= cdf[-1]
-    cdf[-1] = 1.0
-    return rank_ids, cdf
+    return rng.permutation(n).astype(np.int64) + 1, _zipf_cdf(n)
 
 
 def _draw(rank_ids: np.ndarray, cdf: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -87,14 +87,15 @@ class ServingModel(nn.Module):
         """Each id hashed by its feature's mode (`HASHINGS`): every mode runs over every id and
         `torch.where` keeps each feature's own, so there is no data-dependent split to trace."""
         sizes = per_id([f.num_embeddings for f in self.sparse])
-        feature = per_id(list(range(len(self.sparse))))
-        outside = (ids < 0) | (ids >= sizes)  # as unsigned numbers: an id below 0 is 2^63 or more
-        for i, f in enumerate(self.sparse):
-            if HASHINGS[f.hashing].in_range:
+        checked = [(i, f) for i, f in enumerate(self.sparse) if HASHINGS[f.hashing].in_range]
+        if checked:
+            feature = per_id(list(range(len(self.sparse))))
+            outside = (ids < 0) | (ids >= sizes)  # as unsigned numbers: an id below 0 is 2^63 or more
+            for i, f in checked:
                 _require(~(outside & (feature == i)).any(), f"sparse feature {f.name!r}: an id is out of "
                          f"range for its {f.num_embeddings} rows (hashing {f.hashing!r})")
-        rows = ids
-        for mode in sorted({f.hashing for f in self.sparse}):
+        rows = ids  # what the in-range modes keep
+        for mode in sorted({f.hashing for f in self.sparse if not HASHINGS[f.hashing].in_range}):
             hashed = HASHINGS[mode].torch(ids, sizes)
             if mode == "managed":  # spread ids -> rows, by each managed table's fixed map
                 for table, id_map in self.id_maps.items():

@@ -39,6 +39,7 @@ from trainer.checkpoint import model_tensors, save_weights
 from trainer.config import Config
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
+from trainer.safe_load import first_line
 from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out_folder, saved, served_model,
                                     write_artifact)
 
@@ -54,9 +55,8 @@ class Publisher:
         p = cfg.publish
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
         self.folder = Path(p.folder) if p.folder else run_dir / "publish"
-        self.enabled = p.every_steps > 0 or p.every_partition
         self.previous: tuple[str, int] | None = None  # (name, step) of this process's last publish: the delta's base
-        if self.enabled:
+        if p.every_steps > 0 or p.every_partition:
             check_widths(cfg, p.tables)
             self.tracker = track_lookups(model)
 
@@ -124,11 +124,11 @@ class Publisher:
     def _changed_rows(self, tables: dict[str, torch.Tensor], gathered: list[dict]) -> dict[str, torch.Tensor]:
         """Each table's rows changed since the previous publish, ascending: the plain tables'
         rows every rank tracked; the managed tables' rows that differ from the previous tables.pt."""
-        changed = {}
+        pieces: dict[str, list[torch.Tensor]] = {}
         for rows in gathered:
             for table, r in rows.items():
-                changed[table] = torch.cat([changed.get(table, r[:0]), r])
-        changed = {t: torch.unique(r) for t, r in changed.items()}
+                pieces.setdefault(table, []).append(r)
+        changed = {t: torch.unique(torch.cat(rs)) for t, rs in pieces.items()}
         managed = [f.table for f in self.cfg.features if f.hashing == "managed"]
         if managed:
             before = load_tensors(self.folder / self.previous[0] / TABLES_FILE, "the previous publish")["tables"]
@@ -191,7 +191,7 @@ def load_tensors(path: Path, what: str) -> dict:
     except FileNotFoundError:
         raise ValueError(f"{what}: no {path.name} at {path.parent}") from None
     except Exception as e:  # a damaged or foreign file
-        raise ValueError(f"{what}: cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ValueError(f"{what}: cannot read {path} ({type(e).__name__}: {first_line(e)})") from None
 
 
 def _published_step(folder: Path, what: str) -> int:
