@@ -91,6 +91,25 @@ warmup_steps = 10
     assert cfg.optim.lr == 0.3
 
 
+def test_the_paper_recipe_replaces_defaults_but_not_given_keys(tmp_path):
+    ours = load_config()
+    assert (ours.model.recipe, ours.model.tokenizer_bias, ours.optim.dense_warmup_steps) == ("rankmix", "zero", 300)
+    paper = load_config(None, ["--model.recipe=paper"])
+    assert (paper.model.tokenizer_bias, paper.optim.dense_warmup_steps) == ("uniform", 0)
+    # and nothing else: the recipe's two keys are the whole difference
+    paper.model.recipe, paper.model.tokenizer_bias, paper.optim.dense_warmup_steps = "rankmix", "zero", 300
+    assert paper == ours
+    # a key set in the file or on the command line keeps its value, whichever comes first
+    path = write(tmp_path, '[model]\nrecipe = "paper"\n\n[optim]\ndense_warmup_steps = 50\n')
+    cfg = load_config(path, ["--model.tokenizer_bias=zero"])
+    assert (cfg.model.tokenizer_bias, cfg.optim.dense_warmup_steps) == ("zero", 50)
+    # the resolved config written into a run folder reads back to the same recipe
+    dump_toml(cfg, tmp_path / "resolved.toml")
+    assert load_config(tmp_path / "resolved.toml") == cfg
+    with pytest.raises(ValueError, match=r"^model.recipe must be one of \('rankmix', 'paper'\), got 'papers'$"):
+        load_config(None, ["--model.recipe=papers"])
+
+
 def test_missing_and_invalid_toml_file(tmp_path):
     missing = tmp_path / "nope.toml"
     with pytest.raises(ValueError, match=err(f"config file not found: {missing}")):

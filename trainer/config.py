@@ -36,6 +36,8 @@ SparseOptimizer = Literal["adagrad", "rowwise_adagrad"]
 TableDataType = Literal["fp32", "fp16"]
 Tokenizer = Literal["slice", "group"]
 TokenizerBias = Literal["uniform", "zero"]
+Recipe = Literal["rankmix", "paper"]
+Calibration = Literal["none", "bias", "platt"]
 BlockNorm = Literal["post", "pre"]
 TowerPooling = Literal["mean", "flatten"]
 MoEInference = Literal["sparse", "dense"]
@@ -308,12 +310,14 @@ class ModelConfig:
 
     tower: Tower = "rankmixer"
     """Registered dense tower: rankmixer | rankmixer_moe | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
+    recipe: Recipe = "rankmix"
+    """rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the RankMixer paper's (RECIPES); keys given explicitly win."""
     tokenizer: Tokenizer = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
     """T, tokens for the slice tokenizer (the group tokenizer makes one per group)."""
-    tokenizer_bias: TokenizerBias = "uniform"
-    """Initial tokenizer biases: uniform (nn.Linear's +-1/sqrt(fan-in)) | zero (tokens start from the embeddings alone)."""
+    tokenizer_bias: TokenizerBias = "zero"
+    """Initial tokenizer biases: zero (tokens start from the embeddings alone) | uniform (nn.Linear's +-1/sqrt(fan-in), the paper's)."""
     token_dim: int = 0
     """slice tokenizer: d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
     hidden_dim: int = 64
@@ -364,6 +368,14 @@ def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
     return unused
 
 
+RECIPES: dict[str, dict[str, object]] = {
+    "rankmix": {},
+    "paper": {"model.tokenizer_bias": "uniform", "optim.dense_warmup_steps": 0},
+}
+"""model.recipe -> the defaults it replaces (dotted key -> value); a key set in the file or
+on the command line keeps its value. rankmix's are the dataclass defaults."""
+
+
 TIME_ORDER_FIELDS = ("success_marker", "follow", "poll_seconds")
 """DataConfig fields that only data.order = "time" reads."""
 
@@ -373,9 +385,13 @@ def unused_run_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
     decides it, why)."""
     why = ("data.order", f"data.order={data.order!r} does not read it")
     if data.order == "time":  # a pass over the partitions; a validation split would read unfinished ones
-        return dict.fromkeys(("train.epochs", "data.valid_fraction", "data.valid_path"), why)
-    return dict.fromkeys((*(f"data.{name}" for name in TIME_ORDER_FIELDS), "publish.every_partition",
-                          "metrics.eval_next_partition"), why)
+        return dict.fromkeys(("train.epochs", "data.valid_fraction", "data.valid_path", "train.calibrate"), why)
+    unused = dict.fromkeys((*(f"data.{name}" for name in TIME_ORDER_FIELDS), "publish.every_partition",
+                            "metrics.eval_next_partition"), why)
+    if not data.valid_fraction and not data.valid_path:
+        unused["train.calibrate"] = ("data.valid_fraction", "it fits on the validation split, and there is none "
+                                     "(data.valid_fraction or data.valid_path)")
+    return unused
 
 
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
@@ -415,7 +431,7 @@ class OptimConfig:
     """L2 penalty on dense weights."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over this many steps."""
-    dense_warmup_steps: int = 0
+    dense_warmup_steps: int = 300
     """Linear warm-up of the dense learning rate only (RMSProp's first steps move ~10x lr: its average starts at 0)."""
     grad_clip_norm: float = 0.0
     """Clip the dense gradient norm to this value (0 disables)."""
@@ -449,6 +465,8 @@ class TrainConfig:
     """Stop after this many validations without a better select_metric (0: train to the end)."""
     restore_best: bool = True
     """With a validation split: end on the weights of the best validation, the test metrics measured there."""
+    calibrate: Calibration = "none"
+    """With a validation split, after training: fit each task's logit map a z + b on it (trainer/calibration.py): none | bias (b) | platt (a and b); the test metrics before it become uncalibrated/*."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ import tomli_w
 from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
                                  redact_uri, with_placeholders, without_credentials)
 
-from trainer.config import (SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec, managed_tables,
+from trainer.config import (RECIPES, SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec, managed_tables,
                             unused_feature_fields, unused_model_fields, unused_run_fields)
 from trainer.files import write_atomic
 
@@ -56,8 +56,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = _build(Config, raw, "")
         for item in overrides:
             apply_override(cfg, item)
+        in_file, on_command_line = set(_given_keys(raw, "")), {item[2:].split("=", 1)[0] for item in overrides}
+        apply_recipe(cfg, in_file | on_command_line)
         check_credentials(cfg, path, overrides, allow_redacted=allow_redacted)
-        check_unused(cfg, set(_given_keys(raw, "")), {item[2:].split("=", 1)[0] for item in overrides})
+        check_unused(cfg, in_file, on_command_line)
         validate(cfg)
         return cfg
     except CredentialsError:
@@ -67,6 +69,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if message != str(e):
             raise ValueError(message) from None  # no chained original: it holds the secret
         raise
+
+
+def apply_recipe(cfg: Config, given: set[str]) -> None:
+    """Set the defaults model.recipe replaces, except the keys `given` in the file or on the
+    command line: defaults < recipe < TOML < CLI."""
+    for dotted, value in RECIPES[cfg.model.recipe].items():
+        if dotted not in given:
+            section, key = dotted.split(".")
+            setattr(getattr(cfg, section), key, value)
 
 
 def check_unused(cfg: Config, in_file: set[str], on_command_line: set[str]) -> None:
