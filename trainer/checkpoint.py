@@ -149,11 +149,12 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_weights(path: Path, parts: dict[str, Any], step: int) -> None:
+def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") -> None:
     """Write `parts` as the weights at `path`, synchronously (collective): into the sibling
-    folder `<path>.step-<step>`, then `path`, a symbolic link, is renamed onto it
-    (`run_folder.swap_folder`), so `path` always holds a whole save."""
-    new = path.with_name(f"{path.name}.step-{step}")
+    folder `<path>.step-<step><tag>`, then `path`, a symbolic link, is renamed onto it
+    (`run_folder.swap_folder`), so `path` always holds a whole save. A `tag` tells a second
+    save of one step from the first, which `path` still points at while it is written."""
+    new = path.with_name(f"{path.name}.step-{step}{tag}")
     if dist.get_rank() == 0:
         shutil.rmtree(new, ignore_errors=True)  # an interrupted save of this step
     dist.barrier(group=side_group())

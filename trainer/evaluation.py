@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,7 +20,7 @@ class Evaluator:
     """Scores whole splits: every rank reads its share of the rows into a `SplitMetrics`
     (fixed memory; UAUC's rows spill into the run folder), whose state is summed over the
     ranks at the end: whole-split figures, never an average of per-rank ones. The caller puts
-    the model in eval mode.
+    the model in eval mode. `histogram`: the last split's [K, 2, bins] logit histogram.
     `retries`: the readers' object-store retry arguments, as the trainer's own reader has them."""
 
     def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks,
@@ -27,6 +28,7 @@ class Evaluator:
         self.model, self.encoder, self.cfg, self.env, self.hooks = model, encoder, cfg, env, hooks
         self.retries = retries
         self.task_names = [t.name for t in cfg.model.tasks]
+        self.histogram: np.ndarray | None = None
 
     @torch.no_grad()
     def __call__(self, path: str, **split) -> dict[str, float]:
@@ -47,6 +49,7 @@ class Evaluator:
                 keep = batch.weights > 0
                 split_metrics.add(self.model(batch).float()[keep], batch.labels[keep], batch.users[keep])
             metrics = split_metrics.compute()
+            self.histogram = split_metrics.histogram
         for hook in self.hooks.metrics:
             metrics.update(hook("eval"))
         return metrics

@@ -42,6 +42,7 @@ from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags, StopSignal
 from trainer.run_folder import RunLock
+from trainer.calibration import calibrate_heads
 from trainer.evaluation import Evaluator
 from trainer.selection import ModelSelection
 from trainer.serving.publish import Publisher
@@ -259,7 +260,8 @@ class Trainer:
             raise Interrupted(f"stopped by {self.stop_signal.name} after step {self.step}" +
                               (f"; resume from {self.checkpoints.latest()}" if self.checkpoints.latest() else ""))
         self.restore_best()
-        return self.finish(self.evaluate(), meter.examples_per_sec)
+        uncalibrated = self.calibrate()
+        return self.finish({**uncalibrated, **self.evaluate()}, meter.examples_per_sec)
 
     def _followed(self) -> bool:
         """data.follow, once the known partitions are trained: poll data.train_path every
@@ -563,6 +565,27 @@ class Trainer:
                 self.logger.write(done)
                 for hook in self.hooks.after_restore:  # the weights' own step (UniMixer's temperature)
                     hook(self.selection.best.step)
+
+    def calibrate(self) -> dict[str, float]:
+        """train.calibrate: fit the heads' logit maps on the validation split for the weights the
+        run ends on, and keep them with the best weights; returns the test metrics before the
+        fit as uncalibrated/*, and the maps (empty when off)."""
+        kind = self.cfg.train.calibrate
+        if kind == "none" or not self.valid_split:
+            return {}
+        before = self._metrics_on(self.eval_path)
+        path, split = self.valid_split
+        self._metrics_on(path, **split)  # its histogram: the logits before any map
+        fitted = calibrate_heads(self.model, self.evaluator.histogram, kind)
+        tasks = [t.name for t in self.cfg.model.tasks]
+        self.logger.write("calibrated on the validation split: "
+                          + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(tasks, fitted)))
+        if self.selection.keep_weights and self.selection.best.step:  # the run ends on the best weights
+            checkpoint.save_weights(self.selection.folder, {"model": self.checkpoint_parts["model"], "trainer": {
+                "step": self.selection.best.step, "world_size": self.env.world_size}},
+                self.selection.best.step, tag=".calibrated")
+        return {**{f"uncalibrated/{k}": before[k] for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
+                **{f"{t}/calibration_{name}": v for t, ab in zip(tasks, fitted) for name, v in zip("ab", ab)}}
 
     def _metrics_on(self, path: str, **split) -> dict[str, float]:
         """The model's metrics over the files at `path` (`split`: a holdout of them)."""

@@ -1,0 +1,64 @@
+"""Calibration of the task heads on the validation split (train.calibrate, docs/training.md).
+
+Early stopping picks the weights of the best validation AUC, and those can predict too
+many or too few clicks: AUC ranks, it does not count. The standard fix is an affine map of
+each task's logit, fitted after training by maximum likelihood on the validation split:
+`bias` fits b in sigmoid(z + b), `platt` fits a and b in sigmoid(a z + b) (Platt scaling;
+a is an inverse temperature). Either makes the mean prediction equal the validation click
+rate (the likelihood's gradient in b is sum(p) - positives), and with a > 0 neither changes
+an AUC. The map lives in the heads (dense/model.py TaskHeads.calibration), so checkpoints,
+scoring and serving artifacts carry it.
+
+The fit reads the validation split's logit histogram (trainer/streaming_metrics.py: 2^20
+bins of 3e-5 over +-16), not its rows: fixed memory at any split size, and at that bin width
+the bin centres stand in for the logits to well under 1e-4 of the log loss.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from dense.model import TaskHeads
+from trainer.streaming_metrics import LOGIT_RANGE
+
+NEWTON_STEPS = 50
+"""Newton steps at most; the log loss is convex in (a, b), and 10-20 reach float64 precision."""
+
+
+def fit_affine(neg: np.ndarray, pos: np.ndarray, kind: str) -> tuple[float, float]:
+    """(a, b) minimising the log loss of sigmoid(a z + b) over one task's validation logits,
+    given as negatives and positives per bin of the histogram's grid; `kind` bias fixes a = 1.
+    (1, 0) when a class is absent: there is nothing to fit."""
+    assert kind in ("bias", "platt"), kind
+    if neg.sum() == 0 or pos.sum() == 0:
+        return 1.0, 0.0
+    used = np.flatnonzero(neg + pos)
+    width = 2 * LOGIT_RANGE / len(neg)
+    z = -LOGIT_RANGE + (used + 0.5) * width
+    n, y = neg[used] + pos[used], pos[used]
+    x = np.stack([z, np.ones_like(z)]) if kind == "platt" else np.ones_like(z)[None]
+    theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([0.0])
+    offset = np.zeros_like(z) if kind == "platt" else z  # bias: z + b, the slope held at 1
+    for _ in range(NEWTON_STEPS):
+        p = 1 / (1 + np.exp(-(theta @ x + offset)))
+        grad = x @ (n * p - y)
+        hess = (x * (n * p * (1 - p))) @ x.T
+        step = np.linalg.solve(hess + 1e-12 * np.eye(len(theta)), grad)
+        theta -= step
+        if np.abs(step).max() < 1e-12:
+            break
+    return (float(theta[0]), float(theta[1])) if kind == "platt" else (1.0, float(theta[0]))
+
+
+def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[tuple[float, float]]:
+    """Fit each task's (a, b) on its `histogram` [K, 2, bins] (negatives, positives per logit
+    bin, logits taken uncalibrated) and set them in the model's TaskHeads; returns them."""
+    heads = next(m for m in model.modules() if isinstance(m, TaskHeads))
+    assert torch.equal(heads.calibration, torch.stack([torch.ones_like(heads.calibration[0]),
+                                                       torch.zeros_like(heads.calibration[1])])), \
+        "the histogram's logits must be the uncalibrated ones"
+    fitted = [fit_affine(task[0], task[1], kind) for task in histogram]
+    heads.calibration.copy_(torch.tensor(fitted, dtype=heads.calibration.dtype).T)
+    return fitted
