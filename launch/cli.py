@@ -10,6 +10,8 @@ r"""`rankmix`: train, and convert or generate data.
     rankmix publish apply --base PUBLISHED_DIR --delta PUBLISHED_DIR_OR_DELTA_PT --out DIR
     rankmix sweep --config F.toml --out DIR --tower NAME [--tower NAME ...] --grid section.key=v1,v2 ... \
         [--tower-grid TOWER:section.key=v1,v2] [--seeds N] [--set section.key=value] [--baseline-tower logreg]
+    rankmix study [--config F.toml] --out DIR --tower NAME [--tower NAME ...] [--tower-set TOWER:section.key=value] \
+        [--tower-grid TOWER:section.key=v1,v2] [--seeds 3] [--baseline TOWER] [--reference TOWER]
     rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
         [--local-world-size N] [--section.key=value ...]
     rankmix doctor
@@ -373,8 +375,14 @@ def sweep(argv: list[str]) -> int:
     return run_sweep(argv)
 
 
+def study(argv: list[str]) -> int:
+    """Towers compared under the early-stopping protocol, paired over seeds (launch/study.py)."""
+    from launch.study import study as run_study  # on use: numpy (torch once it checks the runs)
+    return run_study(argv)
+
+
 COMMANDS = {"train": recorded(train), "launch": launch, "export": export, "score": score, "sweep": sweep,
-            "data": data, "plan": plan, "doctor": doctor, "publish": publish}
+            "study": study, "data": data, "plan": plan, "doctor": doctor, "publish": publish}
 
 if __name__ == "__main__":
     sys.exit(main())

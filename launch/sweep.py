@@ -228,6 +228,13 @@ def counted_cost(model, width: int) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), flops_per_sample(model, width, torch.device("cpu"))
 
 
+def print_points(points: list[Point], costs: list[tuple[int, int] | None]) -> None:
+    """--dry-run: one line per run, its dense parameters and FLOPs where known."""
+    for p, cost in zip(points, costs):
+        size = "" if cost is None else f"{cost[0]:>12,}{cost[1]:>14,}"
+        print(f"{p.tower:<17}{p.label:<34}{size}  {p.run_dir}")
+
+
 # ---------------------------------------------------------------------------- running
 
 
@@ -494,9 +501,7 @@ def sweep(argv: list[str]) -> int:
     runs = points + ([baseline] if baseline else [])
     costs = check_points(args.config, runs)
     if args.dry_run:
-        for p, cost in zip(runs, costs):
-            size = "" if cost is None else f"{cost[0]:>12,}{cost[1]:>14,}"
-            print(f"{p.tower:<17}{p.label:<34}{size}  {p.run_dir}")
+        print_points(runs, costs)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

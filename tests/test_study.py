@@ -1,0 +1,88 @@
+"""`rankmix study`: the protocol's runs, paired differences against an independent
+computation from the runs' own summaries, the verdicts, and the option errors."""
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch.study import PROTOCOL, Paired, Row, paired, study
+from tests import cli
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = str(REPO / "configs" / "debug.toml")
+
+
+@pytest.mark.parametrize("mean, std, verdict", [
+    (0.002, 0.001, "ahead"), (-0.002, 0.001, "behind"), (0.001, 0.001, "level"), (-0.0005, 0.001, "level"),
+    (0.0, 0.0, "level"), (0.001, 0.0, "ahead")])
+def test_a_difference_counts_only_beyond_its_spread(mean, std, verdict):
+    assert Paired("x", mean, std).verdict == verdict
+
+
+def test_paired_difference_is_seed_by_seed():
+    a = Row("rankmixer", "-", {0: {"auc": 0.71}, 1: {"auc": 0.75}, 2: {"auc": 0.70}})
+    b = Row("dcnv2", "-", {0: {"auc": 0.70}, 1: {"auc": 0.74}, 2: {"auc": 0.69}})
+    diff = paired(a, b)
+    # unpaired, the seeds' spread (0.027) would swamp the 0.01 every seed shows
+    assert diff.mean == pytest.approx(0.01) and diff.std == pytest.approx(0.0, abs=1e-12)
+    assert diff.verdict == "ahead" and diff.against == "dcnv2 [-]"
+    with pytest.raises(ValueError, match=r"rankmixer \[-\] and mlp \[-\] share no seed"):
+        paired(a, Row("mlp", "-", {5: {"auc": 0.7}}))
+
+
+def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--tower", "mlp", "--tower", "logreg",
+            "--seeds", "2", "--baseline", "mlp",
+            "--baseline", "logreg", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.synth_rows=3000",
+            "--set", "train.steps=4", "--set", "metrics.valid_every=2"]
+    assert study(argv) == 0
+    printed = capsys.readouterr().out
+    assert "study: launched 6 run(s)" in printed
+    records = list(csv.DictReader((out / "study.csv").open()))
+    assert [(r["tower"], r["point"]) for r in records] == [("rankmixer", "-"), ("mlp", "-"), ("logreg", "-")]
+    runs = {(r["tower"], r["point"]): [json.loads((out / r["tower"] / folder / f"seed-{s}" / "summary.json")
+                                                  .read_text()) for s in (0, 1)]
+            for r, folder in zip(records, ("base", "base", "base"))}
+    auc = {k: np.array([s["auc"] for s in v]) for k, v in runs.items()}
+    better = max([("mlp", "-"), ("logreg", "-")], key=lambda k: auc[k].mean())
+    reference = ("rankmixer", "-")
+    for r in records:
+        key = (r["tower"], r["point"])
+        assert float(r["auc"]) == pytest.approx(auc[key].mean())
+        assert float(r["auc_std"]) == pytest.approx(auc[key].std(ddof=1))
+        assert float(r["calibration"]) == pytest.approx(np.mean([s["calibration"] for s in runs[key]]))
+        assert float(r["best/epochs"]) == pytest.approx(np.mean([s["best/epochs"] for s in runs[key]]))
+        for name, other in (("baseline", better), ("reference", reference)):
+            if key == other:
+                assert r[f"vs_{name}"] == ""
+                continue
+            diffs = auc[key] - auc[other]
+            assert r[f"vs_{name}"] == f"{other[0]} [{other[1]}]"
+            assert float(r[f"vs_{name}_mean"]) == pytest.approx(diffs.mean())
+            assert float(r[f"vs_{name}_std"]) == pytest.approx(diffs.std(ddof=1))
+    # the protocol reached every run, after it the user's --set
+    point = json.loads((out / "mlp" / "base" / "seed-1" / "sweep_point.json").read_text())
+    assert point["overrides"][:len(PROTOCOL) + 1] == [f"--{s}" for s in PROTOCOL] + [
+        f"--data.cache_dir={tmp_path / 'cache'}"]
+    table = (out / "study.md").read_text()
+    assert f"AUC - better baseline ({better[0]} [{better[1]}])" in table and "| logreg | - |" in table
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # again: every run is reused
+    assert study(argv) == 0 and "study: launched 0 run(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--baseline", "dcnv2"], "--baseline 'dcnv2' is not among the --tower options ['rankmixer', 'mlp']"),
+    (["--reference", "unimixer"], "--reference 'unimixer' is not among the --tower options ['rankmixer', 'mlp']"),
+    (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--set", "model.moe.budget=0.5"], "model.moe.budget is set, but tower 'rankmixer' does not read it"),
+])
+def test_bad_options_are_clear_errors_before_any_training(tmp_path, extra, message):
+    proc = cli.rankmix("study", "--config", DEBUG, "--out", str(tmp_path / "s"), "--tower", "rankmixer",
+                       "--tower", "mlp", *extra)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "s").exists()
