@@ -32,11 +32,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50, help="steps between publishes")
     parser.add_argument("--publishes", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--small", action="store_true", help="3 publishes of 3 steps on 4000 rows")
+    parser.add_argument("--small", action="store_true", help="2 publishes of 3 steps on 4000 rows")
     parser.add_argument("--set", action="append", default=[], help="a config override (section.key=value)")
     args = parser.parse_args()
     if args.small:
-        args.every, args.publishes, args.set = 3, 3, ["data.synth_rows=4000", *args.set]
+        args.every, args.publishes, args.set = 3, 2, ["data.synth_rows=4000", *args.set]
     if args.every < 1 or args.publishes < 2:
         parser.error("--every must be at least 1 and --publishes at least 2 (the first publish has no delta)")
     with tempfile.TemporaryDirectory(prefix="freshness-") as tmp:

@@ -94,9 +94,10 @@ def test_gpu_check_runs_the_tower_bench_with_options_it_has():
 @pytest.mark.slow
 def test_tower_bench_compiles_the_towers_with_hand_written_steps():
     """torch.compile around the fused FFN, the MoE's training step (run eagerly inside the
-    compiled tower) and UniMixer's SwiGLU and fixed-iteration Sinkhorn."""
+    compiled tower) and UniMixer's SwiGLU and fixed-iteration Sinkhorn. One layer: a second adds
+    nothing to compile but time."""
     towers = ("rankmixer", "rankmixer_moe", "unimixer")
-    proc = subprocess.run([sys.executable, "bench/tower.py", "--towers", ",".join(towers), "--shapes", "4,16,2,2,32",
+    proc = subprocess.run([sys.executable, "bench/tower.py", "--towers", ",".join(towers), "--shapes", "4,16,1,2,32",
                            "--repeats", "1", "--compile"],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,9 +166,9 @@ def test_freshness_bench_times_each_publish_and_weighs_its_delta():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.splitlines()[-1])
-    assert (line["steps_per_publish"], line["publishes"]) == (3, 3)
+    assert (line["steps_per_publish"], line["publishes"]) == (3, 2)
     assert 0 < line["delta_over_full"] < 1 and line["artifact_s"] > 0 and line["train_s"] > 0
-    # two publishes with a delta: the medians are means, so the total is the sum of its parts
+    # one publish with a delta: its medians are its own figures, so the total is the sum of its parts
     assert line["data_to_artifact_s"] == pytest.approx(line["train_s"] + line["publish_s"])
     assert line["publish_s"] == pytest.approx(line["save_s"] + line["artifact_s"] + line["delta_s"])
 

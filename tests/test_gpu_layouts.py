@@ -50,15 +50,15 @@ def assert_same_weights_and_positions(a: Path, b: Path, tmp: Path) -> None:
 
 def test_table_row_wise_and_column_wise_on_two_nodes_resume_bitwise_from_an_async_save(tmp_path):
     cache, whole, halves = tmp_path / "cache", tmp_path / "whole", tmp_path / "halves"
-    two_nodes(*train_args(whole, cache, 12, *LAYOUT, "--checkpoint.interval=6", "--checkpoint.keep=0"))
+    two_nodes(*train_args(whole, cache, 4, *LAYOUT, "--checkpoint.interval=2", "--checkpoint.keep=0"))
     plan = (whole / "plan.txt").read_text()
     rows = [[cell.strip() for cell in line.split("|")] for line in plan.splitlines() if line.count("|") == 3]
     layout = {row[0]: (row[1], row[3]) for row in rows if row[1].endswith("_wise")}  # the first table: types
     assert layout["user_id"] == ("table_row_wise", "[0, 1]"), plan  # row shards on node 0's two ranks
     assert layout["item"] == ("column_wise", "[0, 1, 2, 3]"), plan  # four column shards
-    two_nodes(*train_args(halves, cache, 6, *LAYOUT))
-    assert complete_steps(halves / "checkpoints") == [6]
-    out = two_nodes(*train_args(halves, cache, 12, *LAYOUT))
-    assert f"resumed from {halves / 'checkpoints' / 'step-6'} at step 6" in out[0]
-    assert_same_weights_and_positions(whole / "checkpoints" / "step-12", halves / "checkpoints" / "step-12", tmp_path)
-    assert losses(halves) == losses(whole) and len(losses(whole)) == 12
+    two_nodes(*train_args(halves, cache, 2, *LAYOUT))
+    assert complete_steps(halves / "checkpoints") == [2]
+    out = two_nodes(*train_args(halves, cache, 4, *LAYOUT))
+    assert f"resumed from {halves / 'checkpoints' / 'step-2'} at step 2" in out[0]
+    assert_same_weights_and_positions(whole / "checkpoints" / "step-4", halves / "checkpoints" / "step-4", tmp_path)
+    assert losses(halves) == losses(whole) and len(losses(whole)) == 4

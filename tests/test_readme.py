@@ -1,10 +1,12 @@
 """The shell blocks of the user's guide (README.md, then the docs/ pages in `GUIDE` order),
 run as a new user types them.
 
-Every ```sh block runs as one bash script, verbatim, in guide order, from a checkout's root
-(a scratch copy whose files link to this one's, so that `runs/` and `.cache/` land in the
-scratch folder), in a shell without the virtual environment: no .venv/bin on PATH, no
-VIRTUAL_ENV. $RANKMIX_OVERRIDES (see the README) shortens every training to a few steps.
+Every ```sh block runs as one bash script, verbatim, in its page's order, from the root of a
+checkout of the page's own (a scratch copy whose files link to this one's, so that `runs/` and
+`.cache/` land in the scratch folder), in a shell without the virtual environment: no .venv/bin
+on PATH, no VIRTUAL_ENV. $RANKMIX_OVERRIDES (see the README) shortens every training to a few
+steps. One test a page, so that pytest-xdist's workers share the guide; pages that read what
+another page made run after it in the same test (`TOGETHER`).
 
 A block after a `<!-- readme-test: not run here: REASON -->` line (clusters, GPUs, real
 object stores, placeholders such as DIR) is not run; each of its commands is still parsed,
@@ -25,10 +27,13 @@ import pytest
 from test_launch import bare_env
 
 REPO = Path(__file__).resolve().parents[1]
-# The guide's pages in reading order: a block may use what an earlier page's blocks made.
+# The guide's pages in reading order: a block may use what an earlier block of its page made.
 GUIDE = [REPO / "README.md", *(REPO / "docs" / f"{page}.md" for page in (
     "training", "distributed", "checkpoints", "serving", "data", "continuous", "models", "results", "performance",
     "scale"))]
+# Pages run in one checkout, in this order: Checkpoints and Serving score and export the
+# MovieLens run that Training trains (runs/movielens).
+TOGETHER = ((REPO / "docs" / "training.md", REPO / "docs" / "checkpoints.md", REPO / "docs" / "serving.md"),)
 MARKER = re.compile(r"<!-- readme-test: not run here: (.+?) -->")
 # What the runnable blocks' trainings are cut to; the README names this variable.
 OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --metrics.tensorboard=false "
@@ -37,10 +42,10 @@ OVERRIDES = ("--train.steps=3 --data.synth_rows=4000 --metrics.progress=false --
 LEFT_OUT = {"make test": "the test suite itself"}
 
 
-def blocks() -> list[tuple[str, str, str | None]]:
-    """(page:line, text, why not run or None) of every ```sh block of the guide."""
+def blocks(pages: tuple[Path, ...] = tuple(GUIDE)) -> list[tuple[str, str, str | None]]:
+    """(page:line, text, why not run or None) of every ```sh block of `pages`."""
     out = []
-    for page in GUIDE:
+    for page in pages:
         lines = page.read_text().splitlines()
         i = 0
         while i < len(lines):
@@ -110,9 +115,19 @@ def listed(option: str, text: str) -> bool:
     return re.search(rf"^ *(-\w+ \w+, |-\w+, )?{name}([=, ]|$)|\[{name}[ \]]", text, re.M) is not None
 
 
-@pytest.fixture(scope="module")
+def page_runs() -> list[tuple[Path, ...]]:
+    """The pages with a runnable block, each alone or with those it runs `TOGETHER` with."""
+    runs = []
+    for page in GUIDE:
+        run = next((group for group in TOGETHER if page in group), (page,))
+        if run[0] == page and any(why is None for _, _, why in blocks(run)):
+            runs.append(run)
+    return runs
+
+
+@pytest.fixture
 def checkout(tmp_path_factory) -> Path:
-    """A scratch checkout: every tracked top-level entry and .venv linked to this one, and
+    """A new scratch checkout: every tracked top-level entry and .venv linked to this one, and
     ../shared beside it, so that relative paths resolve as they do here."""
     # The guide's `make train` runs `make setup` in the scratch checkout, whose .venv is this
     # one: with a stale stamp it would reinstall this package from the scratch folder, and
@@ -158,9 +173,10 @@ def test_options_of_blocks_not_run_exist():
 
 
 @pytest.mark.slow
-def test_runnable_blocks_run_verbatim(checkout):
+@pytest.mark.parametrize("pages", page_runs(), ids=lambda pages: "+".join(p.stem for p in pages))
+def test_runnable_blocks_run_verbatim(pages, checkout):
     env = {**bare_env(), "RANKMIX_OVERRIDES": OVERRIDES}
-    for line, text, why in blocks():
+    for line, text, why in blocks(pages):
         if why is not None:
             continue
         script = "\n".join(row for row in text.splitlines()
