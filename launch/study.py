@@ -34,7 +34,10 @@ PROTOCOL = ("data.valid_fraction=0.1", "train.early_stopping_patience=2", "train
             "metrics.progress=false", "metrics.tensorboard=false", "checkpoint.enabled=false")
 """The study's --set entries before the user's: the early-stopping protocol, quiet runs."""
 METRICS = ("auc", "uauc", "logloss", "ne", "calibration", "best/epochs")
-"""Summary keys the table reports, mean ± sample std over seeds."""
+"""Summary keys the table reports, mean ± sample std over seeds: the model as trained (a
+train.calibrate run's uncalibrated/* figures)."""
+CALIBRATED = ("logloss", "ne", "calibration")
+"""Summary keys reported again after train.calibrate's map, for the runs that fitted one."""
 
 
 @dataclass
@@ -46,11 +49,20 @@ class Row:
     runs: dict[int, dict]
     """Seed -> the run's summary.json (with dense_params and flops_per_sample)."""
 
-    def values(self, key: str) -> np.ndarray:
-        return np.array([self.runs[s].get(key, np.nan) for s in sorted(self.runs)], dtype=float)
+    @property
+    def calibrated(self) -> bool:
+        """Whether its runs fitted a map (train.calibrate): their plain metrics are after it."""
+        return all("uncalibrated/auc" in run for run in self.runs.values())
 
-    def mean_std(self, key: str) -> tuple[float, float]:
-        v = self.values(key)
+    def values(self, key: str, calibrated: bool = False) -> np.ndarray:
+        """`key` by seed: a metric of the model as trained (a train.calibrate run's
+        uncalibrated/* figure), or after its calibration map when `calibrated`."""
+        names = (key,) if calibrated else (f"uncalibrated/{key}", key)
+        return np.array([next((run[n] for n in names if n in run), np.nan)
+                         for run in (self.runs[s] for s in sorted(self.runs))], dtype=float)
+
+    def mean_std(self, key: str, calibrated: bool = False) -> tuple[float, float]:
+        v = self.values(key, calibrated)
         return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
@@ -75,7 +87,8 @@ def paired(row: Row, other: Row) -> Paired:
     seeds = sorted(set(row.runs) & set(other.runs))
     if not seeds:
         raise ValueError(f"{row.tower} [{row.point}] and {other.tower} [{other.point}] share no seed")
-    diffs = np.array([row.runs[s]["auc"] - other.runs[s]["auc"] for s in seeds])
+    mine, theirs = (dict(zip(sorted(r.runs), r.values("auc"))) for r in (row, other))
+    diffs = np.array([mine[s] - theirs[s] for s in seeds])
     std = float(diffs.std(ddof=1)) if len(diffs) > 1 else 0.0
     return Paired(f"{other.tower} [{other.point}]", float(diffs.mean()), std)
 
@@ -103,6 +116,9 @@ def table(rows: list[Row], baseline: Row | None, reference: Row | None) -> list[
                   "params": int(r.values("dense_params")[0]), "flops": int(r.values("flops_per_sample")[0])}
         for key in METRICS:
             record[key], record[f"{key}_std"] = r.mean_std(key)
+        for key in CALIBRATED:
+            record[f"calibrated/{key}"], record[f"calibrated/{key}_std"] = \
+                r.mean_std(key, calibrated=True) if r.calibrated else (np.nan, np.nan)
         for name, other in (("baseline", baseline), ("reference", reference)):
             diff = paired(r, other) if other is not None and other is not r else None
             record[f"vs_{name}"] = "" if diff is None else diff.against
@@ -124,18 +140,21 @@ def markdown(records: list[dict], baseline: Row | None, reference: Row | None) -
         return f"{r[f'vs_{name}_mean']:+.4f} ± {r[f'vs_{name}_std']:.4f} ({r[f'vs_{name}_verdict']})"
 
     head = ["tower", "point", "dense params", "FLOPs/sample", "test AUC", "test UAUC", "logloss", "NE",
-            "calibration", "epochs to best",
+            "calibration", "NE, calibrated", "calibration, calibrated", "epochs to best",
             f"AUC - better baseline ({baseline.tower} [{baseline.point}])" if baseline else "AUC - better baseline",
             f"AUC - {reference.tower} [{reference.point}]" if reference else "AUC - reference"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         cells = [r["tower"], r["point"], f"{r['params']:,}", f"{r['flops']:,}", pm(r, "auc"), pm(r, "uauc"),
-                 pm(r, "logloss"), pm(r, "ne"), pm(r, "calibration"), pm(r, "best/epochs", 1),
+                 pm(r, "logloss"), pm(r, "ne"), pm(r, "calibration"),
+                 *(pm(r, f"calibrated/{k}") if r[f"calibrated/{k}"] == r[f"calibrated/{k}"] else "-"
+                   for k in ("ne", "calibration")), pm(r, "best/epochs", 1),
                  diff(r, "baseline"), diff(r, "reference")]
         lines.append("| " + " | ".join(cells) + " |")
     seeds = max((r["seeds"] for r in records), default=0)
     lines.append(f"\nMean ± sample standard deviation over {seeds} seed(s); a paired difference is ahead "
-                 "or behind when its mean exceeds its standard deviation, else level.")
+                 "or behind when its mean exceeds its standard deviation, else level. Logloss, NE and "
+                 "calibration are the model's as trained; 'calibrated' after train.calibrate's map, where fitted.")
     return "\n".join(lines)
 
 

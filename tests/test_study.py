@@ -36,7 +36,7 @@ def test_paired_difference_is_seed_by_seed():
 def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--tower", "mlp", "--tower", "logreg",
-            "--seeds", "2", "--baseline", "mlp",
+            "--tower-set", "rankmixer:train.calibrate=platt", "--seeds", "2", "--baseline", "mlp",
             "--baseline", "logreg", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.synth_rows=3000",
             "--set", "train.steps=4", "--set", "metrics.valid_every=2"]
     assert study(argv) == 0
@@ -47,14 +47,21 @@ def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(t
     runs = {(r["tower"], r["point"]): [json.loads((out / r["tower"] / folder / f"seed-{s}" / "summary.json")
                                                   .read_text()) for s in (0, 1)]
             for r, folder in zip(records, ("base", "base", "base"))}
-    auc = {k: np.array([s["auc"] for s in v]) for k, v in runs.items()}
+    # the model as trained: a calibrated run's uncalibrated/* figures
+    auc = {k: np.array([s.get("uncalibrated/auc", s["auc"]) for s in v]) for k, v in runs.items()}
     better = max([("mlp", "-"), ("logreg", "-")], key=lambda k: auc[k].mean())
     reference = ("rankmixer", "-")
     for r in records:
         key = (r["tower"], r["point"])
         assert float(r["auc"]) == pytest.approx(auc[key].mean())
         assert float(r["auc_std"]) == pytest.approx(auc[key].std(ddof=1))
-        assert float(r["calibration"]) == pytest.approx(np.mean([s["calibration"] for s in runs[key]]))
+        before = np.mean([s.get("uncalibrated/calibration", s["calibration"]) for s in runs[key]])
+        assert float(r["calibration"]) == pytest.approx(before)
+        if r["tower"] == "rankmixer":
+            assert float(r["calibrated/calibration"]) == pytest.approx(np.mean([s["calibration"] for s in runs[key]]))
+            assert float(r["calibrated/ne"]) == pytest.approx(np.mean([s["ne"] for s in runs[key]]))
+        else:
+            assert np.isnan(float(r["calibrated/calibration"]))
         assert float(r["best/epochs"]) == pytest.approx(np.mean([s["best/epochs"] for s in runs[key]]))
         for name, other in (("baseline", better), ("reference", reference)):
             if key == other:
