@@ -75,6 +75,7 @@ MODULES = {
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
                                                   "tests/test_encode_reference.py")),
     "metrics": Target("trainer/metrics.py", ("tests/test_metrics.py", "tests/test_metrics_reference.py")),
+    "calibration": Target("trainer/calibration.py", ("tests/test_calibration.py",), ("fit_affine",)),
     "tokenizer": Target("dense/tokenizer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
                                                "tests/test_tokenizer_reference.py")),
     "rankmixer": Target("dense/rankmixer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
@@ -104,7 +105,15 @@ _BIAS_INIT = "only bias_init='zero' is acted on; any other default draws uniform
 _INFER = "gates() takes every router name but 'train' for the inference router"
 _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list or table of the config "
                  "holds plain strings (their items are Literals or ints)")
+_NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',
+     _NEWTON),
+    ("trainer.calibration.x_fit_affine", "step = np.linalg.solve(hess - 1e-12 * np.eye(len(theta)), grad)", _NEWTON),
+    ("trainer.calibration.x_fit_affine", "step = np.linalg.solve(hess + 1.000000000001 * np.eye(len(theta)), grad)",
+     _NEWTON),
+    ("trainer.calibration.x_fit_affine", "if np.abs(step).max() <= 1e-12:",
+     "a step of exactly 1e-12 is as converged either way"),
     ("trainer.data.ids.x__hash", "reduce: bool = False) -> np.ndarray:",
      "every caller passes `reduce`: the default is never used"),
     ("trainer.data.ids.x__hash", 'return HASHINGS["managed"].numpy(values, None)',

@@ -56,6 +56,26 @@ def test_fit_matches_maximum_likelihood_on_the_raw_logits(kind, seed):
     assert p.sum() / y.sum() == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["platt", "bias"])
+def test_logits_at_the_bin_centres_fit_exactly(kind):
+    # Where every logit sits on its bin's centre the histogram loses nothing: the fit must
+    # be the raw-logit fit to the optimiser's precision (a half-bin offset is 3e-5 off).
+    rng = np.random.default_rng(2)
+    width = 2 * LOGIT_RANGE / LIFETIME_BINS
+    z = -LOGIT_RANGE + (rng.integers(LIFETIME_BINS // 2 - 80_000, LIFETIME_BINS // 2 + 80_000, 20_000) + 0.5) * width
+    y = rng.random(len(z)) < 1 / (1 + np.exp(-(1.7 * z + 0.5)))
+    a, b = fit_affine(*histogram(z, y), kind)
+    ref_a, ref_b = reference_fit(z, y, slope=kind == "platt")
+    assert a == pytest.approx(ref_a, abs=1e-7) and b == pytest.approx(ref_b, abs=1e-7)
+
+
+def test_one_negative_is_enough_to_fit_a_bias():
+    z = np.array([0.0] * 9 + [0.0])
+    y = np.array([True] * 9 + [False])
+    a, b = fit_affine(*histogram(z, y), "bias")
+    assert a == 1.0 and b == pytest.approx(np.log(9), abs=1e-4)  # sigmoid(b) = 9/10, the rate
+
+
 def test_nothing_to_fit_without_both_classes():
     neg = np.zeros(LIFETIME_BINS)
     neg[10] = 5
