@@ -114,6 +114,9 @@ def table(rows: list[Row], baseline: Row | None, reference: Row | None) -> list[
     for r in rows:
         record = {"tower": r.tower, "point": r.point, "seeds": len(r.runs),
                   "params": int(r.values("dense_params")[0]), "flops": int(r.values("flops_per_sample")[0])}
+        # A sparse MoE serves with its active experts only: its measured inference cost.
+        served = r.values("moe/inference_flops_per_sample")
+        record["inference_flops"] = record["flops"] if np.isnan(served).all() else int(np.nanmean(served))
         for key in METRICS:
             record[key], record[f"{key}_std"] = r.mean_std(key)
         for key in CALIBRATED:
@@ -139,14 +142,14 @@ def markdown(records: list[dict], baseline: Row | None, reference: Row | None) -
             return "-"
         return f"{r[f'vs_{name}_mean']:+.4f} ± {r[f'vs_{name}_std']:.4f} ({r[f'vs_{name}_verdict']})"
 
-    head = ["tower", "point", "dense params", "FLOPs/sample", "test AUC", "test UAUC", "logloss", "NE",
-            "calibration", "NE, calibrated", "calibration, calibrated", "epochs to best",
+    head = ["tower", "point", "dense params", "FLOPs/sample (training)", "FLOPs/sample (inference)", "test AUC",
+            "test UAUC", "logloss", "NE", "calibration", "NE, calibrated", "calibration, calibrated", "epochs to best",
             f"AUC - better baseline ({baseline.tower} [{baseline.point}])" if baseline else "AUC - better baseline",
             f"AUC - {reference.tower} [{reference.point}]" if reference else "AUC - reference"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
-        cells = [r["tower"], r["point"], f"{r['params']:,}", f"{r['flops']:,}", pm(r, "auc"), pm(r, "uauc"),
-                 pm(r, "logloss"), pm(r, "ne"), pm(r, "calibration"),
+        cells = [r["tower"], r["point"], f"{r['params']:,}", f"{r['flops']:,}", f"{r['inference_flops']:,}",
+                 pm(r, "auc"), pm(r, "uauc"), pm(r, "logloss"), pm(r, "ne"), pm(r, "calibration"),
                  *(pm(r, f"calibrated/{k}") if r[f"calibrated/{k}"] == r[f"calibrated/{k}"] else "-"
                    for k in ("ne", "calibration")), pm(r, "best/epochs", 1),
                  diff(r, "baseline"), diff(r, "reference")]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.study import PROTOCOL, Paired, Row, paired, study
+from launch.study import PROTOCOL, Paired, Row, better_baseline, paired, study, table
 from tests import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,22 @@ def test_paired_difference_is_seed_by_seed():
     assert diff.verdict == "ahead" and diff.against == "dcnv2 [-]"
     with pytest.raises(ValueError, match=r"rankmixer \[-\] and mlp \[-\] share no seed"):
         paired(a, Row("mlp", "-", {5: {"auc": 0.7}}))
+
+
+def test_a_sparse_moe_row_reports_its_measured_inference_cost():
+    def run(auc, **extra):
+        return {"auc": auc, "uauc": auc, "logloss": 0.5, "ne": 0.9, "calibration": 1.0, "best/epochs": 2.0,
+                "dense_params": 10, "flops_per_sample": 400, **extra}
+    moe = Row("rankmixer_moe", "-", {0: run(0.72, **{"moe/inference_flops_per_sample": 90.0}),
+                                     1: run(0.74, **{"moe/inference_flops_per_sample": 110.0})})
+    dense, mlp, dcn = (Row(t, "-", {0: run(a), 1: run(a + 0.01)}) for t, a in
+                       (("rankmixer", 0.71), ("mlp", 0.70), ("dcnv2", 0.715)))
+    rows = [dense, moe, mlp, dcn]
+    assert better_baseline(rows, ["mlp", "dcnv2"]) is dcn
+    records = table(rows, dcn, dense)
+    assert [r["inference_flops"] for r in records] == [400, 100, 400, 400]
+    assert records[1]["vs_reference_mean"] == pytest.approx(0.02) and records[1]["vs_reference_verdict"] == "ahead"
+    assert records[0]["vs_reference"] == "" and records[3]["vs_baseline"] == ""
 
 
 def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys):
@@ -63,6 +79,7 @@ def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(t
         else:
             assert np.isnan(float(r["calibrated/calibration"]))
         assert float(r["best/epochs"]) == pytest.approx(np.mean([s["best/epochs"] for s in runs[key]]))
+        assert int(r["inference_flops"]) == int(r["flops"]) == runs[key][0]["flops_per_sample"]  # no MoE here
         for name, other in (("baseline", better), ("reference", reference)):
             if key == other:
                 assert r[f"vs_{name}"] == ""
