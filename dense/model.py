@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 class TaskHeads(nn.Module):
     """One head per task: [B, in] -> logits [B, K]; linear, or a small MLP when hidden > 0.
-    `calibration` [2, K] maps each task's logit z to a z + b: the identity until
-    trainer/calibration.py fits it on the validation split (train.calibrate)."""
+    `calibration_a`, `calibration_b` [K] map each task's logit z to a z + b: the identity until
+    trainer/calibration.py fits them on the validation split (train.calibrate)."""
 
     def __init__(self, in_dim: int, num_tasks: int, hidden: int = 0):
         super().__init__()
@@ -29,11 +29,14 @@ class TaskHeads(nn.Module):
                 for _ in range(num_tasks))
         else:  # K linear heads are one [in, K] matrix
             self.heads = nn.ModuleList([nn.Linear(in_dim, num_tasks)])
-        # A buffer, not a parameter: fitted once after training, never by the optimizer.
-        self.register_buffer("calibration", torch.stack([torch.ones(num_tasks), torch.zeros(num_tasks)]))
+        # Buffers, not parameters: fitted once after training, never by the optimizer. Two 1-D
+        # buffers rather than rows of one: indexing a CUDA tensor by row is not traceable on
+        # a CPU build (tests/test_fake_cuda.py).
+        self.register_buffer("calibration_a", torch.ones(num_tasks))
+        self.register_buffer("calibration_b", torch.zeros(num_tasks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([h(x) for h in self.heads], dim=1) * self.calibration[0] + self.calibration[1]
+        return torch.cat([h(x) for h in self.heads], dim=1) * self.calibration_a + self.calibration_b
 
     def cost(self) -> tuple[int, int]:
         """(parameters, forward matmul FLOPs per sample)."""

@@ -101,7 +101,8 @@ def test_a_run_fits_on_the_validation_split_and_keeps_the_map_with_the_best_weig
     fitted = [[summary[f"{t}/calibration_{ab}"] for t in ("click", "like")] for ab in "ab"]
     assert "calibrated on the validation split: click" in proc.stdout
     best = checkpoint.model_tensors(run / "best")
-    assert torch.allclose(best["heads.calibration"].double(), torch.tensor(fitted, dtype=torch.float64))
+    saved = torch.stack([best["heads.calibration_a"], best["heads.calibration_b"]]).double()
+    assert torch.allclose(saved, torch.tensor(fitted, dtype=torch.float64))
     assert (run / "best").resolve().name == f"best.step-{summary['best/step']}.calibrated"
 
 

@@ -6,7 +6,7 @@ each task's logit, fitted after training by maximum likelihood on the validation
 `bias` fits b in sigmoid(z + b), `platt` fits a and b in sigmoid(a z + b) (Platt scaling;
 a is an inverse temperature). Either makes the mean prediction equal the validation click
 rate (the likelihood's gradient in b is sum(p) - positives), and with a > 0 neither changes
-an AUC. The map lives in the heads (dense/model.py TaskHeads.calibration), so checkpoints,
+an AUC. The map lives in the heads (dense/model.py TaskHeads.calibration_a, _b), so checkpoints,
 scoring and serving artifacts carry it.
 
 The fit reads the validation split's logit histogram (trainer/streaming_metrics.py: 2^20
@@ -56,9 +56,10 @@ def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[
     """Fit each task's (a, b) on its `histogram` [K, 2, bins] (negatives, positives per logit
     bin, logits taken uncalibrated) and set them in the model's TaskHeads; returns them."""
     heads = next(m for m in model.modules() if isinstance(m, TaskHeads))
-    assert torch.equal(heads.calibration, torch.stack([torch.ones_like(heads.calibration[0]),
-                                                       torch.zeros_like(heads.calibration[1])])), \
+    assert bool((heads.calibration_a == 1).all() and (heads.calibration_b == 0).all()), \
         "the histogram's logits must be the uncalibrated ones"
     fitted = [fit_affine(task[0], task[1], kind) for task in histogram]
-    heads.calibration.copy_(torch.tensor(fitted, dtype=heads.calibration.dtype).T)
+    a, b = torch.tensor(fitted, dtype=heads.calibration_a.dtype).T
+    heads.calibration_a.copy_(a)
+    heads.calibration_b.copy_(b)
     return fitted
