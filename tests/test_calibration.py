@@ -104,6 +104,13 @@ def test_a_run_fits_on_the_validation_split_and_keeps_the_map_with_the_best_weig
     saved = torch.stack([best["heads.calibration_a"], best["heads.calibration_b"]]).double()
     assert torch.allclose(saved, torch.tensor(fitted, dtype=torch.float64))
     assert (run / "best").resolve().name == f"best.step-{summary['best/step']}.calibrated"
+    # Weights from a calibrated run bring its map along; a new fit starts again from the raw logits.
+    again = tmp_path / "again"
+    proc = rankmix(*common, f"--data.valid_path={test_split}", "--train.calibrate=bias", f"--train.run_dir={again}",
+                   f"--checkpoint.load_path={run / 'best'}", "--checkpoint.load_mode=weights", "--train.steps=1")
+    assert proc.returncode == 0, proc.stderr
+    refit = json.loads((again / "summary.json").read_text())
+    assert refit["click/calibration"] == pytest.approx(1.0, abs=1e-3) and refit["click/calibration_a"] == 1.0
 
 
 def test_calibrate_needs_a_validation_split(tmp_path):

@@ -52,6 +52,14 @@ def fit_affine(neg: np.ndarray, pos: np.ndarray, kind: str) -> tuple[float, floa
     return (float(theta[0]), float(theta[1])) if kind == "platt" else (1.0, float(theta[0]))
 
 
+def reset_heads(model: nn.Module) -> None:
+    """Put the model's TaskHeads map back to the identity (weights loaded from a calibrated
+    run carry its map; a new fit starts from the raw logits)."""
+    heads = next(m for m in model.modules() if isinstance(m, TaskHeads))
+    heads.calibration_a.fill_(1.0)
+    heads.calibration_b.fill_(0.0)
+
+
 def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[tuple[float, float]]:
     """Fit each task's (a, b) on its `histogram` [K, 2, bins] (negatives, positives per logit
     bin, logits taken uncalibrated) and set them in the model's TaskHeads; returns them."""

@@ -42,7 +42,7 @@ from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags, StopSignal
 from trainer.run_folder import RunLock
-from trainer.calibration import calibrate_heads
+from trainer.calibration import calibrate_heads, reset_heads
 from trainer.evaluation import Evaluator
 from trainer.selection import ModelSelection
 from trainer.serving.publish import Publisher
@@ -573,6 +573,7 @@ class Trainer:
         kind = self.cfg.train.calibrate
         if kind == "none" or not self.valid_split:
             return {}
+        reset_heads(self.model)  # the raw logits, whatever map the initial weights brought
         before = self._metrics_on(self.eval_path)
         path, split = self.valid_split
         self._metrics_on(path, **split)  # its histogram: the logits before any map
