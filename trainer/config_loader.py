@@ -1,5 +1,5 @@
 """Loading, overriding, checking and writing the config tree of `trainer/config.py`:
-defaults < TOML file < `--section.key=value` overrides.
+defaults < model.recipe's defaults < TOML file < `--section.key=value` overrides.
 
 Every field carries a one-line docstring (the string literal after it); `rankmix train
 --help` prints them (`describe`). Unknown keys and wrong types are `ValueError`s naming
@@ -38,7 +38,8 @@ from trainer.files import write_atomic
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 allow_redacted: bool = False) -> Config:
-    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides.
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides; the
+    recipe's defaults fill the keys neither gives (`apply_recipe`).
 
     A value whose URI credentials were redacted (a run's config.toml) is a ValueError that
     says which key to give again, unless an override replaces it; `allow_redacted` keeps
