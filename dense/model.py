@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 class TaskHeads(nn.Module):
     """One head per task: [B, in] -> logits [B, K]; linear, or a small MLP when hidden > 0.
-    `calibration_a`, `calibration_b` [K] map each task's logit z to a z + b: the identity until
-    trainer/calibration.py fits them on the validation split (train.calibrate)."""
+    In eval mode (evaluation, scoring, exports) `calibration_a`, `calibration_b` [K] map each
+    task's logit z to a z + b: the identity until trainer/calibration.py fits them on the
+    validation split (train.calibrate). Training sees the raw logits."""
 
     def __init__(self, in_dim: int, num_tasks: int, hidden: int = 0):
         super().__init__()
@@ -36,7 +37,10 @@ class TaskHeads(nn.Module):
         self.register_buffer("calibration_b", torch.zeros(num_tasks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([h(x) for h in self.heads], dim=1) * self.calibration_a + self.calibration_b
+        logits = torch.cat([h(x) for h in self.heads], dim=1)
+        # A post-hoc map of the served predictions: kept off the train step, and out of the
+        # gradients of a run that warm-starts from calibrated weights.
+        return logits if self.training else logits * self.calibration_a + self.calibration_b
 
     def cost(self) -> tuple[int, int]:
         """(parameters, forward matmul FLOPs per sample)."""

@@ -52,10 +52,15 @@ def fit_affine(neg: np.ndarray, pos: np.ndarray, kind: str) -> tuple[float, floa
     return (float(theta[0]), float(theta[1])) if kind == "platt" else (1.0, float(theta[0]))
 
 
+def task_heads(model: nn.Module) -> TaskHeads:
+    """The model's TaskHeads, under whatever wrappers (DistributedModelParallel, DDP) hold it."""
+    return next(m for m in model.modules() if isinstance(m, TaskHeads))
+
+
 def reset_heads(model: nn.Module) -> None:
     """Put the model's TaskHeads map back to the identity (weights loaded from a calibrated
     run carry its map; a new fit starts from the raw logits)."""
-    heads = next(m for m in model.modules() if isinstance(m, TaskHeads))
+    heads = task_heads(model)
     heads.calibration_a.fill_(1.0)
     heads.calibration_b.fill_(0.0)
 
@@ -63,7 +68,7 @@ def reset_heads(model: nn.Module) -> None:
 def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[tuple[float, float]]:
     """Fit each task's (a, b) on its `histogram` [K, 2, bins] (negatives, positives per logit
     bin, logits taken uncalibrated) and set them in the model's TaskHeads; returns them."""
-    heads = next(m for m in model.modules() if isinstance(m, TaskHeads))
+    heads = task_heads(model)
     assert bool((heads.calibration_a == 1).all() and (heads.calibration_b == 0).all()), \
         "the histogram's logits must be the uncalibrated ones"
     fitted = [fit_affine(task[0], task[1], kind) for task in histogram]
