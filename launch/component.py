@@ -24,7 +24,7 @@ import torchx.specs as specs
 from torchx.components.dist import ddp
 
 from launch.cli import config_args
-from trainer.credentials import has_credentials, is_secret_name, redact_uri
+from trainer.credentials import has_credentials, is_secret_name, redact_uri, secret_kind
 
 # Host memory per rank by default: a CPU rank holds its tables and the tower; a GPU rank's
 # host side holds the reader's prefetched and pinned batches, and DCP's staged copy of its
@@ -45,6 +45,7 @@ def train(
     name: str = "rankmix",
     max_retries: int = 0,
     env: Optional[Dict[str, str]] = None,
+    allow_env: Optional[List[str]] = None,
     rdzv_port: int = 29500,
     mounts: Optional[List[str]] = None,
     data_on_every_node: bool = False,
@@ -64,6 +65,7 @@ def train(
         name: job name
         max_retries: times the scheduler restarts a failed job
         env: extra environment variables (no secrets: the job spec shows them; see check_env)
+        allow_env: names of env variables refused as secrets that are none (NAME,NAME2): they go into the job spec as given
         rdzv_port: c10d rendezvous port on the first host
         mounts: volumes for every host, as torchx's ddp takes them (type=bind,src=/shared,dst=/shared or type=volume,src=PVC,dst=/shared); with nnodes > 1, --data.cache_dir must be on a writable one
         data_on_every_node: with nnodes > 1, the data is already on every host (a node-local copy, or an object store), so --data.cache_dir needs no shared volume
@@ -72,7 +74,7 @@ def train(
         if has_credentials(option):
             raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
                              "spec; give them to the job as AWS_* environment variables or a secret")
-    check_env(env or {})
+    check_env(env or {}, allow_env or [])
     options = dict(o.split("=", 1) for o in config_args(list(overrides), environment=False)[1] if "=" in o)
     device = check_device(options.get("--train.device"), gpu, nproc_per_node)
     if nnodes > 1 and not data_on_every_node:
@@ -114,11 +116,17 @@ def check_shared_cache(cache_dir: Optional[str], mounts: List[str]) -> None:
                          "where the data is already on every node")
 
 
-def check_env(env: Dict[str, str]) -> None:
-    """ValueError for a secret in `env`: Slurm's `srun --export` line and the Kubernetes pod
-    spec show env in plain text to whoever can read the job."""
+def check_env(env: Dict[str, str], allow: List[str] = ()) -> None:
+    """ValueError for a secret in `env`, by its name or its value (trainer.credentials), unless
+    `allow` names it: Slurm's `srun --export` line and the Kubernetes pod spec show env in
+    plain text to whoever can read the job. The message never shows the value."""
     for name, value in env.items():
-        if is_secret_name(name) or has_credentials(value):
+        if name in allow:
+            continue
+        kind = secret_kind(value)
+        if kind or is_secret_name(name):
+            what = f"its value looks like {kind}" if kind else "its name says so"
             raise ValueError(f"env {name}: a secret in env would be written into the job spec; give it through "
                              "the scheduler's secret mechanisms instead: a Kubernetes Secret, a Slurm environment "
-                             "file (exported in the shell that submits), or an instance role")
+                             f"file (exported in the shell that submits), or an instance role ({what}; if it is "
+                             f"no secret, pass --allow_env {name})")

@@ -135,7 +135,7 @@ def test_strict_raises_naming_file_and_line(tmp_path):
     src = _bad_file(tmp_path, "bad.tsv", wrong_count=None, non_hex=5)
     with pytest.raises(ValueError, match=r"bad\.tsv, line 5: .*C5"):
         convert_criteo([str(src)], str(tmp_path / "out"), strict=True)
-    assert not list((tmp_path / "out").glob("_DONE_*"))
+    assert not list((tmp_path / "out" / ".rankmix-done").glob("*.json"))
 
 
 def test_gzip_and_resume(tmp_path):
@@ -154,7 +154,7 @@ def test_gzip_and_resume(tmp_path):
     assert again["rows"] == 200  # the earlier report is reused
     assert part.stat().st_mtime_ns == mtime
     # an interrupted run (tmp part, no marker) is redone from scratch
-    (out / "_DONE_day_0").unlink()
+    (out / ".rankmix-done" / "day_0.json").unlink()
     (out / "day_0-00001.parquet.tmp").write_bytes(b"partial")
     redo = convert_criteo([str(gz)], str(out))
     assert redo["skipped_files"] == 0 and not list(out.glob("*.tmp"))

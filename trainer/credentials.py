@@ -1,4 +1,5 @@
-"""Credentials in URIs: the one redaction used wherever config values are written or shown.
+"""Credentials in URIs: the one redaction used wherever config values are written or shown;
+and what tells a secret in an environment variable, by its name or its value.
 
 Data paths may carry object-store credentials in a URI's user-info
 (`s3://KEY:SECRET@bucket/prefix?...`, pyarrow's only URI form for them). The config keeps
@@ -14,7 +15,9 @@ Standard library only: importable from anywhere (reader, CLI, sweep) without cos
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -32,11 +35,29 @@ SECRET_QUERY_PARAMETERS = ("access_key", "secret_key", "session_token", "account
 its "Unexpected query parameter" error quotes the whole URI)."""
 
 # Environment variables that hold a secret by convention (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-# HF_TOKEN, DB_PASSWORD, WANDB_API_KEY, AZURE_STORAGE_ACCOUNT_KEY), matched on whole `_` words so
-# that TOKENIZERS_PARALLELISM is none; a name ending in _FILE / _PATH / _DIR says where a secret
-# is (AWS_WEB_IDENTITY_TOKEN_FILE), which a job spec may show.
-_SECRET_NAME = re.compile(r"(?:^|_)(?:SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|API_?KEY|PRIVATE_KEY|ACCOUNT_KEY)(?:_|$)")
+# HF_TOKEN, DB_PASSWORD, PGPASSWORD, WANDB_API_KEY, WANDB_KEY, MYSQL_PWD): SECRET, PASSWORD, PASSWD
+# and PASSPHRASE anywhere; TOKEN, API_KEY, PRIVATE_KEY and ACCOUNT_KEY as whole `_` words (TOKEN
+# at the end too), so that TOKENIZERS_PARALLELISM is none; KEY and PWD as the last word only
+# (AWS_ACCESS_KEY_ID is an ID, NCCL_IB_PKEY a partition, PWD a folder). A name ending in _FILE /
+# _PATH / _DIR says where a secret is (AWS_WEB_IDENTITY_TOKEN_FILE), which a job spec may show.
+_SECRET_NAME = re.compile(r"SECRET|PASSWORD|PASSWD|PASSPHRASE|(?:^|_)(?:TOKEN|API_?KEY|PRIVATE_KEY|ACCOUNT_KEY)(?:_|$)"
+                          r"|TOKEN$|_KEY$|^KEY$|_PWD$")
 _REFERENCE_NAME = re.compile(r"_(?:FILE|PATH|DIR)$")
+# Credentials of a known format, wherever they are in a value.
+_KEY_FORMATS = [(re.compile(pattern), what) for pattern, what in (
+    (r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])", "an AWS access key ID"),
+    (r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})", "a GitHub token"),
+    (r"\bxox[abposr]-[A-Za-z0-9-]{10,}", "a Slack token"),
+    (r"\bsk-[A-Za-z0-9_-]{20,}", "an API key (sk-...)"),
+    (r"\bglpat-[A-Za-z0-9_-]{20,}", "a GitLab token"),
+    (r"\bAIza[A-Za-z0-9_-]{35}", "a Google API key"),
+    (r"\bhf_[A-Za-z0-9]{30,}", "a Hugging Face token"),
+    (r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.", "a JSON Web Token"),
+    (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY", "a private key"))]
+# A run of base64 / base64url characters long enough to be a key (a 192-bit one is 32).
+_RANDOM_RUN = re.compile(r"[A-Za-z0-9+/=_-]{32,}")
+# Runs that read as words or numbers: identifiers, paths and model names are mostly made of them.
+_WORDS = re.compile(r"[a-z]{3,}|[A-Z]{4,}|[0-9]{4,}")
 # `scheme://` not preceded by a scheme character (`xs3://` is one scheme, not `s3://`).
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 # Schemes whose host is a bucket name, which never holds a ':' (so `KEY:123/...` is no port).
@@ -121,6 +142,36 @@ def is_secret_name(name: str) -> bool:
     """Whether environment variable `name` holds a secret by convention (see `_SECRET_NAME`)."""
     name = name.upper()
     return bool(_SECRET_NAME.search(name)) and not _REFERENCE_NAME.search(name)
+
+
+def secret_kind(value: str) -> str | None:
+    """What credential `value` looks like (for a message that cannot show it), or None.
+
+    URI credentials; a key of a known format (`_KEY_FORMATS`); or a random-looking string: a
+    run of 32+ base64 characters, not a path (starting with '/'), mixing capitals, small
+    letters and digits, whose Shannon entropy is at least 0.8 x log2(min(length, 64)) bits per
+    character, and less than 55% of it word-like runs (`_WORDS`). That catches about 98% of
+    random keys of 32 to 64 characters (the rest read partly as words, or start with '/' as a
+    path does) and leaves paths, URLs, hosts, numbers, CamelCase and model names alone; hex
+    digests (git commits, sha256) are never taken for keys, nor is anything shorter than 32."""
+    if has_credentials(value):
+        return "credentials in a URI"
+    for pattern, what in _KEY_FORMATS:
+        if pattern.search(value):
+            return what
+    for run in _RANDOM_RUN.findall(value):
+        if not run.startswith("/") and _random_looking(run):
+            return "a random key (a long string of high entropy)"
+    return None
+
+
+def _random_looking(run: str) -> bool:
+    if not (re.search("[A-Z]", run) and re.search("[a-z]", run) and re.search("[0-9]", run)):
+        return False
+    counts = Counter(run).values()
+    entropy = -sum(c / len(run) * math.log2(c / len(run)) for c in counts)
+    words = sum(len(w) for w in _WORDS.findall(run))
+    return entropy >= 0.8 * math.log2(min(len(run), 64)) and words < 0.55 * len(run)
 
 
 def to_environment(options: list[str]) -> tuple[list[str], dict[str, str]]:

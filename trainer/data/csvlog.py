@@ -12,12 +12,15 @@ The machinery shared by the converters (`rankmix data csv`, `rankmix data criteo
   stem (`day_0` of `day_0.gz`), plus a hash of its full path where that stem is another
   input's name or reads as one's part (`a-1` next to `a`). An input keeps the name an
   earlier run gave it, and only files of exactly its own part pattern are ever removed.
-- **Resumable per input**: parts are written as `*.parquet.tmp`, renamed when the whole
-  input is done, then a `_DONE_<name>` marker (the input's path, a digest of the options
-  its output depends on and of its size and mtime, and its report) is written through a
-  temp file. A rerun skips every input whose marker matches and reports it as `skipped`;
-  any other input is converted again, its old parts replaced only once the new ones are
-  complete.
+- **Resumable per input, whatever the crash**: parts are written as `*.parquet.tmp`. Once
+  the whole input is done, its marker `.rankmix-done/<name>.json` (a hidden folder: no
+  input's parts can be read as a marker, no reader of `*.parquet` sees it) is rewritten to
+  hold only the input's path, which says "being replaced" and keeps the name claimed; then
+  the parts are renamed into place, the earlier run's extra parts removed, and only then
+  the marker gets a digest of the options its output depends on and of the input's size
+  and mtime, and its report. Every marker is written through a temp file. A rerun skips
+  every input whose marker holds a matching digest and reports it as `skipped`; any other
+  input (one cut short at any step above included) is converted again, under its name.
 - **Malformed rows are counted, never silently dropped**: a row with the wrong number of
   fields or a value that does not parse is left out of the output and counted; the
   per-file report gives the count, the first offending line number (1-based, physical
@@ -431,7 +434,21 @@ def _not_utf8_rows(on_invalid) -> Iterator[list[UnicodeDecodeError]]:
         sys.unraisablehook = previous
 
 
-_MARKER = "_DONE_"
+_DONE_DIR = ".rankmix-done"
+_LEGACY_MARKER = "_DONE_"  # converters before this one: `<out>/_DONE_<name>`, beside the parts
+
+
+def _marker(out: Path, name: str) -> Path:
+    return out / _DONE_DIR / f"{name}.json"
+
+
+def _markers(out: Path) -> Iterator[tuple[str, Path]]:
+    """(name, marker) of every marker in `out` (never a marker's temporary file)."""
+    folder = out / _DONE_DIR
+    if folder.is_dir():
+        for marker in sorted(folder.iterdir()):
+            if marker.name.endswith(".json"):
+                yield marker.name[: -len(".json")], marker
 
 
 def _digest(src: str, layout, rows_per_file: int, row_group_size: int) -> str:
@@ -444,14 +461,31 @@ def _digest(src: str, layout, rows_per_file: int, row_group_size: int) -> str:
 
 
 def _read_marker(marker: Path) -> dict | None:
-    """A done-marker's contents; None for one of an older converter (no digest), redone."""
+    """A marker's contents: {"path"} while its input's parts are being replaced, with "digest"
+    and "report" once they all are; None for one of an old converter without a path."""
     try:
         done = json.loads(marker.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{marker}: unreadable done-marker ({e}); delete it to convert its input again") from None
-    return done if isinstance(done, dict) and {"path", "digest", "report"} <= done.keys() else None
+    return done if isinstance(done, dict) and isinstance(done.get("path"), str) else None
 
 
+def _adopt_legacy_markers(out: Path) -> None:
+    """An old converter's markers moved into the marker folder, so that their inputs keep their
+    names and stay done. A `_DONE_*` file that is not such a marker is an input's part: data."""
+    for old in out.glob(f"{_LEGACY_MARKER}*"):
+        if old.is_symlink() or not old.is_file() or old.stat().st_size > 1 << 20:
+            continue
+        try:
+            done = json.loads(old.read_bytes())
+        except ValueError:
+            continue
+        if isinstance(done, dict) and isinstance(done.get("path"), str) and {"digest", "report"} <= done.keys():
+            new = _marker(out, old.name[len(_LEGACY_MARKER):])
+            if new.exists():
+                old.unlink()  # superseded by a later run's marker
+            else:
+                os.replace(old, new)
 
 
 def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = False,
@@ -462,9 +496,9 @@ def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = Fa
     if not os.path.isfile(src):
         raise ValueError(f"input not found: {src}")
     path, digest = os.path.abspath(src), _digest(src, layout, rows_per_file, row_group_size)
-    marker = out / f"{_MARKER}{name}"
+    marker = _marker(out, name)
     done = _read_marker(marker) if marker.exists() else None
-    if done and (done["path"], done["digest"]) == (path, digest):  # converted by an earlier run
+    if done and (done["path"], done.get("digest")) == (path, digest):  # converted by an earlier run
         return FileReport(**{**done["report"], "skipped": True})
     for tmp in _parts_of(out, name, ".tmp"):
         tmp.unlink()
@@ -487,8 +521,13 @@ def convert_file(src: str, name: str, out_dir: str, layout, *, strict: bool = Fa
     bad_rows.flush_field_count()  # rows skipped in the last block, after the last batch
     bad_rows.check()
     bad_rows.finish()
+    # A kill between the renames leaves a mix of this run's parts and an earlier run's: the
+    # marker must say "not done" before the first rename (else a rerun with the earlier
+    # options skips the mix), and keep the name claimed (else a rerun among other inputs may
+    # name this one otherwise, and never replace the parts left).
+    marker.parent.mkdir(exist_ok=True)
+    write_atomic(marker, json.dumps({"path": path}))
     report.parts = writer.finish()
-    # the marker last, written whole (its temporary file is hidden: never read as a marker)
     write_atomic(marker, json.dumps({"path": path, "digest": digest, "report": asdict(report)}))
     return report
 
@@ -505,10 +544,10 @@ def _names(srcs: list[str], out: Path) -> list[str]:
     if twice:
         raise ValueError(f"--src gives one file more than once: {twice}")
     earlier = {}
-    for marker in out.glob(f"{_MARKER}*"):
+    for name, marker in _markers(out):
         done = _read_marker(marker)
         if done:
-            earlier[done["path"]] = marker.name[len(_MARKER):]
+            earlier[done["path"]] = name
     claims = {**earlier, **{p: earlier.get(p, _stem(os.path.basename(p))) for p in paths}}
     taken = collections.Counter(claims.values())
     parents = collections.Counter(_part_of(n) for n in claims.values())
@@ -529,8 +568,14 @@ def convert_files(srcs: list[str], out_dir: str, layout, *, workers: int = 1, st
         raise ValueError("no input files")
     if row_group_size <= 0 or rows_per_file < 0 or workers < 1:
         raise ValueError("--row-group-size and --workers must be positive, --rows-per-file >= 0")
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    names = _names(srcs, Path(out_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done_dir = out / _DONE_DIR
+    if done_dir.is_symlink() or done_dir.exists() and not done_dir.is_dir():
+        raise ValueError(f"{done_dir}: a link or a file, not a folder; the converter keeps its done-markers there")
+    done_dir.mkdir(exist_ok=True)
+    _adopt_legacy_markers(out)
+    names = _names(srcs, out)
     job = functools.partial(convert_file, out_dir=out_dir, layout=layout, strict=strict,
                             rows_per_file=rows_per_file, row_group_size=row_group_size, block_size=block_size)
     workers = min(workers, len(srcs))
