@@ -24,7 +24,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import KernelConfig, PlannerError, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 
@@ -54,6 +54,17 @@ class Cluster:
             TrainerConfig(world_size=self.world_size, local_world_size=self.local_world_size,
                           hbm_cap_bytes=self.hbm_bytes, ddr_cap_bytes=self.ddr_bytes),
             kernel_config=KernelConfig(compute_device=self.device))
+
+
+class NoPlanError(ValueError):
+    """TorchRec's planner found no plan for `cluster`: one line naming the batch, which its
+    memory estimate grows with; `details` is the planner's own account (`rankmix plan` prints it)."""
+
+    def __init__(self, details: str, cluster: Cluster):
+        super().__init__(f"TorchRec's planner found no plan for {cluster.world_size} x {cluster.device} with "
+                         f"{cluster.batch_size} rows per rank and step (data.batch_size, or data.global_batch_size "
+                         f"over the ranks): {details.splitlines()[0].strip()} `rankmix plan` shows the details")
+        self.details = details
 
 
 PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, Cluster], ShardingPlan]] = \
@@ -98,8 +109,11 @@ def plan_tables(model: nn.Module, kinds: list[str], cluster: Cluster,
     planner = EmbeddingShardingPlanner(topology=cluster.topology(), batch_size=cluster.batch_size,
                                        constraints=constraints, callbacks=list(callbacks))
     sharders = [EmbeddingBagCollectionSharder()]
-    plan = (planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if dist.is_initialized()
-            else planner.plan(model, sharders))
+    try:
+        plan = (planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if dist.is_initialized()
+                else planner.plan(model, sharders))
+    except PlannerError as e:
+        raise NoPlanError(str(e).strip(), cluster) from None
     _whole_tables_as_table_wise(plan, model, cluster)
     return plan
 

@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ShardingPlan
 
 from dense.model import build_dense
 from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, managed_plans
-from embeddings.sharding import Cluster, build_plan, plan_tables
+from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from trainer.config import Config, EmbeddingsConfig
@@ -115,8 +114,8 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
                     plan = plan_tables(holder, list(cfg.embeddings.sharding_types), cluster, [_keeping(options)])
                 else:  # training's own plan: TorchRec's constructors, which the planner lacks on CPU (row-wise)
                     plan = build_plan(holder, cfg.embeddings, cluster)
-        except PlannerError as e:
-            return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{str(e).strip()}", [], False, plan)
+        except NoPlanError as e:
+            return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{e.details}", [], False, plan)
     memory = _rank_memory(options, world_size, cfg.embeddings)
     if not options:
         for sharding in plan.plan.get("ebc", {}).values():

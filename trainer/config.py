@@ -55,6 +55,11 @@ MANAGED_ID_RANGE = 2 ** 62
 """Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
 that owns its part of that range, and marks an empty slot with INT64_MAX."""
 
+MAX_BATCH_ROWS = 2 ** 31 - 1
+"""The most rows a batch may hold, per rank or over all ranks: FBGEMM's embedding kernels take
+a rank's batch size as a 32-bit integer, so no larger batch can run (2^31 rows are also hundreds
+of GB of input a step). Below it, whether a batch fits in memory is `rankmix plan`'s answer."""
+
 
 @dataclass
 class FeatureSpec:

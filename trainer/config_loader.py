@@ -27,8 +27,8 @@ import tomli_w
 from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
                                  redact_uri, with_placeholders, without_credentials)
 
-from trainer.config import (RECIPES, SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec, managed_tables,
-                            unused_feature_fields, unused_model_fields, unused_run_fields)
+from trainer.config import (MAX_BATCH_ROWS, RECIPES, SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec,
+                            managed_tables, unused_feature_fields, unused_model_fields, unused_run_fields)
 from trainer.files import write_atomic
 
 
@@ -309,6 +309,10 @@ def validate(cfg: Config) -> None:
                        "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops", "metrics.window_batches",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep",
                        "checkpoint.signal_grace_steps", "publish.every_steps")
+    for key in ("data.batch_size", "data.global_batch_size", "data.eval_batch_size"):
+        if _get(cfg, key) > MAX_BATCH_ROWS:
+            raise ValueError(f"{key}={_get(cfg, key)} is more rows than a batch can hold: at most {MAX_BATCH_ROWS} "
+                             "(FBGEMM's embedding kernels count them in 32 bits); `rankmix plan` shows what fits")
     if not math.isfinite(cfg.data.retry_seconds):  # inf (or nan) would retry an outage forever
         raise ValueError(f"data.retry_seconds must be a finite number of seconds, got {cfg.data.retry_seconds}")
     if not 0 <= cfg.model.rankmixer.dropout < 1:

@@ -17,6 +17,7 @@ import posixpath
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -25,10 +26,10 @@ from trainer.hooks import TrainingHooks
 from trainer.model import build_model
 from embeddings.sharding import shard_model
 from trainer import checkpoint
-from trainer.config import Config
+from trainer.config import MAX_BATCH_ROWS, Config
 from trainer.data.encode import RowEncoder
 from trainer.data.batch import Batch
-from trainer.data.reader import resolve_files
+from trainer.data.reader import _reason, resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.state import ModelState, apply_trained_step
 from trainer.streaming_metrics import SplitMetrics
@@ -102,15 +103,18 @@ class Scorer:
 
     def score(self, data: str, out: str, batch_size: int, keep: list[str]) -> dict:
         """Write predictions of every file of `data` into folder `out`; return a summary."""
+        if batch_size > MAX_BATCH_ROWS:
+            raise ValueError(f"--batch-size {batch_size} is more rows than a batch can hold: at most {MAX_BATCH_ROWS}")
         fs, files = resolve_files(data, retry_seconds=self.cfg.data.retry_seconds,
                                   retry_attempts=self.cfg.data.retry_attempts)
         targets = _output_paths(fs, files, out)
-        names = pq.ParquetFile(files[0], filesystem=fs).schema_arrow.names
+        footers = [_open(fs, path).metadata for path in files]  # a bad file is refused before any output
+        names = footers[0].schema.to_arrow_schema().names
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
         user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
         encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user)
         spill = Path(out) if labelled and user else None  # UAUC's rows wait there, in a hidden folder
-        rows = sum(pq.ParquetFile(path, filesystem=fs).metadata.num_rows for path in files) if spill else 0  # buckets
+        rows = sum(footer.num_rows for footer in footers) if spill else 0  # buckets
         scored = 0
         with SplitMetrics(self.tasks, torch.device("cpu"), spill, rows) as metrics:
             for path, target in zip(files, targets):
@@ -125,11 +129,17 @@ class Scorer:
         summary.update(self.model.metrics())
         return summary
 
+    def _scored(self, kept: pa.Table, probs: np.ndarray) -> pa.Table:
+        """The output rows: the kept columns, then one probability column per task."""
+        for k, name in enumerate(self.tasks):
+            kept = kept.append_column(f"pred_{name}", pa.array(probs[:, k]))
+        return kept
+
     @torch.no_grad()
     def _score_file(self, fs, path: str, target: Path, encoder: RowEncoder, batch_size: int, keep: list[str]):
         """Score one file batch by batch, writing `target` through a hidden temporary file
         renamed when complete; yields (logits [B, K], batch)."""
-        parquet = pq.ParquetFile(path, filesystem=fs)
+        parquet = _open(fs, path)
         schema = parquet.schema_arrow
         encoder.check_schema(schema, path)
         kept = _kept_columns(schema.names, keep, encoder, path)
@@ -137,26 +147,41 @@ class Scorer:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         writer = None
         try:
-            for i, record_batch in enumerate(parquet.iter_batches(batch_size, columns=list(
+            for i, record_batch in enumerate(_batches(parquet, path, batch_size, list(
                     dict.fromkeys(encoder.columns + kept)))):
                 table = pa.Table.from_batches([record_batch])
                 logits, probs, batch = self.model.predict(table, encoder, f"{path}, batch {i}")
-                probs = probs.numpy()
-                scored = table.select(kept)
-                for k, name in enumerate(self.tasks):
-                    scored = scored.append_column(f"pred_{name}", pa.array(probs[:, k]))
+                scored = self._scored(table.select(kept), probs.numpy())
                 if writer is None:
                     writer = pq.ParquetWriter(str(tmp), scored.schema)
                 writer.write_table(scored)
                 yield logits, batch
-            if writer is not None:
-                writer.close()
-                writer = None
-                os.replace(tmp, target)
+            if writer is None:  # no rows: still a file, with the columns a scored one has
+                empty = self._scored(schema.empty_table().select(kept), np.empty((0, len(self.tasks)), np.float32))
+                writer = pq.ParquetWriter(str(tmp), empty.schema)
+            writer.close()
+            writer = None
+            os.replace(tmp, target)
         finally:
             if writer is not None:
                 writer.close()
             tmp.unlink(missing_ok=True)
+
+
+def _open(fs, path: str) -> pq.ParquetFile:
+    """`path` as a Parquet file (its footer read); ValueError naming it if it is not one."""
+    try:
+        return pq.ParquetFile(path, filesystem=fs)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"cannot read Parquet file {path}: {_reason(e)}") from None
+
+
+def _batches(parquet: pq.ParquetFile, path: str, batch_size: int, columns: list[str]):
+    """`parquet`'s record batches; a page that cannot be read is a ValueError naming `path`."""
+    try:
+        yield from parquet.iter_batches(batch_size, columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"cannot read Parquet file {path}: {_reason(e)}") from None
 
 
 def _kept_columns(names: list[str], keep: list[str], encoder: RowEncoder, path: str) -> list[str]:

@@ -5,7 +5,10 @@ parsed with pyarrow's hive partitioning. A partition is a folder of Parquet file
 folders; it is complete once it holds `data.success_marker` ("": every partition is complete,
 for writers that publish a partition atomically). Incomplete partitions are never read. Time
 order is the order of the partition values, folder by folder: a key whose values are all
-integers compares as integers, any other as strings (ISO dates sort as dates).
+integers compares as integers, any other as strings (ISO dates sort as dates). Once a run has
+taken up partitions, their keys' kinds are fixed: a new partition whose value of an integer key
+is not one (`hour=late` after `hour=10`), or Hive's partition of nulls, is an error naming it;
+once it is moved away the run goes on.
 
 Reading. `PartitionedReader` reads the partitions one after the other, each through a
 `ParquetReader` of its own (one epoch, shuffled within `shuffle_buffer`), so ranks split every
@@ -28,7 +31,7 @@ from __future__ import annotations
 import logging
 import posixpath
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -55,8 +58,10 @@ class Partition:
     files: tuple[tuple[str, int], ...]  # (path, bytes) of its Parquet files, from the listing
 
 
-def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3) -> list[Partition]:
-    """The complete partitions under `root`, in time order (module docstring)."""
+def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3,
+                    like: Partition | None = None) -> list[Partition]:
+    """The complete partitions under `root`, in time order (module docstring); `like`, the last
+    partition taken up, fixes the keys and their kinds."""
     store, path = _open_store(root, retry_seconds, retry_attempts)
     shown = redact_uri(root)
     infos = store.call(lambda: store.fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)),
@@ -71,30 +76,58 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
             folders.setdefault(folder, {})[info.path] = info.size
     if not folders:
         raise ValueError(f"{shown}: no KEY=VALUE partition folders with Parquet files (data.order=time)")
-    keys = _keys(shown, list(folders))
-    complete = [Partition(name, keys[name], tuple(sorted((p, size) for p, size in files.items()
-                                                       if p.endswith(".parquet"))))
-                for name, files in folders.items()
-                if not marker or posixpath.join(path, name, marker) in files]
-    return sorted(complete, key=lambda p: p.key)
+    _same_keys(shown, list(folders))
+    # Incomplete partitions are never read, so their values decide nothing (yet).
+    complete = {name: files for name, files in folders.items()
+                if not marker or posixpath.join(path, name, marker) in files}
+    keys = _keys(shown, list(complete), like)
+    return sorted((Partition(name, keys[name], tuple(sorted((p, size) for p, size in files.items()
+                                                            if p.endswith(".parquet"))))
+                   for name, files in complete.items()), key=lambda p: p.key)
 
 
 def _is_partition(folder: str) -> bool:
     return folder != "." and all("=" in part.strip("=") for part in folder.split("/"))
 
 
-def _keys(shown: str, folders: list[str]) -> dict[str, tuple]:
-    """Each folder's partition values, parsed by pyarrow's hive partitioning (URL-decoded),
-    integers where every value of a key is one."""
-    names = [part.split("=", 1)[0] for part in folders[0].split("/")]
+def _key_names(folder: str) -> list[str]:
+    return [part.split("=", 1)[0] for part in folder.split("/")]
+
+
+def _same_keys(shown: str, folders: list[str]) -> None:
+    names = _key_names(folders[0])
     for folder in folders:
-        if [part.split("=", 1)[0] for part in folder.split("/")] != names:
+        if _key_names(folder) != names:
             raise ValueError(f"{shown}: partition {folder} does not have the keys {'/'.join(names)} of "
                              f"{folders[0]}: every partition needs the same keys, in the same order")
+
+
+def _keys(shown: str, folders: list[str], like: Partition | None = None) -> dict[str, tuple]:
+    """Each folder's partition values, parsed by pyarrow's hive partitioning (URL-decoded):
+    integers where `like`'s are (a partition already taken up), else where every value of a
+    key is one. A value that cannot take its place in time order is an error naming it."""
+    if not folders:
+        return {}
+    names = _key_names(folders[0])
     hive = ds.partitioning(pa.schema([(n, pa.string()) for n in names]), flavor="hive")
     values = {f: ds.get_partition_keys(hive.parse(f"/{f}/")) for f in folders}
-    numeric = {n: all(_is_int(v[n]) for v in values.values()) for n in names}
-    return {f: tuple(int(v[n]) if numeric[n] else v[n] for n in names) for f, v in values.items()}
+    for f, v in values.items():
+        null = [n for n in names if v[n] is None]
+        if null:
+            raise ValueError(f"{shown}: partition {f}: its {null[0]} is Hive's null value, which has no place in "
+                             "time order; move the folder out of data.train_path")
+    if like is None:
+        numeric = [all(_is_int(v[n]) for v in values.values()) for n in names]
+    else:  # a kind that changed would reorder, or fail to compare with, what was trained
+        _same_keys(shown, [like.name, *folders])
+        numeric = [isinstance(k, int) for k in like.key]
+        for f, v in values.items():
+            bad = [n for n, integer in zip(names, numeric) if integer and not _is_int(v[n])]
+            if bad:
+                raise ValueError(f"{shown}: partition {f}: its {bad[0]} {v[bad[0]]!r} is not an integer, but the "
+                                 f"partitions taken up before it ({like.name}) order {bad[0]} as integers; move "
+                                 "the folder out of data.train_path, and the run goes on after them")
+    return {f: tuple(int(v[n]) if integer else v[n] for n, integer in zip(names, numeric)) for f, v in values.items()}
 
 
 def _is_int(text: str) -> bool:
@@ -133,8 +166,8 @@ class PartitionedReader:
     def refresh(self) -> list[Partition]:
         """Take up the complete partitions after the last known one (collective: rank 0's
         listing); returns them. A new partition that sorts before it is an error."""
-        listed = self._agreed_listing()
         last = self.sequence[-1] if self.sequence else None
+        listed = self._agreed_listing(last)
         new = [p for p in listed if last is None or p.key > last.key]
         known = {p.name for p in self.sequence}
         late = [p for p in listed if last is not None and p.key <= last.key and p.name not in known]
@@ -144,12 +177,12 @@ class PartitionedReader:
         self.sequence += new
         return new
 
-    def _agreed_listing(self) -> list[Partition]:
+    def _agreed_listing(self, like: Partition | None) -> list[Partition]:
         """Rank 0's listing on every rank; its error (a ValueError) raised on every rank."""
         box: list = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                box[0] = list_partitions(self.root, self.marker, *self._retries)
+                box[0] = list_partitions(self.root, self.marker, *self._retries, like=like)
             except ValueError as e:
                 box[0] = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -219,6 +252,11 @@ class PartitionedReader:
         """Continue after the saved partitions: refuse a trained partition whose files changed
         or a new one that sorts before the last trained one; resume inside the saved current one."""
         consumed = tuple(state["consumed"])
+        if consumed:  # the listing's keys take the kinds of the trained ones' (list_partitions)
+            last = consumed[-1]
+            keys = _keys(redact_uri(self.root), [p.name for p in self.sequence],
+                         Partition(last["partition"], tuple(last["key"]), ()))
+            self.sequence = sorted((replace(p, key=keys[p.name]) for p in self.sequence), key=lambda p: p.key)
         listed = {p.name: p for p in self.sequence}
         for c in consumed:
             if c["partition"] in listed:
