@@ -8,6 +8,8 @@ environment, distributed state, signal handlers, exit code and output, without t
 
 `spawn` starts the ranks of an in-process multi-rank test the same way (what
 `torch.multiprocessing.spawn` does, from the preloaded server instead of fresh interpreters).
+Its ranks meet at a `rendezvous_port()`: a store this process holds, as torchrun's agent
+holds one for its ranks, so that no other process can take the port before they bind it.
 
 What a fork cannot show, a test that needs it starts a real interpreter instead: a clean
 interpreter exit (`tests/test_distributed.py`), signals through torchrun
@@ -28,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What the server imports once; the children find it loaded.
 _PRELOAD = ["launch.cli", "trainer.train", "trainer.score", "trainer.serving.predict", "launch.sweep", "launch.plan"]
 _context: multiprocessing.context.ForkServerContext | None = None
+_stores: list = []  # the rendezvous stores this process holds, alive until it exits
 
 
 def _server() -> multiprocessing.context.ForkServerContext:
@@ -38,12 +41,38 @@ def _server() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
+def rendezvous_port() -> int:
+    """The port of a new rendezvous store held by this process, for ranks started by `spawn`
+    or `spawn_fresh` (they set MASTER_PORT to it). The store binds a port it picks itself: a
+    port found free and released can be taken by another process before a rank binds it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _stores.append(store)
+    return store.port
+
+
+def join_held_store(rank: int, fn, *args) -> None:
+    """In a rank: join the store at MASTER_PORT as a client (what torchrun's ranks do with
+    the agent's store, TORCHELASTIC_USE_AGENT_STORE), then `fn(rank, *args)`."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    fn(rank, *args)
+
+
 def spawn(fn, args: tuple, nprocs: int) -> None:
-    """`fn(rank, *args)` in `nprocs` processes forked from the server; raises if one fails."""
+    """`fn(rank, *args)` in `nprocs` processes forked from the server, meeting at the
+    `rendezvous_port()` that `args` carries; raises if one fails."""
     import torch.multiprocessing as mp
 
     _server()  # the preloading forkserver, started before any other use of it
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+    mp.start_processes(join_held_store, args=(fn, *args), nprocs=nprocs, start_method="forkserver")
+
+
+def spawn_fresh(fn, args: tuple, nprocs: int) -> None:
+    """`spawn` in fresh interpreters, for tests of how a process exits."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(join_held_store, args=(fn, *args), nprocs=nprocs)
 
 
 def run_env(**extra: str) -> dict[str, str]:

@@ -44,12 +44,13 @@ class _Handler(moto_server.MotoRequestHandler):
 
 
 class Server:
-    """moto's S3 server on 127.0.0.1:`port`, whose stop() drops every connection."""
+    """moto's S3 server on 127.0.0.1:`port` (0: a port the server binds itself, so that no other
+    process can take it first), whose stop() drops every connection."""
 
-    def __init__(self, port: int):
-        self.port = port
+    def __init__(self, port: int = 0):
         app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
         self.server = make_server("127.0.0.1", port, app, threaded=True, request_handler=_Handler)
+        self.port = self.server.server_port
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -87,7 +88,7 @@ def synthetic_bucket(local: Path, bucket: str, userinfo: str, **rows) -> Iterato
     from trainer.data.synth import write_synthetic
 
     splits = ("train", "valid")
-    server = Server(free_port())
+    server = Server()
     try:
         write_synthetic(local, **rows)
         upload(filesystem(server.port), bucket, {local / s: f"logs/{s}" for s in splits})

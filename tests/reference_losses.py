@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,9 +37,29 @@ def train_args(tower: str, run_dir: Path) -> list[str]:
 
 
 def machine() -> dict:
-    """What decides a run's rounding: torch, its CPU kernels and the thread count."""
+    """What decides a run's rounding: torch, its CPU kernels, the thread count, the processor
+    (an AMD and an Intel CPU of the same capability round differently: MKL dispatches on
+    vendor and model) and the BLAS torch was built with."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": os.environ.get("OMP_NUM_THREADS", "")}
+            "threads": os.environ.get("OMP_NUM_THREADS", ""), "cpu": processor(), "blas": blas()}
+
+
+def processor() -> str:
+    """The CPU's vendor and model name, as /proc/cpuinfo gives them (platform's elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = dict(re.findall(r"^(vendor_id|model name)\s*:\s*(.*)$", info, re.M))
+    return f"{fields.get('vendor_id', '')} {fields.get('model name', '')}".strip()
+
+
+def blas() -> str:
+    """The BLAS torch uses, with its version line where torch's build report has one."""
+    config = torch.__config__.show()
+    name = re.search(r"BLAS_INFO=(\w+)", config)
+    version = re.search(r"Math Kernel Library Version (\S+)", config)
+    return " ".join(m.group(1) for m in (name, version) if m)
 
 
 def losses(run_dir: Path) -> list[list[float]]:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from cli import spawn
+from cli import rendezvous_port, spawn, spawn_fresh
 from embeddings.sharding import local_shards
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
@@ -31,12 +30,6 @@ STEPS = 6
 # fraction of lr, in a direction the rounding picks. A larger eps bounds that amplification
 # so that summation order alone cannot decide a comparison at 1e-5.
 EXTRA = ["--embeddings.eps=1e-3", "--optim.eps=1e-3"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +94,7 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
 
 def train(world: int, overrides: list[str], data: Path, out: Path, steps: int = STEPS) -> dict:
     """Losses, gathered weights and plan of `steps` steps on `world` processes."""
-    spawn(_train_worker, (world, free_port(), overrides, str(data), str(out), steps), world)
+    spawn(_train_worker, (world, rendezvous_port(), overrides, str(data), str(out), steps), world)
     return torch.load(out, weights_only=False)
 
 
@@ -166,8 +159,7 @@ def test_repeated_two_rank_runs_exit_cleanly(tmp_path):
     """The full `rankmix train` path (pipeline, async saves, TensorBoard) three times over on
     2 ranks: every run ends with its threads joined and its collectives finished, and both
     processes exit with status 0 (a rank that aborts at exit fails mp.spawn)."""
-    mp.spawn(_cli_worker, args=(2, [free_port() for _ in range(3)], str(tmp_path), str(tmp_path / "cache")),
-             nprocs=2)
+    spawn_fresh(_cli_worker, (2, [rendezvous_port() for _ in range(3)], str(tmp_path), str(tmp_path / "cache")), 2)
     for i in range(3):
         assert json.loads((tmp_path / str(i) / "summary.json").read_text())["steps"] == 6
 
@@ -200,10 +192,10 @@ def test_a_collective_in_flight_at_exit_aborts_unless_shutdown_waits_for_it(leav
     collective while the interpreter finalizes, needs the GIL, is ended by pthread_exit, and
     the forced unwind through a noexcept frame calls std::terminate. `shutdown()` waits."""
     if leave_cleanly:
-        mp.spawn(_in_flight_worker, args=(free_port(), True), nprocs=2)
+        spawn_fresh(_in_flight_worker, (rendezvous_port(), True), 2)
         return
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
-        mp.spawn(_in_flight_worker, args=(free_port(), False), nprocs=2)
+        spawn_fresh(_in_flight_worker, (rendezvous_port(), False), 2)
 
 
 def test_uneven_files_on_two_ranks_train_every_row_but_a_bounded_few(data_dir, tmp_path):

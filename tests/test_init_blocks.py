@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from cli import spawn
-from object_store import free_port
+from cli import rendezvous_port, spawn
 
 BLOCK_ROWS = 16_384
 # rows not a multiple of the block: row-wise shards at 2 ranks start and end inside blocks
@@ -68,7 +67,7 @@ def _init_worker(rank: int, world: int, port: int, plan: str, out: str) -> None:
 
 @pytest.mark.parametrize("plan", ["row_wise", "column_wise", "table_wise"])
 def test_block_init_gives_the_former_values_on_every_kind_of_shard(plan, tmp_path):
-    spawn(_init_worker, (2, free_port(), plan, str(tmp_path / "shards.pt")), 2)
+    spawn(_init_worker, (2, rendezvous_port(), plan, str(tmp_path / "shards.pt")), 2)
     shards = torch.load(tmp_path / "shards.pt")
     big = TABLES["big"]
     # the shards checked on both ranks cover each table exactly once, cut as the plan says

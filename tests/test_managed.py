@@ -18,9 +18,8 @@ import torch
 from torchrec import JaggedTensor
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, _mch_remap
 
-from cli import rankmix, spawn
+from cli import rankmix, rendezvous_port, spawn
 from embeddings.managed import TrackedMCH, served_tables
-from object_store import free_port
 from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint import model_tensors
 from trainer.config import FeatureSpec
@@ -169,7 +168,7 @@ def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path):
-    spawn(_evict_worker, (free_port(), optimizer, str(tmp_path / "out.pt")), 1)
+    spawn(_evict_worker, (rendezvous_port(), optimizer, str(tmp_path / "out.pt")), 1)
     result = torch.load(tmp_path / "out.pt")
     evicted = torch.zeros(result["weight"].shape[0], dtype=torch.bool)
     evicted[[3, 11]] = True

@@ -3,7 +3,6 @@ per-expert loop, sparse inference against dense inference, its FLOPs, and a trai
 whose activation ratio tracks the budget while the inference router stays alive."""
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from cli import rankmix, spawn
+from cli import rankmix, rendezvous_port, spawn
 from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
@@ -166,10 +165,7 @@ def _lambda_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_adapts_lambda_with_the_activity_averaged_over_ranks(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    spawn(_lambda_worker, (port, str(tmp_path)), 2)
+    spawn(_lambda_worker, (rendezvous_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert ranks[0]["active"] != ranks[1]["active"]
     for layer in range(2):

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from launch.plan import GB, plan_cluster
-from cli import rankmix, spawn
-from test_distributed import free_port
+from cli import rankmix, rendezvous_port, spawn
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
@@ -54,7 +53,7 @@ def _measure(rank: int, port: int, optimizer: str, data_type: str, managed: bool
 @pytest.mark.parametrize("optimizer,data_type,managed", [("adagrad", "fp32", False), ("rowwise_adagrad", "fp32", False),
                                                          ("rowwise_adagrad", "fp16", False), ("adagrad", "fp32", True)])
 def test_estimates_are_within_20_percent_of_the_measured_bytes(optimizer, data_type, managed, tmp_path):
-    spawn(_measure, (free_port(), optimizer, data_type, managed, str(tmp_path)), 2)
+    spawn(_measure, (rendezvous_port(), optimizer, data_type, managed, str(tmp_path)), 2)
     measured = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     tables, optim = (sum(m[k] for m in measured) for k in ("tables", "optimizer"))
     plan = plan_cluster(small_config(optimizer, data_type, managed), 2, "cpu", 0.0, 24.0, 2)

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import spawn
-from test_distributed import free_port
+from cli import rendezvous_port, spawn
 from trainer.config_loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +42,7 @@ def _late_peer(rank: int, port: int, out: str) -> None:
 
 def test_pg_timeout_minutes_bounds_a_collective_wait(tmp_path):
     out = tmp_path / "rank0.json"
-    spawn(_late_peer, (free_port(), str(out)), 2)
+    spawn(_late_peer, (rendezvous_port(), str(out)), 2)
     result = json.loads(out.read_text())
     assert result["outcome"] == "timed out" and result["seconds"] < 15, result  # 3 s, not gloo's 30 min
 
@@ -95,7 +94,7 @@ def _node_worker(rank: int, port: int, root: str, shared: bool) -> None:
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_each_node_builds_its_data_cache(tmp_path, shared):
-    spawn(_node_worker, (free_port(), str(tmp_path), shared), 4)
+    spawn(_node_worker, (rendezvous_port(), str(tmp_path), shared), 4)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(s["found"] == seen[0]["found"] and s["found"] for s in seen), seen
     caches = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())

@@ -15,8 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cli import spawn
-from test_distributed import free_port
+from cli import rendezvous_port, spawn
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import validate_features
 from trainer.data.encode import RowEncoder
@@ -80,7 +79,7 @@ def test_ranks_that_list_different_files_all_stop_with_one_error(tmp_path):
     data.mkdir()
     for i in range(2):
         write(data / f"part-{i}.parquet", seed=i)
-    spawn(_worker, (free_port(), str(data), str(tmp_path)), 2)
+    spawn(_worker, (rendezvous_port(), str(data), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Agreeing ranks: 2 x 100 rows, 100 per rank, 10 batches of 10.
     assert [r["agree"] for r in ranks] == [["read", 10], ["read", 10]]

@@ -10,8 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cli import spawn
-from object_store import free_port
+from cli import rendezvous_port, spawn
 from trainer.dist import reduce_gradients_in_fixed_order
 
 WORLD = 4  # at 2 ranks every order of summation rounds alike: a + b == b + a
@@ -46,7 +45,7 @@ def _gradients_worker(rank: int, port: int, out: str) -> None:
 
 def test_dense_gradients_reduce_bitwise_alike_at_a_ddp_models_first_and_later_steps(tmp_path: Path):
     out = tmp_path / "gradients.pt"
-    spawn(_gradients_worker, (free_port(), str(out)), WORLD)
+    spawn(_gradients_worker, (rendezvous_port(), str(out)), WORLD)
     saved = torch.load(out, weights_only=True)
     first, *later = saved["steps"]
     for step in later:

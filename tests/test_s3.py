@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("moto.server", reason="moto[server] not installed")
-from object_store import Server, filesystem, free_port, query, upload  # noqa: E402
+from object_store import Server, filesystem, query, upload  # noqa: E402
 
 from trainer.config import TaskSpec  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
@@ -25,7 +25,7 @@ from trainer.data.synth import write_synthetic  # noqa: E402
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """(uri of the uploaded train folder, local train folder)."""
-    server = Server(free_port())
+    server = Server()
     try:
         local = tmp_path_factory.mktemp("synth")
         write_synthetic(local, rows=3_000, files=3, row_group_size=250, seed=3, num_users=200, num_items=100)

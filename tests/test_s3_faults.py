@@ -47,8 +47,8 @@ def uri(port: int, key: str = "train") -> str:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """(port, local copy of the uploaded folder, server holder): 3 files of 50-row row groups."""
-    port = free_port()
-    holder = {"server": Server(port)}
+    holder = {"server": Server()}
+    port = holder["server"].port
     local = tmp_path_factory.mktemp("faults")
     start = 0
     for i, n in enumerate([700, 650, 450]):

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from torch import nn
 
-from cli import spawn
+from cli import rendezvous_port, spawn
 from launch.plan import GB, given_cluster, plan_cluster
-from test_distributed import free_port
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.dist import node_memory_bytes
@@ -60,7 +59,7 @@ def _training_side(rank: int, port: int, out: str) -> None:
 
 
 def test_training_and_rankmix_plan_build_the_same_topology_and_plan(tmp_path):
-    spawn(_training_side, (free_port(), str(tmp_path)), 2)
+    spawn(_training_side, (rendezvous_port(), str(tmp_path)), 2)
     trained = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     cfg = debug_config()
     ddr_gb = node_memory_bytes() // 2 / GB  # the node's memory, shared by its two ranks

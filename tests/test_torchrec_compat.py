@@ -18,9 +18,8 @@ import torch
 import torchrec
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, MCHManagedCollisionModule
 
-from cli import spawn
+from cli import rendezvous_port, spawn
 from embeddings.torchrec_compat import PRIVATE_MEMBERS, Private
-from object_store import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("trainer", "dense", "embeddings", "launch")
@@ -82,7 +81,7 @@ def _instances_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_every_private_member_rankmix_relies_on_exists_in_the_installed_torchrec(tmp_path):
-    spawn(_instances_worker, (free_port(), str(tmp_path / "missing.json")), 1)
+    spawn(_instances_worker, (rendezvous_port(), str(tmp_path / "missing.json")), 1)
     assert json.loads((tmp_path / "missing.json").read_text()) == []
 
 

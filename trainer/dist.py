@@ -6,7 +6,6 @@ import ctypes
 import gc
 import math
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,9 +50,13 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_minute
     a world of size 1 on a free local port. Every group waits `timeout_minutes` for a
     collective (NCCL's own 10 minutes can pass during a save to a slow shared filesystem).
     """
+    own_store = None
     if "RANK" not in os.environ:
+        # The store binds a port it picks itself: a port found free, released, then bound by the
+        # group can be taken by another process in between (parallel runs on one host do).
+        own_store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(own_store.port))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     tune_malloc()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -76,15 +79,17 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_minute
         # against each other and run many times slower.
         torch.set_num_threads(max(1, usable_cpus() // local_world))
     if not dist.is_initialized():
-        _start_groups(backend, dev if use_cuda else None, timedelta(minutes=timeout_minutes))
+        rendezvous = {"store": own_store, "rank": 0, "world_size": 1} if own_store else _attempt_store()
+        _start_groups(backend, dev if use_cuda else None, timedelta(minutes=timeout_minutes), rendezvous)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
-def _start_groups(backend: str, device: torch.device | None, timeout: timedelta) -> None:
-    """The default group, and the gloo side group where the default is not gloo already."""
+def _start_groups(backend: str, device: torch.device | None, timeout: timedelta, rendezvous: dict) -> None:
+    """The default group (`rendezvous`: init_process_group's store arguments, empty for the
+    environment's), and the gloo side group where the default is not gloo already."""
     global _side_group, _timeout
     _timeout = timeout
-    dist.init_process_group(backend=backend, device_id=device, timeout=timeout, **_attempt_store())
+    dist.init_process_group(backend=backend, device_id=device, timeout=timeout, **rendezvous)
     # On NCCL, file work and object collectives would queue behind the step's all-to-alls
     # on the GPU; gloo runs them on the host.
     _side_group = gloo_group() if backend != "gloo" else None
@@ -195,12 +200,6 @@ def raise_on_every_rank(error: str | None) -> None:
         error = box[0]
     if error:
         raise ValueError(error)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reduce_gradients_in_fixed_order(model: nn.Module) -> None:
