@@ -41,7 +41,7 @@ from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags, StopSignal
-from trainer.run_folder import RunLock
+from trainer.run_folder import RunLocks
 from trainer.calibration import calibrate_heads, reset_heads
 from trainer.evaluation import Evaluator
 from trainer.selection import ModelSelection
@@ -72,9 +72,13 @@ class Trainer:
                 self.run_lock.release()
             raise
 
-    def _claim_run_folder(self) -> RunLock | None:
-        """Rank 0 takes the run folder's lock (one run per folder); every rank stops when it cannot."""
-        lock, error = (RunLock(self.run_dir), None) if self.env.is_main else (None, None)
+    def _claim_run_folder(self) -> RunLocks | None:
+        """Rank 0 takes the locks of the run folder and of a checkpoint folder configured apart
+        (one run per folder); every rank stops when it cannot."""
+        folders = {self.run_dir: "--train.run_dir"}
+        if self.cfg.checkpoint.folder:
+            folders[Path(self.cfg.checkpoint.folder)] = "--checkpoint.folder"
+        lock, error = (RunLocks(folders), None) if self.env.is_main else (None, None)
         if lock is not None:
             try:
                 lock.acquire()
