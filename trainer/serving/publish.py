@@ -7,7 +7,8 @@ apply`, which builds the next full artifact from a base and a delta.
         tables.pt               every table in fp32 and the managed tables' id maps: the base
                                 that `publish apply` patches (quantized rows cannot be patched exactly)
         delta.pt                the table rows changed since the previous publish, every other
-                                weight (tokenizer, tower, heads) and the managed tables' id maps whole
+                                weight (tokenizer, tower, heads) and the managed tables' id maps whole,
+                                and the digest of its base's tables.pt content (`tables_digest`)
 
 The manifest's `publish` entry holds the name, partition, step, the latest logged metrics, the
 bytes of the tables and of the model file (full), of delta.pt and their ratio, and the seconds
@@ -18,14 +19,21 @@ each lookup reads; the fused sparse optimizer updates no other row. It sees none
 managed tables' lookups (see `track_lookups`), so their rows are compared bit for bit with the
 previous publish's tables.pt. A process's first publish has no delta: the tracker saw none of
 the steps before it (after a resume, those since the last publish).
+
+A delta names its base by content, not only by step: another run's publish of the same step
+has other tables, and patching them would mix two models. `apply` refuses any base whose
+tables.pt content digest differs from the one the delta was made against; an artifact that
+`apply` built has the digest of the publish it reproduces, so deltas chain.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -36,7 +44,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from embeddings.managed import served_tables
 from trainer.checkpoint import model_tensors, save_weights
-from trainer.config import Config
+from trainer.config import ArtifactFormat, Config, ServedTables
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
 from trainer.safe_load import first_line
@@ -46,6 +54,7 @@ from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out
 TABLES_FILE, DELTA_FILE = PUBLISHED
 TABLE = "ebc.embedding_bags."  # a served table's weight: TABLE + name + ".weight"
 ID_MAP = ("keys", "rows", "miss_rows")  # a managed table's id map (embeddings/managed.py `served_tables`)
+DELTA_KEYS = {"base_step", "manifest", "dense", "id_maps", "rows", "values"}  # and base_digest, since issue 38
 
 
 class Publisher:
@@ -55,7 +64,8 @@ class Publisher:
         p = cfg.publish
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
         self.folder = Path(p.folder) if p.folder else run_dir / "publish"
-        self.previous: tuple[str, int] | None = None  # (name, step) of this process's last publish: the delta's base
+        # (name, step, tables_digest) of this process's last publish: the delta's base (the digest on rank 0 only)
+        self.previous: tuple[str, int, str | None] | None = None
         if p.every_steps > 0 or p.every_partition:
             check_widths(cfg, p.tables)
             self.tracker = track_lookups(model)
@@ -76,22 +86,23 @@ class Publisher:
         save_weights(staged, weights, step)
         # Every rank reads the whole weights: under a process group, DCP's load is collective.
         tensors = model_tensors(staged)
-        error = None
+        error, digest = None, None
         if dist.get_rank() == 0:
             try:
-                self._write(name, step, partition, tensors, gathered, time.perf_counter() - started)
+                digest = self._write(name, step, partition, tensors, gathered, time.perf_counter() - started)
             except ValueError as e:
                 error = str(e)
             finally:
                 shutil.rmtree(staged.resolve(), ignore_errors=True)  # the artifact holds the weights now
                 staged.unlink(missing_ok=True)
         raise_on_every_rank(error)
-        self.previous = (name, step)
+        self.previous = (name, step, digest)
         return self.folder / name
 
     def _write(self, name: str, step: int, partition: str | None, tensors: dict[str, torch.Tensor],
-               gathered: list[dict], save_seconds: float) -> None:
-        """Rank 0: the artifact of the model's whole `tensors`, with tables.pt and delta.pt."""
+               gathered: list[dict], save_seconds: float) -> str:
+        """Rank 0: the artifact of the model's whole `tensors`, with tables.pt and delta.pt;
+        returns the digest of its tables.pt content, the next delta's base."""
         tic = time.perf_counter()
         state, id_maps = served_tables(tensors)
         p = self.cfg.publish
@@ -100,26 +111,29 @@ class Publisher:
         manifest.update(checkpoint=str(self.run_dir), step=step)
         tables, dense = split_tables(state)
         files[TABLES_FILE] = saved(lambda f: torch.save({"tables": tables, "id_maps": _maps(id_maps)}, f))
+        digest = tables_digest(tables, _maps(id_maps))
         artifact_seconds, tic = time.perf_counter() - tic, time.perf_counter()
         delta = None
         if self.previous is not None:
             changed = self._changed_rows(tables, gathered)
             files[DELTA_FILE] = saved(lambda f: torch.save(
-                {"base_step": self.previous[1], "manifest": json.dumps(manifest), "dense": dense,
-                 "id_maps": _maps(id_maps), "rows": changed, "values": {t: tables[t][r] for t, r in changed.items()}},
+                {"base_step": self.previous[1], "base_digest": self.previous[2], "manifest": json.dumps(manifest),
+                 "dense": dense, "id_maps": _maps(id_maps), "rows": changed,
+                 "values": {t: tables[t][r] for t, r in changed.items()}},
                 f))
-            delta = {"base": self.previous[0], "base_step": self.previous[1], "file": DELTA_FILE,
-                     "rows": {t: len(r) for t, r in changed.items()}}
+            delta = {"base": self.previous[0], "base_step": self.previous[1], "base_digest": self.previous[2],
+                     "file": DELTA_FILE, "rows": {t: len(r) for t, r in changed.items()}}
         full = len(files[manifest["file"]])
         manifest["publish"] = {
             "name": name, "partition": partition, "step": step, "metrics": self._latest_metrics(),
-            "table_bytes": manifest["table_bytes"], "full_bytes": full,
+            "table_bytes": manifest["table_bytes"], "tables_digest": digest, "full_bytes": full,
             "delta_bytes": len(files[DELTA_FILE]) if delta else None,
             "delta_over_full": len(files[DELTA_FILE]) / full if delta else None, "delta": delta,
             "seconds": {"save": save_seconds, "artifact": artifact_seconds, "delta": time.perf_counter() - tic},
             "published_at": time.time()}
         (self.folder / name).parent.mkdir(parents=True, exist_ok=True)  # a partition may be date=.../hour=...
         write_artifact(self.cfg, self.folder / name, files, manifest)
+        return digest
 
     def _changed_rows(self, tables: dict[str, torch.Tensor], gathered: list[dict]) -> dict[str, torch.Tensor]:
         """Each table's rows changed since the previous publish, ascending: the plain tables'
@@ -184,6 +198,19 @@ def _maps(id_maps: dict[str, tuple]) -> dict[str, dict[str, torch.Tensor]]:
     return {t: dict(zip(ID_MAP, m)) for t, m in id_maps.items()}
 
 
+def tables_digest(tables: dict[str, torch.Tensor], id_maps: dict[str, dict[str, torch.Tensor]]) -> str:
+    """sha256 of a tables.pt's content: every table's and id map's name, dtype, shape and bytes,
+    in name order. Content, not the file's bytes, so that an artifact `apply` built, whose
+    tables.pt is another file of the same tensors, is the base of the next delta."""
+    h = hashlib.sha256()
+    named = sorted(tables.items())
+    named += [(f"{t}/{key}", m[key]) for t, m in sorted(id_maps.items()) for key in ID_MAP]
+    for name, tensor in named:
+        h.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def load_tensors(path: Path, what: str) -> dict:
     """A file of tensors in plain containers, read as data (weights_only: nothing in it runs)."""
     try:
@@ -202,24 +229,91 @@ def _published_step(folder: Path, what: str) -> int:
         raise ValueError(f"{what}: no readable manifest.json there (not a published artifact)") from None
 
 
-def apply(base: str, delta: str, out: str) -> dict:
-    """The artifact of `delta` (a published folder, or its delta.pt) applied to `base` (the
-    published folder of the delta's base step), written to folder `out`: the next full artifact,
-    with its own tables.pt. Returns its manifest."""
-    folder = out_folder(out)
-    base_path, delta_path = Path(base), Path(delta)
-    tables = load_tensors(base_path / TABLES_FILE, f"--base {base}")
-    change = load_tensors(delta_path / DELTA_FILE if delta_path.is_dir() else delta_path, f"--delta {delta}")
-    base_step = _published_step(base_path, f"--base {base}")
+def _base_tables(base: str) -> tuple[dict, int]:
+    """(tables.pt's content, step) of the published folder `base`."""
+    what, folder = f"--base {base}", Path(base)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what} is a file: give a published artifact's folder (it holds {TABLES_FILE})")
+    loaded = load_tensors(folder / TABLES_FILE, what)
+    tables, maps = (loaded.get(key) if isinstance(loaded, dict) else None for key in ("tables", "id_maps"))
+    if not (_tensors(tables) and _id_maps(maps)):
+        raise ValueError(f"{what}: {folder / TABLES_FILE} is not a published tables file")
+    return loaded, _published_step(folder, what)
+
+
+def _delta(delta: str) -> dict:
+    """The delta `delta` names: a published folder's delta.pt, or the file itself."""
+    path = Path(delta)
+    change = load_tensors(path / DELTA_FILE if path.is_dir() else path, f"--delta {delta}")
+    if not (isinstance(change, dict) and change.keys() >= DELTA_KEYS and _tensors(change["rows"])
+            and _tensors(change["values"]) and _tensors(change["dense"]) and _id_maps(change["id_maps"])
+            and _artifact_manifest(change["manifest"])):
+        raise ValueError(f"--delta {delta} is not a delta: give the published folder after the base, "
+                         f"or its {DELTA_FILE}")
+    return change
+
+
+def _artifact_manifest(text) -> bool:
+    """Is `text` an artifact's manifest, with what `apply` reads of it?"""
+    try:
+        manifest = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return False
+    return (isinstance(manifest, dict) and type(manifest.get("step")) is int
+            and manifest.get("format") in get_args(ArtifactFormat) and manifest.get("tables") in get_args(ServedTables))
+
+
+def _tensors(d) -> bool:
+    return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in d.items())
+
+
+def _id_maps(maps) -> bool:
+    return isinstance(maps, dict) and all(isinstance(m, dict) and m.keys() == set(ID_MAP) and _tensors(m)
+                                          for m in maps.values())
+
+
+def _check_base(base: str, delta: str, tables: dict, base_step: int, change: dict) -> None:
+    """The delta was made against exactly `base`'s tables: the same step and the same content."""
     if change["base_step"] != base_step:
         raise ValueError(f"--delta {delta} applies to the publish of step {change['base_step']}, "
                          f"but --base {base} is of step {base_step}")
+    wanted = change.get("base_digest")
+    if not isinstance(wanted, str):
+        raise ValueError(f"--delta {delta} names its base by step only (an older rankmix wrote it), so it cannot "
+                         f"be checked against --base {base}: apply deltas of this version's publishes")
+    digest = tables_digest(tables["tables"], tables["id_maps"])
+    if digest != wanted:
+        raise ValueError(f"--delta {delta} was made against tables of digest {wanted[:16]}, but --base {base} "
+                         f"holds tables of digest {digest[:16]}: another run's or another publish's tables, "
+                         f"though of the same step; a delta applies to its own base only")
+
+
+def _check_rows(delta: str, weights: dict[str, torch.Tensor], change: dict) -> None:
+    """Every changed row lies in a table of the base, with values of its width and dtype."""
+    for table, rows in change["rows"].items():
+        weight, values = weights.get(table), change["values"].get(table)
+        ok = (weight is not None and values is not None and rows.dtype == torch.int64 and rows.dim() == 1
+              and values.dtype == weight.dtype and values.shape == (len(rows), *weight.shape[1:])
+              and (len(rows) == 0 or 0 <= int(rows.min()) and int(rows.max()) < len(weight)))
+        if not ok:
+            raise ValueError(f"--delta {delta}: the changed rows of table {table} do not fit the base's tables")
+
+
+def apply(base: str, delta: str, out: str) -> dict:
+    """The artifact of `delta` (a published folder, or its delta.pt) applied to `base` (the
+    published folder whose tables the delta was made against: same step, same content), written
+    to folder `out`: the next full artifact, with its own tables.pt. Returns its manifest."""
+    folder = out_folder(out)
+    tables, base_step = _base_tables(base)
+    change = _delta(delta)
+    _check_base(base, delta, tables, base_step, change)
     weights = tables["tables"]
+    _check_rows(delta, weights, change)
     for table, rows in change["rows"].items():
         weights[table][rows] = change["values"][table]
     id_maps = {t: tuple(m[k] for k in ID_MAP) for t, m in change["id_maps"].items()}
     manifest = json.loads(change["manifest"])
-    cfg = load_config(str(base_path / "config.toml"), [], allow_redacted=True)
+    cfg = load_config(str(Path(base) / "config.toml"), [], allow_redacted=True)
     state = {**{f"{TABLE}{t}.weight": w for t, w in weights.items()}, **change["dense"]}
     model = served_model(cfg, state, id_maps, manifest["step"], manifest["tables"], delta)
     files, _ = artifact_files(cfg, model, manifest["format"], manifest["tables"])
