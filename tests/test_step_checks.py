@@ -1,4 +1,4 @@
-"""A training step reads nothing back from the device (issue 31): the finiteness checks, the
+"""A training step reads nothing back from the device (issues 31, 39): the finiteness checks, the
 stop-signal and timed-save votes are read once every train.check_every steps; a non-finite
 step is found at the next read and never reaches a checkpoint. bf16 runs through the
 pipeline and DDP on the CPU, and the CUDA precision settings."""
@@ -18,17 +18,27 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from cli import rankmix, spawn
+from cli import rankmix, rendezvous_port, spawn
 from test_checkpoint import tensors
-from test_distributed import free_port
 from trainer.config_loader import dump_toml, load_config
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH = Path(torch.__file__).parent
-# What a step would read back with: each waits for the device's queue on a GPU.
-READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+SITE = TORCH.parent
+aten = torch.ops.aten
+# What makes the host wait for the device on a GPU: a value read back, and an operation
+# whose output size depends on the values (the host waits to allocate it).
+SYNC_OPS = {aten._local_scalar_dense.default: "item", aten.nonzero.default: "nonzero",
+            aten.masked_select.default: "masked_select", aten._unique2.default: "unique",
+            aten.unique_dim.default: "unique", aten.unique_consecutive.default: "unique",
+            aten.repeat_interleave.Tensor: "repeat_interleave"}
+INDEXING = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
                       "barrier")
 
@@ -38,45 +48,158 @@ def cache(made_once) -> Path:
     return made_once("step-checks-cache", lambda folder: None)
 
 
-def _caller() -> str | None:
-    """`file:line` of the innermost caller outside torch, when it is rankmix's own code."""
-    frame = sys._getframe(2)
-    while frame is not None and Path(frame.f_code.co_filename).is_relative_to(TORCH):
+def _caller() -> tuple[str, str]:
+    """(`file:line`, function) of the innermost caller outside torch: rankmix's, torchrec's, fbgemm's."""
+    frame = sys._getframe(1)
+    while frame is not None and (Path(frame.f_code.co_filename).is_relative_to(TORCH)
+                                 or frame.f_code.co_filename == __file__):
         frame = frame.f_back
-    path = Path(frame.f_code.co_filename) if frame is not None else None
-    if path is None or not path.is_relative_to(REPO) or ".venv" in path.parts:
-        return None
-    return f"{path.relative_to(REPO)}:{frame.f_lineno}"
+    if frame is None:
+        return "?", "?"
+    path = Path(frame.f_code.co_filename)
+    for root in (SITE, REPO):
+        if path.is_relative_to(root):
+            path = path.relative_to(root)
+            break
+    return f"{path}:{frame.f_lineno}", frame.f_code.co_name
+
+
+def torchrec_own(call: list) -> bool:
+    """A read TorchRec makes by design: its input distribution reads the split sizes back
+    (on a GPU on its data-distribution stream, while the compute stream runs on), and it
+    validates the first batch once as it builds the input distribution."""
+    _, _, where, function = call
+    return (function in ("_safe_tolist", "_safe_tolist_2d")
+            or where.startswith("torchrec/sparse/jagged_tensor_validator.py"))
+
+
+class DeviceTensors:
+    """Which tensors of this CPU run would be on the device in a GPU run: the model's
+    parameters and buffers, tensors made on the run's device (the trainer's `device`, or a
+    device tensor's `.device`), whatever is moved there, and every result computed from one.
+    Everything else is on the host: the reader's batches before they are moved, the
+    optimizers' step counts, tensors made with `device="cpu"`."""
+
+    def __init__(self, device: torch.device, tensors):
+        self.tensors = WeakTensorKeyDictionary()
+        self.devices = {id(device): device}  # held, so that no other device object takes an id
+        self.tag(list(tensors))
+
+    def tag(self, tree) -> None:
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                self.tensors[t] = True
+
+    def untag(self, tensor: torch.Tensor) -> None:
+        self.tensors.pop(tensor, None)
+
+    def holds(self, *trees) -> bool:
+        return any(isinstance(t, torch.Tensor) and t in self.tensors for t in pytree.tree_leaves(trees))
+
+    def is_device(self, where) -> bool:
+        return id(where) in self.devices or isinstance(where, torch.Tensor) and self.holds(where)
+
+    def is_host(self, where) -> bool:
+        """`where` names the host: "cpu", or a CPU device object not taken from the device."""
+        if isinstance(where, str):
+            where = torch.device(where)
+        return (isinstance(where, torch.device) and where.type == "cpu" and not self.is_device(where)
+                or isinstance(where, torch.Tensor) and not self.holds(where))
+
+
+def _destination(args: tuple, kwargs: dict):
+    """The device or tensor that `Tensor.to(*args, **kwargs)` moves to; None for a dtype only."""
+    for where in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(where, (str, torch.device, torch.Tensor)):
+            return where
+    return None
+
+
+class _Moves(TorchFunctionMode):
+    """Python's calls, from anyone's code: reads and transfers of device tensors to the host
+    (on a CPU build `.to("cpu")` and `.cpu()` return the tensor itself, below any dispatch)."""
+
+    def __init__(self, device: DeviceTensors, record):
+        super().__init__()
+        self.device, self.record = device, record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name, on_device = getattr(func, "__name__", ""), self.device.holds(args[:1])
+        if getattr(func, "__self__", None) is torch.Tensor.device:
+            if on_device:
+                self.device.devices[id(out)] = out
+        elif name in ("tolist", "numpy", "__array__") and on_device:
+            self.record(name)
+        elif on_device and (name == "cpu" or name == "to" and self.device.is_host(_destination(args[1:], kwargs))):
+            self.record(f"{name} to the host")
+            self.device.untag(out)  # on the host now (and on a CPU build, the very tensor moved)
+        elif self.device.is_device(kwargs.get("device")) or name == "to" and self.device.is_device(
+                _destination(args[1:], kwargs)):
+            self.device.tag(out)  # made on the device, or moved there
+        return out
+
+
+def _sync(func, args: tuple) -> str | None:
+    """What makes `func(*args)` a host sync on a GPU; None when nothing does. A boolean index
+    is one: the GPU's kernels count its true entries (a nonzero) first."""
+    if func in INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                for i in args[1]):
+        return "boolean index"
+    return SYNC_OPS.get(func)
+
+
+class _Syncs(TorchDispatchMode):
+    """Every operator, from Python or C++: reads of device tensors, data-sized outputs, and
+    copies from a device tensor into a host one; and which results are device tensors."""
+
+    def __init__(self, device: DeviceTensors, record):
+        super().__init__()
+        self.device, self.record = device, record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_device = self.device.holds(args, kwargs)
+        to_host = func is aten.copy_.default and not self.device.holds(args[0]) and on_device
+        if on_device and _sync(func, args) is not None:
+            self.record(_sync(func, args))
+        if to_host:
+            self.record("copy_ to the host")
+        out = func(*args, **kwargs)
+        if on_device and not to_host:
+            self.device.tag(out)
+        return out
 
 
 @contextmanager
-def counting(calls: list, step: list[int]):
-    """Record (step[0], name, caller) for each read of a tensor by rankmix's code and each
-    object collective or barrier, on this thread (the reader's prefetch threads work on host
-    data). A counting wrapper: every call still runs."""
+def counting(calls: list, step: list[int], device: DeviceTensors):
+    """Record (step[0], what, caller) for each host sync on this thread, whoever's code makes it
+    (rankmix's, torch's, torchrec's, fbgemm's), and each object collective or barrier (the
+    reader's prefetch threads work on host data). Every call still runs."""
     main = threading.current_thread()
     saved = {}
 
-    def wrap(owner, name: str, ours_only: bool) -> None:
-        original = saved[owner, name] = getattr(owner, name)
+    def record(what: str) -> None:
+        calls.append((step[0], what, *_caller()))
+
+    def wrap(name: str) -> None:
+        original = saved[name] = getattr(dist, name)
 
         def counted(*args, **kwargs):
             if threading.current_thread() is main:
-                where = _caller()
-                if where is not None or not ours_only:
-                    calls.append((step[0], name, where))
+                record(name)
             return original(*args, **kwargs)
-        setattr(owner, name, counted)
+        setattr(dist, name, counted)
 
-    for name in READS:
-        wrap(torch.Tensor, name, True)
     for name in OBJECT_COLLECTIVES:
-        wrap(dist, name, False)
+        wrap(name)
     try:
-        yield
+        with _Moves(device, record), _Syncs(device, record):
+            yield
     finally:
-        for (owner, name), original in saved.items():
-            setattr(owner, name, original)
+        for name, original in saved.items():
+            setattr(dist, name, original)
 
 
 def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -> None:
@@ -88,6 +211,7 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
     trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     calls: list = []
     step = [0]
+    device = DeviceTensors(trainer.env.device, [*trainer.model.parameters(), *trainer.model.buffers()])
     train_step = trainer.train_step
 
     def step_counted(batches):  # what follows is attributed to the step it starts
@@ -95,7 +219,7 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
         return train_step(batches)
     trainer.train_step = step_counted
     try:
-        with counting(calls, step):
+        with counting(calls, step, device):
             trainer.fit()
     finally:
         trainer.close()
@@ -106,19 +230,23 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
 @pytest.mark.parametrize("tower", ["rankmixer", "rankmixer_moe"])
 def test_steps_between_checks_read_nothing_back(tower, cache, tmp_path):
     """10 steps on 2 ranks (pipelined, DDP), checks, logs and saves every 5 steps, a timed
-    save configured: steps 1-4 and 6-9 make no read and no object collective, on either rank;
-    steps 5 and 10 read the flags once."""
+    save configured: steps 1-4 and 6-9 make no host sync (a read, a data-sized output, a
+    move or copy to the host) and no object collective, on either rank, whoever's code would
+    make it: rankmix's, torch's, torchrec's or fbgemm's, but for TorchRec's own input
+    distribution (`torchrec_own`). Steps 5 and 10 read the flags once."""
     args = [f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
             "--checkpoint.interval=5", "--checkpoint.interval_minutes=600", "--metrics.eval_batches=1",
             "--metrics.progress=false", "--metrics.tensorboard=false", f"--train.run_dir={tmp_path / 'run'}",
             f"--data.cache_dir={cache}"]
-    spawn(_count_worker, (2, free_port(), args, str(tmp_path / "calls")), 2)
+    spawn(_count_worker, (2, rendezvous_port(), args, str(tmp_path / "calls")), 2)
     for rank in range(2):
         result = json.loads((tmp_path / f"calls.{rank}").read_text())
         assert result["pipelined"]
         calls = result["calls"]
-        assert [c for c in calls if c[0] not in (5, 10)] == [], rank
-        flag_reads = [c for c in calls if c[1] == "tolist" and c[2].startswith("trainer/lifecycle.py")]
+        assert any(c[3] == "_safe_tolist" for c in calls), "the counting sees into torchrec"
+        syncs = [c for c in calls if not torchrec_own(c)]
+        assert [c for c in syncs if c[0] not in (5, 10)] == [], rank
+        flag_reads = [c for c in syncs if c[1] == "tolist" and c[2].startswith("trainer/lifecycle.py")]
         assert [c[0] for c in flag_reads] == [5, 10], calls
 
 
@@ -187,7 +315,7 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
 def test_bf16_trains_through_the_pipeline_and_ddp_on_two_cpu_ranks(cache, tmp_path):
     args = ["--train.mixed_precision=bf16", "--train.device=cpu", "--metrics.progress=false",
             "--metrics.tensorboard=false", f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={cache}"]
-    spawn(_bf16_worker, (2, free_port(), args, str(tmp_path / "out")), 2)
+    spawn(_bf16_worker, (2, rendezvous_port(), args, str(tmp_path / "out")), 2)
     for rank in range(2):
         result = json.loads((tmp_path / f"out.{rank}").read_text())
         assert result["pipelined"] and result["ddp"]

@@ -5,13 +5,14 @@ figures, and a peak RSS that does not grow with the split."""
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from cli import rankmix, spawn
-from test_distributed import free_port
+from cli import rankmix, rendezvous_port, spawn
+from test_capacity import pairwise_auc
 from trainer import streaming_metrics
 from trainer.metrics import task_metrics
 from trainer.streaming_metrics import BUCKET_ROWS, SplitMetrics, histogram_auc
@@ -83,7 +84,7 @@ def _split_worker(rank: int, port: int, folder: str) -> None:
 
 
 def test_split_metrics_over_two_ranks_are_the_whole_splits(tmp_path):
-    spawn(_split_worker, (free_port(), str(tmp_path)), 2)
+    spawn(_split_worker, (rendezvous_port(), str(tmp_path)), 2)
     streamed = json.loads((tmp_path / "streamed.json").read_text())
     exact = task_metrics(*_rows(9_000, seed=1), TASKS)
     _assert_close(streamed, exact)
@@ -150,7 +151,7 @@ def test_evaluation_matches_the_exact_metrics(dataset, world, tmp_path):
     from trainer.config_loader import load_config
 
     config, args = _parity_args(dataset, tmp_path)
-    spawn(_parity_worker, (world, free_port(), config, args, str(tmp_path)), world)
+    spawn(_parity_worker, (world, rendezvous_port(), config, args, str(tmp_path)), world)
     tasks = [t.name for t in load_config(config, args).model.tasks]
     figures = json.loads((tmp_path / "figures.json").read_text())
     parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
@@ -189,6 +190,48 @@ def test_training_logs_the_window_and_evaluation_the_split(tmp_path):
         assert 0 < r["window/auc"] < 1 and r["window/auc"] == r["window/click/auc"]
     evaluation = [r for r in records if r["kind"] == "eval"][-1]
     assert evaluation["examples"] == 2_000 and "window/auc" not in evaluation  # debug.toml: 10% of 20,000
+
+
+class _Echo(torch.nn.Module):
+    """A model whose logits are the batch's own."""
+
+    def forward(self, batch: SimpleNamespace) -> torch.Tensor:
+        return batch.logits
+
+
+def _window_batch(rng: np.random.Generator, agree: bool) -> SimpleNamespace:
+    """64 rows, 2 tasks: logits on a grid of quarters (each value a bin of its own, so the
+    window's histogram AUC is the exact one), labels mostly agreeing with their sign or
+    mostly against it."""
+    logits = rng.integers(-12, 13, (64, 2)) / 4
+    labels = ((logits > 0) == agree) ^ (rng.random((64, 2)) < 0.2)
+    return SimpleNamespace(logits=torch.tensor(logits, dtype=torch.float32),
+                           labels=torch.tensor(labels, dtype=torch.float32))
+
+
+def test_the_window_covers_exactly_its_last_batches():
+    """7 training batches through a window of 3: the first 4 with labels against the logits,
+    the last 3 with them. The window's AUC and calibration are those of the last 3 batches
+    (against a pairwise reference), far from all 7's; an evaluation forward adds nothing."""
+    rng = np.random.default_rng(3)
+    batches = [_window_batch(rng, agree=i >= 4) for i in range(7)]
+    model = _Echo()
+    window = streaming_metrics.TrainingWindow(model, TASKS, batches=3)
+    for batch in batches:
+        model(batch)
+    model.eval()
+    model(_window_batch(rng, agree=False))
+    figures = window.compute()
+    for k, task in enumerate(TASKS):
+        last, every = ([b.logits[:, k].numpy() for b in part] for part in (batches[4:], batches))
+        last_labels, every_labels = ([b.labels[:, k].numpy() for b in part] for part in (batches[4:], batches))
+        reference = pairwise_auc(np.concatenate(last), np.concatenate(last_labels))
+        assert figures[f"window/{task}/auc"] == pytest.approx(reference, abs=1e-12)
+        assert reference - pairwise_auc(np.concatenate(every), np.concatenate(every_labels)) > 0.2
+        probs = 1 / (1 + np.exp(-np.concatenate(last).astype(np.float64)))
+        assert figures[f"window/{task}/calibration"] == pytest.approx(probs.sum() / np.concatenate(last_labels).sum(),
+                                                                      rel=1e-12)
+    assert figures["window/auc"] == figures["window/click/auc"]
 
 
 # ---------------------------------------------------------------- memory that does not grow
@@ -245,7 +288,7 @@ def big_split(tmp_path_factory) -> Path:
 
 
 def _peak(command: list[str], out: Path) -> dict:
-    spawn(_peak_worker, (free_port(), command, str(out)), 1)
+    spawn(_peak_worker, (rendezvous_port(), command, str(out)), 1)
     return json.loads(out.read_text())
 
 
