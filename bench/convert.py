@@ -52,7 +52,7 @@ def arrow_strings(src: Path) -> tuple[int, float]:
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
-    from trainer.data.criteo import CriteoLayout
+    from trainer.offline.criteo import CriteoLayout
 
     t = time.perf_counter()
     names = CriteoLayout.column_names
@@ -65,7 +65,7 @@ def arrow_strings(src: Path) -> tuple[int, float]:
 
 
 def convert(src: Path, out: Path) -> tuple[int, float]:
-    from trainer.data.criteo import convert_criteo
+    from trainer.offline.criteo import convert_criteo
 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()

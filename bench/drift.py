@@ -41,7 +41,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from trainer.metrics import auc
+from trainer.metrics.ranking import auc
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {"full": dict(days=8, rows=30_000, drift=0.3, table_rows=1000),

@@ -117,7 +117,7 @@ class StepParts:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.model = trainer.model.module  # RankingModel under DMP (and DDP for the dense part)
+        self.model = trainer.ranking_model.module  # RankingModel under DMP (and DDP for the dense part)
         self.batches: Iterator[Batch] = trainer.batches()  # for whole steps
         # The parts read their own copy of the reader: a batch they take is not one a
         # whole step trains, so it must not move the trainer's data position.

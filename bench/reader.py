@@ -41,7 +41,7 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3) -> dict
     from trainer.data.datasets import synth_features
     from trainer.data.encode import RowEncoder
     from trainer.data.reader import ParquetReader
-    from trainer.data.synth import write_synthetic
+    from trainer.offline.synth import write_synthetic
 
     t0 = time.perf_counter()
     write_synthetic(tmp / "synth", rows=rows, valid_fraction=0.01, files=4, row_group_size=16_384)
@@ -90,7 +90,7 @@ def peak_memory(tmp: Path, sizes: list[int]) -> dict:
     for mb in sizes:
         src = tmp / f"mem_{mb}.tsv"
         make_tsv(src, mb)
-        code = ("import json,resource,sys; sys.path.insert(0, %r); from trainer.data.criteo import convert_criteo;"
+        code = ("import json,resource,sys; sys.path.insert(0, %r); from trainer.offline.criteo import convert_criteo;"
                 "convert_criteo([%r], %r); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
                 % (str(ROOT), str(src), str(tmp / f"mem_out_{mb}")))
         rss_kb = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,

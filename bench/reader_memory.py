@@ -46,7 +46,7 @@ print(json.dumps({{"rows": rows, "seconds": time.perf_counter() - t,
 
 
 def make_block(tmp: Path) -> list[Path]:
-    from trainer.data.synth import write_synthetic
+    from trainer.offline.synth import write_synthetic
 
     write_synthetic(tmp / "block", rows=BLOCK_ROWS, valid_fraction=0.001, files=4, row_group_size=16_384)
     return sorted((tmp / "block" / "train").glob("*.parquet"))

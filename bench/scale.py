@@ -14,7 +14,7 @@ Every figure comes with a ratio to its limit, measured in the same run (docs/sca
   `--resume-steps` more and save synchronously. Each rank's peak RSS (VmHWM of the rank
   processes, sampled from /proc) against `rankmix plan --device cpu` for the same config.
 - checkpoint: each save's GB/s (the step's log time to `.metadata`'s mtime, which DCP writes
-  last) and a DCP load of the model (`trainer.checkpoint.model_tensors`) against this disk's
+  last) and a DCP load of the model (`trainer.checkpoint.manager.model_tensors`) against this disk's
   sequential write (fsync'd) and read of a file of the checkpoint's size. Before every timed
   read the files are fsync'd and dropped from the page cache (posix_fadvise DONTNEED: no
   root needed; pages another process maps stay).
@@ -346,7 +346,7 @@ def save_speed(run: Path, step: int) -> tuple[float, float]:
 LOAD = """
 import json, time
 from pathlib import Path
-from trainer.checkpoint import model_tensors
+from trainer.checkpoint.manager import model_tensors
 t = time.perf_counter()
 tensors = model_tensors(Path({path!r}))
 print(json.dumps({{"bytes": sum(t.numel() * t.element_size() for t in tensors.values()),

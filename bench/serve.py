@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from trainer import checkpoint
+from trainer.checkpoint import manager
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import resolve_files
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             models[kind] = load(folder)[0]
             sizes[kind] = (folder / manifest["file"]).stat().st_size / 2 ** 20
             table_mb[kind] = manifest["table_bytes"] / 2 ** 20
-    state = checkpoint.model_tensors(checkpoint.resolve_load_path(args.checkpoint, "--checkpoint"))
+    state = manager.model_tensors(manager.resolve_load_path(args.checkpoint, "--checkpoint"))
     eager_mb = sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) / 2 ** 20
     print(f"{cfg.model.tower} tower, {len(cfg.features)} features, format {args.format}, "
           f"{torch.get_num_threads()} threads; eager = rankmix score --checkpoint (TorchRec model)")

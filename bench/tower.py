@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 # The repository, for a machine where it is not installed (python3 bench/tower.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.hooks import TrainingHooks  # noqa: E402
+from embeddings.hooks import TrainingHooks  # noqa: E402
 from dense.layout import InputLayout  # noqa: E402
 from dense.towers import TOWERS, build_tower  # noqa: E402
 from trainer.config import FeatureSpec, ModelConfig  # noqa: E402

@@ -14,7 +14,7 @@ from torchrec.distributed import sharding_plan as sp
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection
 
-from trainer.hooks import HookProvider, TrainingHooks
+from embeddings.hooks import HookProvider, TrainingHooks
 from embeddings.tables import FUSED, fuse_optimizer, tables_of
 from embeddings.torchrec_compat import (FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_ROWS, MCH_SEGMENTS, MCH_SORTED_IDS,
                                         CountingMCH, ManagedTablesSharder, mc_table_configs)
@@ -101,7 +101,7 @@ def managed_plans(model: nn.Module, device: torch.device, local: int, world: int
 
 
 def served_tables(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """A RankingModel's whole-tensor state (`checkpoint.model_tensors`) -> (the same state with
+    """A RankingModel's whole-tensor state (`manager.model_tensors`) -> (the same state with
     the managed tables' weights beside the plain ones, under `ebc.embedding_bags.`; each managed
     table's id map). An id map is what MCH's evaluation remap reads, whatever the world size
     that trained it:

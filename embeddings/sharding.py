@@ -32,7 +32,7 @@ from embeddings.managed import managed_modules, managed_plans
 from embeddings.tables import FUSED
 from embeddings.torchrec_compat import ManagedTablesSharder, ReplicateAcrossRanks
 from trainer.config import EmbeddingsConfig
-from trainer.registry import Registry
+from embeddings.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def export(argv: list[str]) -> int:
         ignored = [o for o, v in (("--tables", args.tables), ("--moe", args.moe)) if v] + rest
         if ignored:
             raise ValueError(f"--format weights writes the checkpoint's tensors as they are; it takes no {ignored}")
-        from trainer.checkpoint import export_weights  # on use: torch
+        from trainer.checkpoint.manager import export_weights  # on use: torch
 
         if Path(args.out).is_dir():
             raise ValueError(f"--out {args.out} is a folder; --format weights writes one file")
@@ -288,7 +288,7 @@ def data(argv: list[str]) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--teacher", choices=get_args(SynthTeacherName), default="default",
                    help="capacity: high-order crosses over 16 Zipf fields and a behaviour sequence "
-                        "(trainer/data/capacity.py), streamed in bounded memory")
+                        "(trainer/offline/capacity.py), streamed in bounded memory")
     s.add_argument("--days", type=int, default=0, help="write N day partitions date=YYYY-MM-DD/ of --rows rows "
                    "each, from a drifting teacher (default teacher only; docs/continuous.md)")
     s.add_argument("--drift", type=float, default=0.0, help="with --days: share of the teacher's users' and "
@@ -316,10 +316,10 @@ def data(argv: list[str]) -> int:
         common = dict(workers=args.workers, strict=args.strict, rows_per_file=args.rows_per_file,
                       row_group_size=args.row_group_size)
         if args.kind == "criteo":
-            from trainer.data.criteo import convert_criteo  # on use: pyarrow
+            from trainer.offline.criteo import convert_criteo  # on use: pyarrow
             summary = convert_criteo(args.src, args.out, **common)
         else:
-            from trainer.data.csvlog import convert_csv  # on use: pyarrow
+            from trainer.offline.csvlog import convert_csv  # on use: pyarrow
 
             def cols(text: str) -> list[str]:
                 return [c.strip() for c in text.split(",") if c.strip()]
@@ -328,7 +328,7 @@ def data(argv: list[str]) -> int:
                                   **common)
     elif args.kind == "synth":
         from trainer.data.datasets import SYNTH_TEACHERS  # on use: torch (datasets' process group)
-        from trainer.data.synth import write_days as synth_days  # on use: pyarrow
+        from trainer.offline.synth import write_days as synth_days  # on use: pyarrow
         if args.days and args.teacher != "default":
             raise ValueError(f"--days: only the default teacher drifts, not --teacher {args.teacher}")
         if args.drift and not args.days:
@@ -337,7 +337,7 @@ def data(argv: list[str]) -> int:
                               seed=args.seed) if args.days else
                    SYNTH_TEACHERS[args.teacher].write(args.out, rows=args.rows, files=args.files, seed=args.seed))
     else:
-        from trainer.data.movielens import convert_movielens  # on use: pyarrow
+        from trainer.offline.movielens import convert_movielens  # on use: pyarrow
         summary = convert_movielens(args.src, args.out)
     print(json.dumps(summary, default=str))
     return 0

@@ -12,7 +12,7 @@ RMSProp state, and the all-to-all bytes of one step.
 Host memory. Per rank it also counts what the host holds besides the planned shards
 (`host_memory`): the runtime (torch and TorchRec loaded), the init's row blocks
 (embeddings/init.py), the training reader's buffers (trainer/data/reader.py, Memory),
-evaluation's fixed state and its reader (trainer/streaming_metrics.py), and with
+evaluation's fixed state and its reader (trainer/metrics/streaming.py), and with
 `checkpoint.async_save` DCP's staged copy of the rank's state. On a CPU rank the shards and
 the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
 before the first read); a node fits when its ranks' sums fit in local_world_size x --ddr-gb.
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ShardingPlan
 
-from dense.model import build_dense
+from dense.heads import build_dense
 from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, managed_plans
 from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
@@ -39,7 +39,7 @@ from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from trainer.config import Config, EmbeddingsConfig
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
-from trainer.streaming_metrics import BUCKET_ROWS, LIFETIME_BINS
+from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
 from trainer.train import per_rank_batch_size
 
 GB = 2**30

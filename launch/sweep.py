@@ -13,7 +13,7 @@ sweep continues where it stopped. dAUC is AUC minus a baseline: a `logreg` tower
 by the sweep on the same data (OUT/baseline/<tower>), or a number. Outputs: OUT/sweep.csv,
 OUT/fit.json, OUT/sweep.png, and where the runs validate (data.valid_fraction or
 data.valid_path), their validation curves in OUT/curves.json and OUT/curves.png. With
-early stopping a run's AUC is the test split's at its best validation (trainer/selection.py).
+early stopping a run's AUC is the test split's at its best validation (trainer/checkpoint/selection.py).
 
 Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) never reach a run's
 command line, which any user of the host can read (`ps`): a run gets its URIs without the
@@ -42,7 +42,7 @@ import numpy as np
 
 from trainer.config_loader import load_config
 from trainer.credentials import redact_config, redact_uri, to_environment
-from trainer.files import write_atomic
+from trainer.checkpoint.files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
@@ -201,7 +201,7 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     None when neither is known without preparing the data (the tower's name is still checked)."""
     # on use: torch, which `rankmix sweep --help` and the grid's errors do without (0.3 s, not 4)
     from torch import nn
-    from dense.model import build_dense
+    from dense.heads import build_dense
     from dense.towers import TOWERS
     from trainer.data.datasets import SYNTH_TEACHERS
 

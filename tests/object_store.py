@@ -83,9 +83,9 @@ def upload(fs: pafs.S3FileSystem, bucket: str, folders: dict[Path, str]) -> None
 @contextlib.contextmanager
 def synthetic_bucket(local: Path, bucket: str, userinfo: str, **rows) -> Iterator[tuple[dict, dict]]:
     """A server on loopback holding a synthetic log (written into `local` by
-    trainer/data/synth.py with `rows` as its options) under `bucket`/logs: yields
+    trainer/offline/synth.py with `rows` as its options) under `bucket`/logs: yields
     ({split: URI with `userinfo`}, {split: the same URI without}); stopped on exit."""
-    from trainer.data.synth import write_synthetic
+    from trainer.offline.synth import write_synthetic
 
     splits = ("train", "valid")
     server = Server()

@@ -9,9 +9,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.baselines import CrossLayer, SelfAttention, ablation_block
+from dense.towers.baselines import CrossLayer, SelfAttention, ablation_block
 from dense.layout import InputLayout
-from dense.rankmixer import PerTokenFFN
+from dense.towers.rankmixer import PerTokenFFN
 from dense.towers import build_tower
 from trainer.config import AttentionConfig, DCNv2Config, MLPConfig, ModelConfig
 from trainer.data.datasets import synth_features

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cli import rankmix
-from trainer import checkpoint
+from trainer.checkpoint import manager
 from trainer.calibration import fit_affine
-from trainer.streaming_metrics import LIFETIME_BINS, LOGIT_RANGE
+from trainer.metrics.streaming import LIFETIME_BINS, LOGIT_RANGE
 
 
 def histogram(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +100,7 @@ def test_a_run_fits_on_the_validation_split_and_keeps_the_map_with_the_best_weig
     assert summary["auc"] == pytest.approx(summary["uncalibrated/auc"], abs=1e-4)  # a monotone map
     fitted = [[summary[f"{t}/calibration_{ab}"] for t in ("click", "like")] for ab in "ab"]
     assert "calibrated on the validation split: click" in proc.stdout
-    best = checkpoint.model_tensors(run / "best")
+    best = manager.model_tensors(run / "best")
     saved = torch.stack([best["heads.calibration_a"], best["heads.calibration_b"]]).double()
     assert torch.allclose(saved, torch.tensor(fitted, dtype=torch.float64))
     assert (run / "best").resolve().name == f"best.step-{summary['best/step']}.calibrated"

@@ -15,7 +15,7 @@ import torch
 
 from cli import rankmix
 from test_serving import export, ok, score
-from trainer import checkpoint
+from trainer.checkpoint import manager
 
 STEPS = 20
 TASKS = ("click", "like")
@@ -39,7 +39,7 @@ def calibrated(made_once) -> tuple[Path, Path, dict[str, np.ndarray]]:
 def _expected(run: Path, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """sigmoid(a z + b) of the raw logits, with the map the run's `best` holds, after checking
     that `best` is the last step's weights plus a map that is not the identity."""
-    best, last = checkpoint.model_tensors(run / "best"), checkpoint.model_tensors(
+    best, last = manager.model_tensors(run / "best"), manager.model_tensors(
         run / "checkpoints" / f"step-{STEPS}")
     a, b = best.pop("heads.calibration_a").double(), best.pop("heads.calibration_b").double()
     assert torch.equal(last.pop("heads.calibration_a"), torch.ones(2))

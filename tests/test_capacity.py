@@ -1,4 +1,4 @@
-"""The capacity teacher (trainer/data/capacity.py): deterministic rows whatever the file
+"""The capacity teacher (trainer/offline/capacity.py): deterministic rows whatever the file
 split, Zipf ids, bounded memory, a large headroom over first-order models, and its schema."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from cli import rankmix
 from trainer.config_loader import load_config
-from trainer.data import capacity
+from trainer.offline import capacity
 from trainer.data.datasets import capacity_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cli import rankmix
-from trainer.checkpoint import complete_steps
-from trainer.state import decode_state
+from trainer.checkpoint.manager import complete_steps
+from trainer.checkpoint.state import decode_state
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # of the shared 2-rank reference, saved every 10 steps

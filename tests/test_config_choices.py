@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from dense import rankmixer
+from dense.towers import rankmixer
 from embeddings import managed, tables
 from trainer import config
 from trainer.config_loader import load_config, validate_features

@@ -18,12 +18,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cli import rankmix
 from test_checkpoint import REPO, ok, tensors, train, train_args
-from trainer.checkpoint import complete_steps
+from trainer.checkpoint.manager import complete_steps
 from trainer.config_loader import dump_toml, load_config
 from trainer.data.datasets import synth_features
-from trainer.data.synth import day_teachers, teacher_click_logit, write_days
-from trainer.metrics import auc, calibration, logloss, normalized_entropy
-from trainer.state import decode_state
+from trainer.offline.synth import day_teachers, teacher_click_logit, write_days
+from trainer.metrics.ranking import auc, calibration, logloss, normalized_entropy
+from trainer.checkpoint.state import decode_state
 
 
 def resume_error(proc) -> str:
@@ -197,7 +197,7 @@ def test_two_ranks_follow_new_partitions_and_stop_on_sigterm(config, tmp_path):
 
 def scored(checkpoint: Path, data: Path, out: Path) -> dict[str, float]:
     """Exact AUC, NE, calibration and logloss of each task of `checkpoint` over the files in
-    `data`, from the probabilities `rankmix score` writes (trainer/metrics.py)."""
+    `data`, from the probabilities `rankmix score` writes (trainer/metrics/ranking.py)."""
     ok(rankmix("score", "--checkpoint", str(checkpoint), "--data", str(data), "--out", str(out)))
     table = pa.concat_tables(pq.read_table(f) for f in sorted(out.rglob("*.parquet")))
     figures = {}

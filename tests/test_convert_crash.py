@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.data.csvlog import convert_csv
+from trainer.offline.csvlog import convert_csv
 
 ROWS = 7
 LAYOUT = dict(label="click", numeric=["id"])

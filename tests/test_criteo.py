@@ -17,8 +17,8 @@ import pytest
 from cli import rankmix
 from test_train import assert_loss_falls
 from trainer.config_loader import load_config
-from trainer.data.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
-from trainer.data.csvlog import convert_csv
+from trainer.offline.criteo import CAT_COLUMNS, INT_COLUMNS, SCHEMA, convert_criteo
+from trainer.offline.csvlog import convert_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "data" / "samples"
@@ -282,7 +282,7 @@ def test_hex_column_matches_python_parse():
     """The vectorised hex parse against int(s, 16), on random and awkward strings."""
     import random
 
-    from trainer.data.csvlog import hex_column
+    from trainer.offline.csvlog import hex_column
 
     rnd = random.Random(3)
     digits = "0123456789abcdefABCDEF"
@@ -307,7 +307,7 @@ def test_number_column_matches_python_parse():
     import random
     import re
 
-    from trainer.data.csvlog import number_column
+    from trainer.offline.csvlog import number_column
 
     rnd = random.Random(5)
     strings = ["", "0", "-0", "17", "-1", "007", "99999999999999999999", "0.0", "19.0", "-.5", "3.", "-0.0",

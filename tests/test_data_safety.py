@@ -18,7 +18,7 @@ import pytest
 from cli import rankmix
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import dump_toml, load_config
-from trainer.data.csvlog import stable_hash
+from trainer.offline.csvlog import stable_hash
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder
 

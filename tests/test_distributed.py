@@ -20,7 +20,7 @@ from cli import rendezvous_port, spawn, spawn_fresh
 from embeddings.sharding import local_shards
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
-from trainer.data.synth import write_synthetic
+from trainer.offline.synth import write_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS_PER_GROUP = 32  # = the 2-rank per-rank batch: rank r reads row groups r, r+2, ...
@@ -83,9 +83,9 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
         loss = (trainer.train_step(batches) * trainer.task_weights).sum()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
-    weights = full_state_dict(trainer.model)
+    weights = full_state_dict(trainer.ranking_model)
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.model.plan),
+        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.ranking_model.plan),
                     "pipelined": trainer.pipeline is not None}, out)
     batches.close()
     trainer.close()

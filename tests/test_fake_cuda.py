@@ -35,14 +35,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from dense.layout import InputLayout
-from dense.model import TaskHeads
+from dense.heads import TaskHeads
 from dense.towers import TOWERS, build_tower
-from dense.unimixer import sinkhorn
+from dense.towers.unimixer import sinkhorn
 from trainer.config import MLPConfig, ModelConfig, MoEConfig
 from trainer.data.datasets import synth_features
-from trainer.hooks import TrainingHooks
+from embeddings.hooks import TrainingHooks
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags
-from trainer.metric_logger import StepMeter
+from trainer.metrics.logger import StepMeter
 
 CUDA = torch.device("cuda", 0)
 META = torch.device("meta")

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import validate_features
-from trainer.data.csvlog import convert_csv
+from trainer.offline.csvlog import convert_csv
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 

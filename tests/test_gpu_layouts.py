@@ -13,8 +13,8 @@ import torch
 from cli import REPO, run_env
 from object_store import free_port
 from test_checkpoint import losses, same, tensors, train_args
-from trainer.checkpoint import complete_steps
-from trainer.state import decode_state
+from trainer.checkpoint.manager import complete_steps
+from trainer.checkpoint.state import decode_state
 
 pytestmark = pytest.mark.slow
 LAYOUT = ("--embeddings.table_sharding.user_id=table_row_wise", "--embeddings.table_sharding.item=column_wise",

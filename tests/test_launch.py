@@ -16,7 +16,7 @@ from trainer.config_loader import to_dict
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
-from trainer.data.synth import write_synthetic
+from trainer.offline.synth import write_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

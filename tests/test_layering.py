@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "embeddings", "dense", "launch")
-GROUND = {"trainer.config", "trainer.credentials", "trainer.registry", "trainer.hooks"}
+GROUND = {"trainer.config", "trainer.credentials", "embeddings.registry", "embeddings.hooks"}
 
 
 def floor(module: str) -> int:
@@ -106,7 +106,7 @@ def test_function_level_imports_say_why():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from dense.model import build_dense\n", ["x.py:1: embeddings.x (floor 1) imports dense.model (floor 1)"]),
+    ("from dense.heads import build_dense\n", ["x.py:1: embeddings.x (floor 1) imports dense.heads (floor 1)"]),
     ("from trainer.data import ids\n", ["x.py:1: embeddings.x (floor 1) imports trainer.data (floor 2)"]),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.data.batch import Batch\n", []),
     ("from trainer.config import FeatureSpec\nfrom embeddings.tables import FUSED\n", []),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from test_checkpoint import REPO, ok, train, train_args
-from trainer.checkpoint import complete_steps
+from trainer.checkpoint.manager import complete_steps
 
 
 @pytest.fixture(scope="module")

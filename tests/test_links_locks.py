@@ -1,5 +1,5 @@
-"""Nothing is deleted through a link (trainer/files.py `swap_folder`), and one run holds a run
-folder, or a checkpoint folder, at a time (trainer/run_folder.py), issue 38 findings 3 and 10.
+"""Nothing is deleted through a link (trainer/checkpoint/files.py `swap_folder`), and one run holds a run
+folder, or a checkpoint folder, at a time (trainer/checkpoint/run_folder.py), issue 38 findings 3 and 10.
 
 `best` and the publish folder's `.weights` are links that rankmix renames onto a sibling
 `<link>.step-N` folder, deleting the folder the link named before: a link of any other shape
@@ -20,9 +20,9 @@ import pytest
 
 from cli import rankmix
 from test_trust import TRAIN, run  # noqa: F401 (the module's short run, made once per session)
-from trainer import run_folder
-from trainer.files import check_swap, swap_folder
-from trainer.run_folder import LOCK_FILE, STALE_SECONDS, RunLock, RunLocks
+from trainer.checkpoint import run_folder
+from trainer.checkpoint.files import check_swap, swap_folder
+from trainer.checkpoint.run_folder import LOCK_FILE, STALE_SECONDS, RunLock, RunLocks
 
 
 def _outside(tmp_path: Path) -> Path:
@@ -34,7 +34,7 @@ def _outside(tmp_path: Path) -> Path:
 
 
 def _step(folder: Path, name: str) -> Path:
-    """A sibling save `name` with a `.metadata`, as checkpoint.save_weights writes."""
+    """A sibling save `name` with a `.metadata`, as manager.save_weights writes."""
     (folder / name).mkdir(parents=True)
     (folder / name / ".metadata").write_text(name)
     return folder / name
@@ -51,7 +51,7 @@ def _refused(link: Path, target: str) -> str:
 @pytest.mark.parametrize("name", ["best", ".weights"])
 @pytest.mark.parametrize("kind", ["absolute", "relative", "sibling", "link-to-link", "own-name-file"])
 def test_a_link_of_another_shape_deletes_nothing(tmp_path, name, kind):
-    """`best` (model selection) and `.weights` (publish, through checkpoint.save_weights) point
+    """`best` (model selection) and `.weights` (publish, through manager.save_weights) point
     at anything but an own sibling folder: refused, naming the link and its target; the link,
     its target and the new save stay as they were."""
     outside, folder = _outside(tmp_path), tmp_path / "run"
@@ -83,7 +83,7 @@ def test_the_own_link_moves_and_its_old_folder_goes(tmp_path, name):
 
 
 def test_a_new_save_that_is_a_link_is_neither_written_nor_linked_to(tmp_path):
-    """A `best.step-N` planted as a link to elsewhere: checkpoint.save_weights checks before it
+    """A `best.step-N` planted as a link to elsewhere: manager.save_weights checks before it
     writes (check_swap), and `best` is not pointed at it."""
     outside, folder = _outside(tmp_path), tmp_path / "run"
     old = _step(folder, "best.step-3")

@@ -21,13 +21,13 @@ from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, _mch_remap
 from cli import rankmix, rendezvous_port, spawn
 from embeddings.managed import TrackedMCH, served_tables
 from test_checkpoint import assert_same_state, tensors
-from trainer.checkpoint import model_tensors
+from trainer.checkpoint.manager import model_tensors
 from trainer.config import FeatureSpec
 from trainer.config_loader import load_config
 from trainer.config import MANAGED_ID_RANGE
 from trainer.data.feature_ops import spread, spread_ids
 from trainer.data.ids import encode_ids
-from trainer.serving.model import ManagedRows
+from trainer.serving.served_model import ManagedRows
 
 # The user table and the item table that item_id and hist_items share, both managed, both with
 # fewer rows than the log has ids.
@@ -146,7 +146,7 @@ def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from trainer.model import build_model
+    from trainer.ranking_model import build_model
     from embeddings.sharding import shard_model
 
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import auc, calibration, logloss, normalized_entropy, task_metrics, uauc
+from trainer.metrics.ranking import auc, calibration, logloss, normalized_entropy, task_metrics, uauc
 
 
 def _pairwise_auc(scores, labels):

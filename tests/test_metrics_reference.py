@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics import normalized_entropy, task_metrics, uauc
+from trainer.metrics.ranking import normalized_entropy, task_metrics, uauc
 
 # user 1: the positive outranks both negatives (AUC 1, 3 rows); user 4: a tie (AUC 1/2, 2 rows);
 # user 2 has only negatives and user 3 only positives: both left out.

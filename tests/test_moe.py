@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cli import rankmix, rendezvous_port, spawn
 from dense.layout import InputLayout
-from dense.moe import PerTokenMoE, expert_hidden
+from dense.towers.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
 from trainer.config import ModelConfig, MoEConfig
 from trainer.data.datasets import synth_features

@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.data.movielens import convert_movielens
+from trainer.offline.movielens import convert_movielens
 
 SRC = Path(__file__).resolve().parents[2] / "shared" / "data" / "movielens-100k"
 if not (SRC / "ml-100k.inter").is_file():

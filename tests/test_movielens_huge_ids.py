@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cli import rankmix
-from trainer.data.movielens import convert_movielens
+from trainer.offline.movielens import convert_movielens
 
 USERS, ITEMS, RATINGS = 12, 15, 300
 GENRES = ["Action", "Comedy", "Drama", "Horror", "Romance"]

@@ -13,7 +13,7 @@ import pytest
 from cli import rankmix
 from test_serving import data, rankmixer  # noqa: F401  (fixtures: a short debug run, made once)
 from trainer.data.partitions import PartitionedReader
-from trainer.state import decode_state, encode_state
+from trainer.checkpoint.state import decode_state, encode_state
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:

@@ -32,7 +32,7 @@ def _measure(rank: int, port: int, optimizer: str, data_type: str, managed: bool
     import torch
     import torch.distributed as dist
 
-    from trainer.model import build_model
+    from trainer.ranking_model import build_model
     from embeddings.sharding import local_shards, shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from dense.model import TaskHeads
-from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
+from dense.heads import TaskHeads
+from dense.towers.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import GroupTokenizer, SliceTokenizer
 from test_rankmixer_fast import randomize, ref_block
 from trainer.config_loader import load_config
-from trainer.metrics import logloss
+from trainer.metrics.ranking import logloss
 
 
 @pytest.mark.parametrize("b,t,d,h", [(3, 4, 8, 4), (2, 16, 32, 16), (5, 3, 12, 3), (2, 4, 8, 2), (1, 6, 12, 4)])

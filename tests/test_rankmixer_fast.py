@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dense.rankmixer import RankMixerBlock, RankMixerTower, token_mixing
+from dense.towers.rankmixer import RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import SliceTokenizer
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}

@@ -1,4 +1,4 @@
-"""RankMixer (dense/rankmixer.py) against references outside its code: torch's FLOP
+"""RankMixer (dense/towers/rankmixer.py) against references outside its code: torch's FLOP
 counter and parameter count for `cost()`, autograd for the hand-written backward under
 bf16 autocast, nn.Linear's initial range, and the documented defaults of the blocks."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
+from dense.towers.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
 from dense.tokenizer import SliceTokenizer
 
 T, D = 4, 8

@@ -19,7 +19,7 @@ from trainer.config import TaskSpec  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
-from trainer.data.synth import write_synthetic  # noqa: E402
+from trainer.offline.synth import write_synthetic  # noqa: E402
 
 
 @pytest.fixture(scope="module")

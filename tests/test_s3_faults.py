@@ -193,7 +193,7 @@ def runs_store(store, tmp_path_factory):
     """(config with the synthetic schema, train URI, eval URI) of synthetic logs on the store."""
     from trainer.config_loader import dump_toml, load_config
     from trainer.data.datasets import synth_features
-    from trainer.data.synth import write_synthetic
+    from trainer.offline.synth import write_synthetic
 
     port, _, _ = store
     local = tmp_path_factory.mktemp("synth")

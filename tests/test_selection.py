@@ -17,7 +17,7 @@ from trainer.config import FeatureSpec, TaskSpec
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
-from trainer.selection import BestPoint
+from trainer.checkpoint.selection import BestPoint
 
 
 def test_best_point_follows_the_metric_direction_and_runs_out_of_patience():

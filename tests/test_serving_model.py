@@ -8,9 +8,9 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection
 
-from trainer.hooks import TrainingHooks
-from dense.model import build_dense
-from trainer.model import RankingModel
+from embeddings.hooks import TrainingHooks
+from dense.heads import build_dense
+from trainer.ranking_model import RankingModel
 from dense.towers import TOWERS
 from embeddings.tables import table_configs
 from trainer.config import TOWER_FIELDS, FeatureSpec, TaskSpec

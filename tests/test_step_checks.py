@@ -211,7 +211,7 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
     trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     calls: list = []
     step = [0]
-    device = DeviceTensors(trainer.env.device, [*trainer.model.parameters(), *trainer.model.buffers()])
+    device = DeviceTensors(trainer.env.device, [*trainer.ranking_model.parameters(), *trainer.ranking_model.buffers()])
     train_step = trainer.train_step
 
     def step_counted(batches):  # what follows is attributed to the step it starts
@@ -294,17 +294,17 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from torch.nn.parallel import DistributedDataParallel
 
-    from dense.rankmixer import RankMixerTower
+    from dense.towers.rankmixer import RankMixerTower
     from trainer.dist import shutdown
     from trainer.train import Trainer
 
     trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
-    tower = next(m for m in trainer.model.modules() if isinstance(m, RankMixerTower))
+    tower = next(m for m in trainer.ranking_model.modules() if isinstance(m, RankMixerTower))
     dtypes: list[str] = []
     tower.register_forward_hook(lambda module, inputs, output: dtypes.append(str(output.dtype)))
     batches = trainer.batches()
     losses = [float((trainer.train_step(batches) * trainer.task_weights).sum()) for _ in range(4)]
-    ddp = any(isinstance(m, DistributedDataParallel) for m in trainer.model.modules())
+    ddp = any(isinstance(m, DistributedDataParallel) for m in trainer.ranking_model.modules())
     batches.close()
     trainer.close()
     shutdown()
@@ -343,7 +343,7 @@ def test_sinkhorn_decided_on_the_device_is_bit_for_bit_the_read_back_one(tau, co
     """The GPU's form of the tolerance test (every iteration run, the first within tol kept
     on the device) against the CPU's (read back, stop): the same matrices, iterations and
     gradients, bit for bit, whether it stops early or runs all 50 iterations."""
-    from dense.unimixer import sinkhorn
+    from dense.towers.unimixer import sinkhorn
 
     torch.manual_seed(0)
     logits = torch.randn(6, 8, 8) / tau

@@ -1,4 +1,4 @@
-"""Streaming evaluation and scoring (trainer/streaming_metrics.py): the same figures as the exact
+"""Streaming evaluation and scoring (trainer/metrics/streaming.py): the same figures as the exact
 `task_metrics` at 1 and 2 ranks, on the synthetic log and on MovieLens, the training window's
 figures, and a peak RSS that does not grow with the split."""
 
@@ -13,9 +13,9 @@ import torch
 
 from cli import rankmix, rendezvous_port, spawn
 from test_capacity import pairwise_auc
-from trainer import streaming_metrics
-from trainer.metrics import task_metrics
-from trainer.streaming_metrics import BUCKET_ROWS, SplitMetrics, histogram_auc
+from trainer.metrics import streaming
+from trainer.metrics.ranking import task_metrics
+from trainer.metrics.streaming import BUCKET_ROWS, SplitMetrics, histogram_auc
 
 REPO = Path(__file__).resolve().parents[1]
 MOVIELENS = REPO.parent / "shared" / "data" / "movielens-100k"
@@ -107,7 +107,7 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
 
     trainer = Trainer(load_config(config, args))
     seen = []
-    trainer.model.register_forward_hook(
+    trainer.ranking_model.register_forward_hook(
         lambda module, inputs, logits: seen.append((logits.detach(), inputs[0].labels)) if module.training else None)
     batches = trainer.batches()
     for _ in range(trainer.cfg.train.steps):
@@ -115,11 +115,11 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     batches.close()
     window = trainer.window.compute()
     streamed = trainer.evaluate()  # the pipeline detached, the model in eval mode
-    trainer.model.eval()
+    trainer.ranking_model.eval()
     reader = ParquetReader(trainer.eval_path, trainer.encoder, batch_size=trainer.cfg.data.eval_batch_size,
                            shuffle=False, drop_last=False, rank=rank, world_size=world)
     with torch.no_grad():
-        split = [(trainer.model(b), b.labels, b.users, b.weights) for b in reader]
+        split = [(trainer.ranking_model(b), b.labels, b.users, b.weights) for b in reader]
     last = seen[-trainer.cfg.metrics.window_batches:]
     torch.save({"split": [torch.cat(t) for t in zip(*split)], "window": [torch.cat(t) for t in zip(*last)]},
                f"{out}/{rank}.pt")
@@ -216,7 +216,7 @@ def test_the_window_covers_exactly_its_last_batches():
     rng = np.random.default_rng(3)
     batches = [_window_batch(rng, agree=i >= 4) for i in range(7)]
     model = _Echo()
-    window = streaming_metrics.TrainingWindow(model, TASKS, batches=3)
+    window = streaming.TrainingWindow(model, TASKS, batches=3)
     for batch in batches:
         model(batch)
     model.eval()
@@ -256,7 +256,7 @@ def _peak_worker(rank: int, port: int, command: list[str], out: str) -> None:
     trainer = None
     if command[0] == "evaluate":
         trainer = Trainer(load_config(command[2], command[3:]))
-        trainer.model.eval()
+        trainer.ranking_model.eval()
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
@@ -272,7 +272,7 @@ def _peak_worker(rank: int, port: int, command: list[str], out: str) -> None:
 def big_split(tmp_path_factory) -> Path:
     """A synthetic log, its training file, and folders of 1 and COPIES links to that file
     (COPIES x SPLIT_ROWS rows), plus a one-step run of it whose checkpoint scores."""
-    from trainer.data.synth import write_synthetic
+    from trainer.offline.synth import write_synthetic
 
     root = tmp_path_factory.mktemp("big")
     write_synthetic(root / "log", rows=110_000, files=1, seed=0)

@@ -1,4 +1,4 @@
-"""Tests for the synthetic ranking-log writer (trainer.data.synth)."""
+"""Tests for the synthetic ranking-log writer (trainer.offline.synth)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.data.synth import _build_teacher, write_synthetic
+from trainer.offline.synth import _build_teacher, write_synthetic
 
 ROWS = 20_000
 NUM_USERS = 5_000

@@ -46,7 +46,7 @@ def _training_side(rank: int, port: int, out: str) -> None:
 
     from embeddings.sharding import build_plan
     from trainer.dist import job_cluster
-    from trainer.model import build_model
+    from trainer.ranking_model import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -9,9 +9,9 @@ import torch
 
 from cli import rankmix
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
-from trainer.hooks import TrainingHooks
+from embeddings.hooks import TrainingHooks
 from dense.layout import InputLayout
-from dense.model import TaskHeads, build_dense
+from dense.heads import TaskHeads, build_dense
 from dense.towers import TOWERS, build_tower
 from trainer.config import DCNv2Config, MLPConfig, ModelConfig, MoEConfig
 from trainer.config_loader import load_config

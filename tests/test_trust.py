@@ -1,5 +1,5 @@
 """Loading a checkpoint, a best-weights folder or a pt2 artifact never runs code from it
-(trainer/safe_load.py), and one run holds a run folder at a time (trainer/run_folder.py).
+(trainer/checkpoint/safe_load.py), and one run holds a run folder at a time (trainer/checkpoint/run_folder.py).
 
 Each planted file carries a pickle whose loading runs `touch MARKER`: the test checks that
 the command refuses it in one line naming the file, and that the marker was never made."""
@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from cli import rankmix
-from trainer import checkpoint
-from trainer.files import swap_folder, write_atomic
-from trainer.run_folder import LOCK_FILE, RunLock
-from trainer.safe_load import UnsafeFileError
-from trainer.state import decode_state, encode_state
+from trainer.checkpoint import manager
+from trainer.checkpoint.files import swap_folder, write_atomic
+from trainer.checkpoint.run_folder import LOCK_FILE, RunLock
+from trainer.checkpoint.safe_load import UnsafeFileError
+from trainer.checkpoint.state import decode_state, encode_state
 
 TRAIN = ["--config", "configs/debug.toml", "--metrics.progress=false", "--metrics.tensorboard=false",
          "--train.steps=4", "--checkpoint.interval=2"]
@@ -106,7 +106,7 @@ def test_storage_outside_the_checkpoint_is_refused(run, tmp_path):
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(UnsafeFileError, match=r"\.metadata: refused: it names '\.\./\.\./\.\./\.\./etc/passwd', "
                                               r"which is not a file inside"):
-        checkpoint.model_tensors(step)
+        manager.model_tensors(step)
 
 
 def test_planted_best_weights_are_refused(run, tmp_path):
@@ -116,7 +116,7 @@ def test_planted_best_weights_are_refused(run, tmp_path):
     (best / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     swap_folder(tmp_path / "best", best)
     with pytest.raises(UnsafeFileError, match=r"refused to load: it names posix.system"):
-        checkpoint.load(tmp_path / "best", {"model": {}})
+        manager.load(tmp_path / "best", {"model": {}})
     assert not marker.exists()
 
 

@@ -10,9 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import cli
 from dense.layout import InputLayout
-from dense.rankmixer import token_mixing
+from dense.towers.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
+from dense.towers.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
 from test_checkpoint import losses
 from test_train import assert_loss_falls
 from trainer.config import ModelConfig, UniMixerConfig

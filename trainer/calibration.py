@@ -6,10 +6,10 @@ each task's logit, fitted after training by maximum likelihood on the validation
 `bias` fits b in sigmoid(z + b), `platt` fits a and b in sigmoid(a z + b) (Platt scaling;
 a is an inverse temperature). Either makes the mean prediction equal the validation click
 rate (the likelihood's gradient in b is sum(p) - positives), and with a > 0 neither changes
-an AUC. The map lives in the heads (dense/model.py TaskHeads.calibration_a, _b), so checkpoints,
+an AUC. The map lives in the heads (dense/heads.py TaskHeads.calibration_a, _b), so checkpoints,
 scoring and serving artifacts carry it.
 
-The fit reads the validation split's logit histogram (trainer/streaming_metrics.py: 2^20
+The fit reads the validation split's logit histogram (trainer/metrics/streaming.py: 2^20
 bins of 3e-5 over +-16), not its rows: fixed memory at any split size, and at that bin width
 the bin centres stand in for the logits to well under 1e-4 of the log loss.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dense.model import TaskHeads
-from trainer.streaming_metrics import LOGIT_RANGE
+from dense.heads import TaskHeads
+from trainer.metrics.streaming import LOGIT_RANGE
 
 NEWTON_STEPS = 50
 """Newton steps at most; the log loss is convex in (a, b), and 10-20 reach float64 precision."""

@@ -303,7 +303,7 @@ TOWER_FIELDS: dict[str, TowerFields] = {
     "mlp": TowerFields(("mlp",), tokens=False),
     "dcnv2": TowerFields(("mlp", "dcnv2"), tokens=False),
 }
-"""Each registered tower (dense/towers.py registers exactly these names) -> the fields it reads."""
+"""Each registered tower (dense/towers/__init__.py registers exactly these names) -> the fields it reads."""
 assert set(TOWER_FIELDS) == set(get_args(Tower))
 TOKEN_FIELDS = ("tokenizer", "num_tokens", "tokenizer_bias", "token_dim", "hidden_dim", "num_layers", "ffn_ratio")
 """The [model] fields that only token towers (TowerFields.tokens) read."""

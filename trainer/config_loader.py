@@ -29,7 +29,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
 
 from trainer.config import (MAX_BATCH_ROWS, RECIPES, SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec,
                             managed_tables, unused_feature_fields, unused_model_fields, unused_run_fields)
-from trainer.files import write_atomic
+from trainer.checkpoint.files import write_atomic
 
 
 

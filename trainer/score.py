@@ -22,17 +22,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trainer.hooks import TrainingHooks
-from trainer.model import build_model
+from embeddings.hooks import TrainingHooks
+from trainer.ranking_model import build_model
 from embeddings.sharding import shard_model
-from trainer import checkpoint
+from trainer.checkpoint import manager
 from trainer.config import MAX_BATCH_ROWS, Config
 from trainer.data.encode import RowEncoder
 from trainer.data.batch import Batch
 from trainer.data.reader import _reason, resolve_files
 from trainer.dist import DistEnv, init_distributed
-from trainer.state import ModelState, apply_trained_step
-from trainer.streaming_metrics import SplitMetrics
+from trainer.checkpoint.state import ModelState, apply_trained_step
+from trainer.metrics.streaming import SplitMetrics
 
 
 def _output_paths(fs, files: list[str], out: str) -> list[Path]:
@@ -70,12 +70,12 @@ class CheckpointModel:
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
-        source = checkpoint.resolve_load_path(checkpoint_path, "--checkpoint")
-        checkpoint.require_saved_world_size(cfg.features, source, 1, advice=(
+        source = manager.resolve_load_path(checkpoint_path, "--checkpoint")
+        manager.require_saved_world_size(cfg.features, source, 1, advice=(
             f"; its serving artifact keeps every rank's map: rankmix export --checkpoint {checkpoint_path} "
             "--out DIR, then rankmix score --model DIR"))
-        checkpoint.load(source, {"model": ModelState(self.model)})
-        apply_trained_step(self.model, checkpoint.trained_step(source))
+        manager.load(source, {"model": ModelState(self.model)})
+        apply_trained_step(self.model, manager.trained_step(source))
         self.model.eval()
 
     def predict(self, table: pa.Table, encoder: RowEncoder, where: str) -> tuple[torch.Tensor, torch.Tensor, Batch]:

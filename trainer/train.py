@@ -19,8 +19,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dense.cost import measure_cost, mfu, peak_flops
-from trainer.hooks import TrainingHooks
-from trainer.model import build_model
+from embeddings.hooks import TrainingHooks
+from trainer.ranking_model import build_model
 from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
 from trainer.config import Config
@@ -32,21 +32,21 @@ from trainer.data.partitions import PartitionedReader, ProgressiveMetrics
 from trainer.data.reader import ParquetReader
 from trainer.dist import (DistEnv, init_distributed, job_cluster, raise_on_every_rank, reduce_gradients_in_fixed_order,
                           side_group)
-from trainer.files import write_atomic
-from trainer import checkpoint
-from trainer.checkpoint import CheckpointManager, resolve_load_path
-from trainer.metric_logger import MetricLogger, StepMeter
-from trainer.streaming_metrics import TrainingWindow
+from trainer.checkpoint.files import write_atomic
+from trainer.checkpoint import manager
+from trainer.checkpoint.manager import CheckpointManager, resolve_load_path
+from trainer.metrics.logger import MetricLogger, StepMeter
+from trainer.metrics.streaming import TrainingWindow
 from trainer.pipeline import CheckedSparseDistPipeline
 from trainer.credentials import redact_uri
 from trainer.errors import Interrupted, NonFiniteLossError
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags, StopSignal
-from trainer.run_folder import RunLocks
+from trainer.checkpoint.run_folder import RunLocks
 from trainer.calibration import calibrate_heads, reset_heads
-from trainer.evaluation import Evaluator
-from trainer.selection import ModelSelection
+from trainer.metrics.evaluation import Evaluator
+from trainer.checkpoint.selection import ModelSelection
 from trainer.serving.publish import Publisher
-from trainer.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
+from trainer.checkpoint.state import (LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState,
                            TrainedPosition)
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
@@ -110,7 +110,7 @@ class Trainer:
                           **self.valid_split[1], **self._retries())
         self.selection = ModelSelection(cfg, self.run_dir)
         self.model = self._build_model()
-        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (trainer/hooks.py)
+        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (embeddings/hooks.py)
         self.evaluator = Evaluator(self.model, self.encoder, cfg, self.env, self.hooks, self._retries())
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(
             self.env.device, autocast_dtype(cfg.train.mixed_precision, self.env.device) or torch.float32)
@@ -549,7 +549,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Metrics over the validation split, logged as `valid`; the best so far keeps its
-        weights in <run_dir>/best (trainer/selection.py::ModelSelection)."""
+        weights in <run_dir>/best (trainer/checkpoint/selection.py::ModelSelection)."""
         self.check()  # before the best weights are saved
         path, split = self.valid_split
         metrics = self._metrics_on(path, **split)
@@ -586,7 +586,7 @@ class Trainer:
         self.logger.write("calibrated on the validation split: "
                           + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(tasks, fitted)))
         if self.selection.keep_weights and self.selection.best.step:  # the run ends on the best weights
-            checkpoint.save_weights(self.selection.folder, {"model": self.checkpoint_parts["model"], "trainer": {
+            manager.save_weights(self.selection.folder, {"model": self.checkpoint_parts["model"], "trainer": {
                 "step": self.selection.best.step, "world_size": self.env.world_size}},
                 self.selection.best.step, tag=".calibrated")
         return {**{f"uncalibrated/{k}": before[k] for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
@@ -652,12 +652,12 @@ class Trainer:
 
     def load_checkpoint(self, path: Path, full: bool) -> None:
         """Load `path` into this run: weights only, or the whole training state (collective)."""
-        checkpoint.require_saved_world_size(self.cfg.features, path, self.env.world_size)
+        manager.require_saved_world_size(self.cfg.features, path, self.env.world_size)
         if not full:
-            checkpoint.load(path, {"model": self.checkpoint_parts["model"]})
+            manager.load(path, {"model": self.checkpoint_parts["model"]})
             self.logger.write(f"initialised weights from {path}")
             return
-        checkpoint.load(path, self.checkpoint_parts)
+        manager.load(path, self.checkpoint_parts)
         self.logger.write(f"resumed from {path} at step {self.step}")
 
 

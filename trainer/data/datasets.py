@@ -16,11 +16,11 @@ from typing import NamedTuple, get_args
 import torch.distributed as dist
 
 from trainer.config import Config, FeatureSpec, SynthTeacherName
-from trainer.data import capacity as capacity_data
-from trainer.data import synth as synth_data
-from trainer.data.movielens import convert_movielens
+from trainer.offline import capacity as capacity_data
+from trainer.offline import synth as synth_data
+from trainer.offline.movielens import convert_movielens
 from trainer.dist import side_group
-from trainer.registry import Registry
+from embeddings.registry import Registry
 
 
 @dataclass
@@ -96,8 +96,8 @@ assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher pe
 
 @DATASETS.register("synth")
 def synth(cfg: Config) -> DatasetFiles:
-    """Synthetic logs with a hidden teacher (data.synth_teacher: trainer/data/synth.py or
-    trainer/data/capacity.py), generated on first use."""
+    """Synthetic logs with a hidden teacher (data.synth_teacher: trainer/offline/synth.py or
+    trainer/offline/capacity.py), generated on first use."""
     teacher = SYNTH_TEACHERS[cfg.data.synth_teacher]
     rows, seed = cfg.data.synth_rows, cfg.train.seed
     folder = _prepared(Path(cfg.data.cache_dir) / f"{teacher.cache_prefix}-{rows}-seed{seed}",
@@ -107,7 +107,7 @@ def synth(cfg: Config) -> DatasetFiles:
 
 @DATASETS.register("movielens")
 def movielens(cfg: Config) -> DatasetFiles:
-    """MovieLens-100K converted from data.source_dir on first use (trainer/data/movielens.py)."""
+    """MovieLens-100K converted from data.source_dir on first use (trainer/offline/movielens.py)."""
     if not cfg.data.source_dir:
         raise ValueError("data.source_dir is empty: the movielens dataset needs the ml-100k folder")
     if not cfg.features:

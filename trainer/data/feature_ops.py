@@ -1,6 +1,6 @@
 """Feature operations, each defined once with its NumPy form (the reader,
 trainer/data/encode.py and ids.py) and its torch form (the serving artifact,
-trainer/serving/model.py) side by side, so the two cannot drift apart. The reader, serving
+trainer/serving/served_model.py) side by side, so the two cannot drift apart. The reader, serving
 and the tests enumerate `TRANSFORMS` and `HASHINGS`; their keys are the choices of
 `features.*.transform` and `features.*.hashing` (trainer/config.py).
 

@@ -44,7 +44,7 @@ from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
 from trainer.data.reader import EpochRows, ParquetReader, _open_store, file_change
 from trainer.dist import side_group
-from trainer.streaming_metrics import SplitMetrics
+from trainer.metrics.streaming import SplitMetrics
 
 log = logging.getLogger("rankmix.data")
 

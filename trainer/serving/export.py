@@ -7,7 +7,7 @@
     DIR/example_inputs.pt      a small batch: {"ids", "lengths", "numeric"}
     DIR/example_outputs.pt     its probabilities [B, K]
 
-The checkpoint's sharded tables are read whole (`checkpoint.model_tensors`, whatever plan and
+The checkpoint's sharded tables are read whole (`manager.model_tensors`, whatever plan and
 world size saved them) into one plain EmbeddingBagCollection, which TorchRec's
 `quantize_embeddings` turns into fp16, int8 or int4 tables when asked.
 """
@@ -31,17 +31,17 @@ from torch.export import Dim
 from torchrec import EmbeddingBagCollection
 from torchrec.inference.modules import quantize_embeddings
 
-from trainer.hooks import serving_form
-from dense.model import build_dense
+from embeddings.hooks import serving_form
+from dense.heads import build_dense
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs
-from trainer.checkpoint import model_tensors, resolve_load_path, trained_step
+from trainer.checkpoint.manager import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
-from trainer.safe_load import UnsafeFileError, inside, load_pt2
-from trainer.serving.model import ManagedRows, ServingModel
+from trainer.checkpoint.safe_load import UnsafeFileError, inside, load_pt2
+from trainer.serving.served_model import ManagedRows, ServingModel
 from trainer.serving.readme import write_readme
-from trainer.state import apply_trained_step
+from trainer.checkpoint.state import apply_trained_step
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
@@ -249,7 +249,7 @@ def needs_fbgemm(program, fmt: str) -> bool:
 def load(folder: str | Path) -> tuple[nn.Module, dict]:
     """(the artifact's model, its manifest), loaded as a server would: torch alone, plus
     FBGEMM's operators when the manifest says it needs them. A pt2 artifact is read as data
-    (trainer/safe_load.py); a TorchScript one is a program (README, Trust)."""
+    (trainer/checkpoint/safe_load.py); a TorchScript one is a program (README, Trust)."""
     folder = Path(folder)
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():

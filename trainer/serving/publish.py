@@ -43,11 +43,11 @@ from torchrec.distributed.model_tracker.types import Trackers
 from torchrec.distributed.types import ShardingPlan
 
 from embeddings.managed import served_tables
-from trainer.checkpoint import model_tensors, save_weights
+from trainer.checkpoint.manager import model_tensors, save_weights
 from trainer.config import ArtifactFormat, Config, ServedTables
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
-from trainer.safe_load import first_line
+from trainer.checkpoint.safe_load import first_line
 from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out_folder, saved, served_model,
                                     write_artifact)
 

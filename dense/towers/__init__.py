@@ -7,14 +7,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dense.baselines import ABLATIONS, MLP, DCNv2, ablation_tower
+from dense.towers.baselines import ABLATIONS, MLP, DCNv2, ablation_tower
 from dense.layout import InputLayout
-from dense.moe import PerTokenMoE, RankMixerMoETower, expert_hidden
-from dense.rankmixer import RankMixerTower
+from dense.towers.moe import PerTokenMoE, RankMixerMoETower, expert_hidden
+from dense.towers.rankmixer import RankMixerTower
 from dense.tokenizer import build_tokenizer
-from dense.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
+from dense.towers.unimixer import UniMixerBlock, UniMixerTower, UniMixing, UniMixingLite
 from trainer.config import ModelConfig
-from trainer.registry import Registry
+from embeddings.registry import Registry
 
 TOWERS: Registry[Callable[[ModelConfig, InputLayout], nn.Module]] = Registry("model.tower")
 
@@ -96,7 +96,7 @@ def dcnv2(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
 
 
 def _register_ablation(kind: str) -> None:
-    """RankMixer with one piece swapped out (dense/baselines.py), under the name `kind`."""
+    """RankMixer with one piece swapped out (dense/towers/baselines.py), under the name `kind`."""
 
     @TOWERS.register(kind)
     def build(cfg: ModelConfig, layout: InputLayout) -> nn.Module:

@@ -50,7 +50,7 @@ def uauc(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> float:
 
 def uauc_sums(scores: np.ndarray, labels: np.ndarray, users: np.ndarray) -> tuple[float, float]:
     """(sum of per-user AUC x impressions, impressions) over users with both classes, so that
-    disjoint sets of users add up (trainer/streaming_metrics.py).
+    disjoint sets of users add up (trainer/metrics/streaming.py).
 
     Vectorised rank-sum (Mann-Whitney) form with tied scores given their average rank,
     so it scales to millions of users.

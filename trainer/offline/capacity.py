@@ -180,6 +180,6 @@ def _rows(teacher: _Teacher, seed: int, lo: int, hi: int, row_group_size: int):
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     # on use: torchmetrics takes 0.5 s to import, and datasets.py and `rankmix sweep` read this module's schema only
-    from trainer.metrics import auc
+    from trainer.metrics.ranking import auc
 
     return auc(torch.from_numpy(scores), torch.from_numpy(labels))

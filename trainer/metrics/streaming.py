@@ -3,7 +3,7 @@ windowed metrics").
 
 AUC comes from per-label histograms of the logit over a fixed grid, logloss, NE and
 calibration from exact float64 running sums, UAUC from (user, score, label) rows spilled to
-disk in hash buckets of users and read back one bucket at a time. `trainer/metrics.py`'s
+disk in hash buckets of users and read back one bucket at a time. `trainer/metrics/ranking.py`'s
 `task_metrics` stays the exact reference these are tested against.
 
 AUC error bound: the histogram counts a positive-negative pair whose logits share a bin as
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.metrics import base_rate_entropy, uauc_sums
+from trainer.metrics.ranking import base_rate_entropy, uauc_sums
 
 LOGIT_RANGE = 16.0
 """The histograms' grid covers logits in [-LOGIT_RANGE, LOGIT_RANGE]."""
@@ -52,7 +52,7 @@ def _codes(logits: torch.Tensor, labels: torch.Tensor, bins: int) -> torch.Tenso
 
 def _sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[B, K] -> [K, 4] float64: rows, positives, sum of probabilities, sum of log losses
-    (the same float64 log loss as `trainer.metrics.logloss`)."""
+    (the same float64 log loss as `trainer.metrics.ranking.logloss`)."""
     # A non-finite logit is the step checks' to report (trainer/lifecycle.py StepFlags); BCE
     # would refuse it here, on CUDA by a device-side assert, before they could.
     probs, y = torch.sigmoid(logits.double()).nan_to_num(0.5), labels.double()

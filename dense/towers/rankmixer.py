@@ -147,7 +147,7 @@ class RankMixerBlock(nn.Module):
     The per-token FFN is pluggable: any module with `forward_tm(s)` and `residual_tm(s)`
     (token-major FFN(s) and s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters,
     FLOPs per sample). The default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE
-    (dense/moe.py) is another. `dropout` drops FFN outputs before the residual add.
+    (dense/towers/moe.py) is another. `dropout` drops FFN outputs before the residual add.
     """
 
     def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None,

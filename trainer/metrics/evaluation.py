@@ -8,12 +8,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.hooks import TrainingHooks
+from embeddings.hooks import TrainingHooks
 from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv
-from trainer.streaming_metrics import SplitMetrics
+from trainer.metrics.streaming import SplitMetrics
 
 
 class Evaluator:

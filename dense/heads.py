@@ -1,6 +1,6 @@
 """The dense side of the model: e_input [B, E] -> tower -> task heads -> logits [B, K].
 
-The whole model, tables included, is `trainer/model.py::RankingModel`."""
+The whole model, tables included, is `trainer/ranking_model.py::RankingModel`."""
 
 from __future__ import annotations
 

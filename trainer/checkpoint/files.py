@@ -39,7 +39,7 @@ def swap_folder(link: Path, new: Path) -> None:
 def check_swap(link: Path, new: Path) -> str | None:
     """The sibling folder `link` points at (None when `link` is no link), once `swap_folder` may
     replace it by `new`; else a ValueError naming what is not rankmix's, before anything is written
-    or deleted. Both are siblings named `<link>.step-<N>[.<tag>]`, as checkpoint.save_weights names
+    or deleted. Both are siblings named `<link>.step-<N>[.<tag>]`, as manager.save_weights names
     them, and plain folders (or, `new`, not yet there). A real folder at `link` holding a DCP save
     (`.metadata`), how `best` was written before it became a link, may be replaced; any other
     folder, a file, or a link of another shape (planted, pointing anywhere) may not."""

@@ -5,7 +5,7 @@ Each line: label, 13 integer features (may be empty or negative), 26 categorical
 int64, `I1..I13` float64 (null when empty), `C1..C26` int64 (the hash as an unsigned
 32-bit value; null when empty). A row whose label is not 0/1, whose integer feature is
 not a number, whose categorical is not hex, or with a field count other than 40 is
-malformed: left out, counted and reported (trainer/data/csvlog.py has the streaming,
+malformed: left out, counted and reported (trainer/offline/csvlog.py has the streaming,
 parallel and resumable machinery).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from trainer.data.csvlog import (DEFAULT_BLOCK, DEFAULT_ROW_GROUP, Checked, convert_files, hex_column,
+from trainer.offline.csvlog import (DEFAULT_BLOCK, DEFAULT_ROW_GROUP, Checked, convert_files, hex_column,
                                  label_column, number_column)
 
 __all__ = ["INT_COLUMNS", "CAT_COLUMNS", "SCHEMA", "CriteoLayout", "convert_criteo"]

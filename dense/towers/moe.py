@@ -27,8 +27,8 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn import functional as F
 
-from trainer.hooks import HookProvider, ServingForm, TrainingHooks
-from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
+from embeddings.hooks import HookProvider, ServingForm, TrainingHooks
+from dense.towers.rankmixer import RankMixerTower, in_dtype, uniform_init
 
 
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
@@ -320,7 +320,7 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
     """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
     e_input [B, E_in] -> [B, D].
 
-    Training hooks (trainer/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
+    Training hooks (embeddings/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
     every layer's lambda after each optimizer step, `log_values()` gives the routing
     statistics for TensorBoard.
     """

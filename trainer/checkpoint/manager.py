@@ -1,7 +1,7 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), exact resume, retention.
 
 A checkpoint is `<dir>/step-N/`, written by DCP from a dict of named parts, each a
-Stateful component (the parts of a training run are listed in trainer/state.py).
+Stateful component (the parts of a training run are listed in trainer/checkpoint/state.py).
 
 DCP writes `.metadata` last, after every rank's data: a folder without it is incomplete
 (killed mid-save) and is never loaded. DCP reshards on load, so a checkpoint loads into
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import CheckpointException, Metadata, TensorSt
 
 from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
 from trainer.dist import gloo_group, side_group
-from trainer.files import swap_folder
-from trainer.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
+from trainer.checkpoint.files import swap_folder
+from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
 
 PREFIX = "step-"
 
@@ -215,7 +215,7 @@ def _trainer_value(path: Path, key: str) -> int:
 
 
 def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
-    """dcp.load through rankmix's safe reader and planner (trainer/safe_load.py): nothing
+    """dcp.load through rankmix's safe reader and planner (trainer/checkpoint/safe_load.py): nothing
     in `path` is unpickled unchecked. A refused file is reported as itself."""
     try:
         dcp.load(parts, storage_reader=SafeReader(str(path), metadata), planner=LoadPlanner(),
@@ -228,7 +228,7 @@ def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
 
 
 def load(path: Path, parts: dict[str, Any]) -> None:
-    """Load `parts` (state dicts, or Stateful components, see trainer/state.py) in place from
+    """Load `parts` (state dicts, or Stateful components, see trainer/checkpoint/state.py) in place from
     the DCP checkpoint at `path` (collective). A part that cannot take up its saved state
     raises ValueError, reported here with the checkpoint's path."""
     metadata = read_metadata(path)  # a refused or unreadable file is one line on every rank, before any collective

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import checkpoint
+from trainer.checkpoint import manager
 from trainer.config import Config
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False}
@@ -83,14 +83,14 @@ class ModelSelection:
         """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
         improved = self.best.update({k: v for k, v in metrics.items() if "/" not in k}, step, epochs)
         if improved and self.keep_weights:
-            checkpoint.save_weights(self.folder, weights, step)
+            manager.save_weights(self.folder, weights, step)
         return improved
 
     def restore(self, weights: dict, step: int) -> str | None:
         """Load the best validation's weights unless they are those of `step`; what was done."""
         if not self.keep_weights or self.best.step in (0, step):
             return None
-        checkpoint.load(self.folder, weights)
+        manager.load(self.folder, weights)
         self.restored = True
         return (f"restored the weights of step {self.best.step}, the best validation "
                 f"({self.best.metric} {self.best.value:.5f})")

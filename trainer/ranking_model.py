@@ -12,7 +12,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection
 
 from dense.layout import InputLayout
-from dense.model import TaskHeads, build_dense
+from dense.heads import TaskHeads, build_dense
 from embeddings.managed import build_managed_bags
 from embeddings.tables import build_embedding_bags
 from trainer.config import Config

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from trainer.hooks import TrainingHooks
+from embeddings.hooks import TrainingHooks
 from trainer.data.reader import ParquetReader
 from trainer.dist import side_group
 

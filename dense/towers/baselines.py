@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dense.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
+from dense.towers.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
 from dense.tokenizer import build_tokenizer
 
 

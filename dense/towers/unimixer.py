@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from trainer.hooks import HookProvider, ServingForm, TrainingHooks
-from dense.rankmixer import in_dtype, uniform_init
+from embeddings.hooks import HookProvider, ServingForm, TrainingHooks
+from dense.towers.rankmixer import in_dtype, uniform_init
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0,

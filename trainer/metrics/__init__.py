@@ -1,0 +1,1 @@
+"""Metrics: ranking formulas, streaming split and window metrics, evaluation, progressive metrics, logging."""
