@@ -37,7 +37,7 @@ from convert import SAMPLE, bench_converter, make_tsv  # noqa: E402  (bench/conv
 def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3) -> dict:
     import pyarrow.parquet as pq
 
-    from trainer.config import TaskSpec
+    from dense.model_config import TaskSpec
     from trainer.data.datasets import synth_features
     from trainer.data.encode import RowEncoder
     from trainer.data.reader import ParquetReader

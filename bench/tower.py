@@ -43,10 +43,12 @@ from torch.utils.flop_counter import FlopCounterMode
 # The repository, for a machine where it is not installed (python3 bench/tower.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embeddings.hooks import TrainingHooks  # noqa: E402
 from dense.layout import InputLayout  # noqa: E402
-from dense.towers import TOWERS, build_tower  # noqa: E402
-from trainer.config import FeatureSpec, ModelConfig  # noqa: E402
+from dense.model_config import ModelConfig  # noqa: E402
+from dense.tower_registry import TOWERS  # noqa: E402
+from dense.towers import build_tower  # noqa: E402
+from embeddings.features import FeatureSpec  # noqa: E402
+from embeddings.hooks import TrainingHooks  # noqa: E402
 from trainer.dist import tune_malloc  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device name.

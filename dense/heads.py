@@ -13,7 +13,8 @@ from dense.layout import InputLayout
 from dense.towers import build_tower
 
 if TYPE_CHECKING:
-    from trainer.config import FeatureSpec, ModelConfig
+    from dense.model_config import ModelConfig
+    from embeddings.features import FeatureSpec
 
 
 class TaskHeads(nn.Module):

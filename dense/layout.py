@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import FeatureSpec
+from embeddings.features import FeatureSpec
 
 
 @dataclass(frozen=True)

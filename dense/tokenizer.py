@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from trainer.config import ModelConfig
+    from dense.model_config import ModelConfig
 
 
 class SliceTokenizer(nn.Module):
@@ -20,7 +20,7 @@ class SliceTokenizer(nn.Module):
     since features would be dropped.
     """
 
-    def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = "uniform"):
+    def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str):
         super().__init__()
         self.input_dim, self.num_tokens = input_dim, num_tokens
         self.token_dim = token_dim or math.ceil(input_dim / num_tokens)
@@ -53,7 +53,7 @@ class SliceTokenizer(nn.Module):
 class GroupTokenizer(nn.Module):
     """One token per semantic group, each projected by its own Linear(E_g, D)."""
 
-    def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "uniform"):
+    def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str):
         super().__init__()
         self.group_widths = list(group_widths)
         self.proj = nn.ModuleList(nn.Linear(w, hidden_dim) for w in group_widths)

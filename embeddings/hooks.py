@@ -43,18 +43,3 @@ class HookProvider:
 
     def register_hooks(self, hooks: TrainingHooks) -> None:
         raise NotImplementedError
-
-
-class ServingForm:
-    """Mixin for towers whose evaluation forward does not trace into a serving artifact
-    as it is (torch.export, torch.fx): `serving_form` gives a module (a new one, or the tower
-    itself set up for serving) that computes the same in evaluation mode and traces."""
-
-    def serving_form(self) -> nn.Module:
-        raise NotImplementedError
-
-
-def serving_form(tower: nn.Module) -> nn.Module:
-    """`tower` as it is served: its `ServingForm`, or itself, in evaluation mode."""
-    tower.eval()
-    return tower.serving_form().eval() if isinstance(tower, ServingForm) else tower

@@ -18,7 +18,8 @@ from embeddings.hooks import HookProvider, TrainingHooks
 from embeddings.tables import FUSED, fuse_optimizer, tables_of
 from embeddings.torchrec_compat import (FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_ROWS, MCH_SEGMENTS, MCH_SORTED_IDS,
                                         CountingMCH, ManagedTablesSharder, mc_table_configs)
-from trainer.config import MANAGED_ID_RANGE, EmbeddingsConfig, FeatureSpec
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
+from embeddings.sparse_config import EmbeddingsConfig
 
 EVICTION_POLICIES = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}  # features.*.eviction_policy
 

@@ -1,15 +1,18 @@
-"""Name -> builder tables, so that configs choose towers, plans and datasets by name."""
+"""Name -> builder tables, so that configs choose towers, plans and datasets by name.
+
+The lowest floor that registers by name (sharding plans) holds the base; dense/ (towers) and
+trainer/ (datasets) use it from here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-T = TypeVar("T", bound=Callable)
+T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Builders registered under names; `option` is the config key that picks one."""
+    """Builders (or specs of them) registered under names; `option` is the config key that picks one."""
 
     def __init__(self, option: str):
         self.option = option

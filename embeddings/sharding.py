@@ -31,7 +31,7 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCo
 from embeddings.managed import managed_modules, managed_plans
 from embeddings.tables import FUSED
 from embeddings.torchrec_compat import ManagedTablesSharder, ReplicateAcrossRanks
-from trainer.config import EmbeddingsConfig
+from embeddings.sparse_config import EmbeddingsConfig
 from embeddings.registry import Registry
 
 

@@ -8,7 +8,8 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from trainer.config import EmbeddingsConfig, FeatureSpec, managed_tables
+from embeddings.features import FeatureSpec, managed_tables
+from embeddings.sparse_config import EmbeddingsConfig
 
 FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}

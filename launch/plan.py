@@ -36,7 +36,8 @@ from embeddings.managed import build_managed_bags, managed_plans
 from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
-from trainer.config import Config, EmbeddingsConfig
+from embeddings.sparse_config import EmbeddingsConfig
+from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS

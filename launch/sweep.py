@@ -202,7 +202,7 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     # on use: torch, which `rankmix sweep --help` and the grid's errors do without (0.3 s, not 4)
     from torch import nn
     from dense.heads import build_dense
-    from dense.towers import TOWERS
+    from dense.tower_registry import TOWERS
     from trainer.data.datasets import SYNTH_TEACHERS
 
     features = cfg.features

@@ -78,9 +78,9 @@ MODULES = {
     "calibration": Target("trainer/calibration.py", ("tests/test_calibration.py",), ("fit_affine",)),
     "tokenizer": Target("dense/tokenizer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
                                                "tests/test_tokenizer_reference.py")),
-    "rankmixer": Target("dense/towers/rankmixer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
+    "rankmixer": Target("dense/rankmixer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
                                                "tests/test_rankmixer_reference.py")),
-    "moe": Target("dense/towers/moe.py", ("tests/test_moe.py", "tests/test_moe_reference.py"), (
+    "moe": Target("dense/moe.py", ("tests/test_moe.py", "tests/test_moe_reference.py"), (
         "PerTokenMoE.gates", "PerTokenMoE.expert", "PerTokenMoE.experts", "PerTokenMoE.combine",
         "PerTokenMoE.forward_tm", "PerTokenMoE.residual_tm", "PerTokenMoE._train_inference_router",
         "PerTokenMoE._dispatch_per_expert", "PerTokenMoE.adapt", "_expert_outputs", "_per_expert",
@@ -101,7 +101,6 @@ _ZERO_COPY_NONE = "zero_copy_only=None is falsy, as False"
 _ZERO_COPY = "the array has no nulls there, and a numeric array without nulls converts without a copy either way"
 _NAN = "float() reads 'NAN' as 'nan'"
 _FLOAT64 = "astype(None) is astype(float64)"
-_BIAS_INIT = "only bias_init='zero' is acted on; any other default draws uniform biases"
 _INFER = "gates() takes every router name but 'train' for the inference router"
 _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list or table of the config "
                  "holds plain strings (their items are Literals or ints)")
@@ -181,31 +180,21 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.metrics.ranking.x_uauc_sums", "count = np.bincount(uid).astype(None)", _FLOAT64),
     ("trainer.metrics.ranking.x_uauc_sums", "tie_start = user_start | np.r_[False, s[1:] != s[:-1]]",
      "the first row starts a user, so user_start already sets the first element"),
-    ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1__init__",
-     'def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "XXuniformXX"):', _BIAS_INIT),
-    ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1__init__",
-     'def __init__(self, group_widths: list[int], hidden_dim: int, bias_init: str = "UNIFORM"):', _BIAS_INIT),
-    ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1__init__",
-     'def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = '
-     '"XXuniformXX"):', _BIAS_INIT),
-    ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1__init__",
-     'def __init__(self, input_dim: int, num_tokens: int, token_dim: int, hidden_dim: int, bias_init: str = '
-     '"UNIFORM"):', _BIAS_INIT),
     ("dense.tokenizer.x\u01c1GroupTokenizer\u01c1forward_tm",
      "return torch.stack([p(groups[i]) for i, p in enumerate(self.proj)], )", "torch.stack's default is dim=0"),
     ("dense.tokenizer.x\u01c1SliceTokenizer\u01c1forward_tm",
      "slices = nn.functional.pad(e_input, (0, pad)) if (pad) or True else e_input", "padding by 0 is a copy"),
-    ("dense.towers.rankmixer.x\u01c1RankMixerBlock\u01c1__init__",
+    ("dense.rankmixer.x\u01c1RankMixerBlock\u01c1__init__",
      "self.dropout = nn.Dropout(dropout) if (dropout) or True else None",
      "Dropout(0) is the identity: the same function through the unfused residual (slower, rounded in "
      "another order)"),
-    ("dense.towers.rankmixer.x\u01c1RankMixerTower\u01c1__init__",
-     "self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, None, ffn() if ffn else PerTokenFFN(t, dim, ratio),",
-     "the block reads ratio only when it is given no FFN, and the tower always gives one"),
-    ("dense.towers.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), None)', _INFER),
-    ("dense.towers.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "XXinferXX")',
+    ("dense.rankmixer.x\u01c1RankMixerTower\u01c1__init__",
+     "self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, None, ffn() if ffn else dense(), norm=norm,",
+     "the block reads ffn_ratio only when it is given no FFN, and the tower always gives one"),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), None)', _INFER),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "XXinferXX")',
      _INFER),
-    ("dense.towers.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "INFER")', _INFER),
+    ("dense.moe.x\u01c1PerTokenMoE\u01c1_train_inference_router", 'g_infer = self.gates(s.detach(), "INFER")', _INFER),
     ("trainer.config_loader.x__build",
      "raise ValueError(f\"config key {where or 'XX<root>XX'} must be a table, got {type(raw).__name__}\")",
      "unreachable: load_config always builds the root from a parsed TOML table"),

@@ -9,11 +9,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.towers.baselines import CrossLayer, SelfAttention, ablation_block
+from dense.baselines import CrossLayer, SelfAttention, ablation_block
 from dense.layout import InputLayout
-from dense.towers.rankmixer import PerTokenFFN
+from dense.rankmixer import PerTokenFFN
 from dense.towers import build_tower
-from trainer.config import AttentionConfig, DCNv2Config, MLPConfig, ModelConfig
+from dense.model_config import ModelConfig
+from dense.towers.baseline_towers import AttentionConfig, DCNv2Config, MLPConfig
 from trainer.data.datasets import synth_features
 
 TOWERS = ["mlp", "dcnv2", "no_token_mixing", "shared_ffn", "self_attention"]

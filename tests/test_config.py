@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import typing
 import math
 import re
 from pathlib import Path
 
 import pytest
 
-import trainer.config as config_module
 from embeddings.tables import table_configs
-from trainer.config import Config, DataConfig, FeatureSpec, MoEConfig, OptimConfig, TaskSpec
+from dense.model_config import TaskSpec
+from dense.towers.moe_towers import MoEConfig
+from embeddings.features import FeatureSpec
+from trainer.config import Config, DataConfig, OptimConfig
 from trainer.config_loader import describe, dump_toml, field_docs, load_config, validate
 
 FEATURES_TOML = """
@@ -429,15 +431,20 @@ def leaves(obj, prefix: str):
             yield f"{prefix}{f.name}", obj, f
 
 
-def config_dataclasses() -> list[type]:
-    return [cls for _, cls in inspect.getmembers(config_module, inspect.isclass)
-            if dataclasses.is_dataclass(cls) and cls.__module__ == config_module.__name__]
+def config_dataclasses(cls: type = Config) -> list[type]:
+    """Every section of the config tree, wherever its component declares it, and its parts."""
+    found = [cls]
+    for hint in typing.get_type_hints(cls).values():
+        for part in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(part) and part not in found:
+                found += [c for c in config_dataclasses(part) if c not in found]
+    return found
 
 
-def test_config_module_has_the_expected_dataclasses():
+def test_the_config_tree_has_the_expected_sections():
     names = {c.__name__ for c in config_dataclasses()}
-    assert {"Config", "FeatureSpec", "TaskSpec", "DataConfig", "EmbeddingsConfig", "ModelConfig",
-            "OptimConfig", "TrainConfig", "MetricsConfig", "LaunchConfig"} <= names
+    assert {"Config", "FeatureSpec", "TaskSpec", "DataConfig", "EmbeddingsConfig", "ModelConfig", "RankMixerConfig",
+            "MoEConfig", "OptimConfig", "TrainConfig", "MetricsConfig", "LaunchConfig"} <= names
 
 
 @pytest.mark.parametrize("cls", config_dataclasses(), ids=lambda c: c.__name__)

@@ -1,4 +1,4 @@
-"""Each fixed choice of the config is one Literal type (trainer/config.py): the loader checks
+"""Each fixed choice of the config is one Literal type, declared with its section: the loader checks
 values against it, and every table that maps a choice to what implements it covers exactly
 the type's values, so a choice added to the type without its implementation fails here,
 not in a run."""
@@ -7,26 +7,28 @@ from typing import get_args
 
 import pytest
 
-from dense.towers import rankmixer
-from embeddings import managed, tables
+from dense import rankmixer
+from dense.towers import rankmixer_towers
+from embeddings import features, managed, sparse_config, tables
 from trainer import config
-from trainer.config_loader import load_config, validate_features
+from embeddings.features import validate_features
+from trainer.config_loader import load_config
 from trainer.data.datasets import SYNTH_TEACHERS
 
 
 @pytest.mark.parametrize("mapping, choice", [
-    (tables._POOLING, config.Pooling),
-    (tables._DATA_TYPES, config.TableDataType),
-    (tables._OPTIMIZERS, config.SparseOptimizer),
+    (tables._POOLING, features.Pooling),
+    (tables._DATA_TYPES, sparse_config.TableDataType),
+    (tables._OPTIMIZERS, sparse_config.SparseOptimizer),
     (SYNTH_TEACHERS, config.SynthTeacherName),
-    (managed.EVICTION_POLICIES, config.EvictionPolicy),
+    (managed.EVICTION_POLICIES, features.EvictionPolicy),
 ])
 def test_every_choice_has_its_implementation(mapping, choice):
     assert set(mapping) == set(get_args(choice))
 
 
 def test_the_towers_read_their_choices_from_the_types():
-    assert rankmixer.NORMS == get_args(config.BlockNorm) and rankmixer.POOLINGS == get_args(config.TowerPooling)
+    assert rankmixer.NORMS == get_args(rankmixer_towers.BlockNorm) and rankmixer.POOLINGS == get_args(rankmixer_towers.TowerPooling)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -59,8 +61,8 @@ def test_every_numeric_transform_has_both_forms_that_agree():
 
     from trainer.data.feature_ops import TRANSFORMS
 
-    assert set(TRANSFORMS) == set(get_args(config.NumericTransform))
-    spec = config.FeatureSpec(name="x", kind="numeric", clip_min=-0.5, clip_max=2.0, mean=0.25, std=4.0)
+    assert set(TRANSFORMS) == set(get_args(features.NumericTransform))
+    spec = features.FeatureSpec(name="x", kind="numeric", clip_min=-0.5, clip_max=2.0, mean=0.25, std=4.0)
     x = np.array([-0.9, -0.5, 0.0, 0.3, 1.5, 7.0])
     for name, t in TRANSFORMS.items():
         assert np.allclose(t.numpy(x, spec), t.torch(torch.from_numpy(x), spec).numpy(), rtol=1e-12), name
@@ -79,7 +81,7 @@ def test_the_hashing_table_gives_the_reader_and_serving_the_same_rows():
 
     from trainer.data.feature_ops import HASHINGS
 
-    assert set(HASHINGS) == set(get_args(config.Hashing))
+    assert set(HASHINGS) == set(get_args(features.Hashing))
     rng = np.random.default_rng(0)
     ids = np.concatenate([rng.integers(0, 2 ** 64, 2000, dtype=np.uint64),
                           np.array([0, 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1], dtype=np.uint64)])

@@ -1,7 +1,8 @@
-"""Each tower family's fields live in its own [model.<family>] table (trainer/config.py
-TOWER_FIELDS): a field that the chosen tower, tokenizer, feature kind or data order does
-not read is an error naming the field and the choice, the old flat keys name where they moved, and the
-resolved config a run writes holds only what the run reads, so that it loads again."""
+"""Each tower family's fields live in its own [model.<family>] table, declared with the tower
+(dense/towers/): a field that the chosen tower, tokenizer, feature kind or data order does not
+read is an error naming the field and the choice, and the resolved config a run writes holds
+only what the run reads, so that it loads again. A tower declared in one new module is a
+choice of the config, a table of it and a built tower, with nothing else edited."""
 
 import dataclasses
 
@@ -9,33 +10,16 @@ import pytest
 import torch
 
 from dense.layout import InputLayout
-from dense.towers import TOWERS, build_tower
+from dense.tower_registry import TOWERS
+from dense.towers import build_tower
 from tests import cli
-from trainer.config import TOWER_FIELDS, TOWER_TABLES, Config, ModelConfig
-from trainer.config_loader import MOVED, dump_toml, load_config, to_dict, unused_fields
+from dense.model_config import ModelConfig
+from dense.tower_registry import TABLES
+from trainer.config import Config
+from trainer.config_loader import dump_toml, load_config, to_dict, unused_fields
 from trainer.data.datasets import synth_features
 
 DEBUG = "configs/debug.toml"
-
-
-def test_the_registry_and_the_config_know_the_same_towers():
-    assert sorted(TOWER_FIELDS) == TOWERS.names()
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_flat_key_names_where_it_moved(old, tmp_path):
-    new = MOVED[old]
-    table, _, name = new.rpartition(".")
-    message = (f"config key {old} has moved to {new}: in TOML, `{name} = ...` under [{table}]; "
-               f"on the command line, --{new}=...")
-    with pytest.raises(ValueError) as on_the_command_line:
-        load_config(None, [f"--{old}=1"])
-    assert str(on_the_command_line.value) == message
-    path = tmp_path / "old.toml"
-    path.write_text(f"[model]\n{old.removeprefix('model.')} = 1\n")
-    with pytest.raises(ValueError) as in_a_file:
-        load_config(path)
-    assert str(in_a_file.value) == message
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -85,9 +69,9 @@ def test_switching_the_tower_on_the_command_line_leaves_the_file_tower_fields_ou
 def test_every_unused_field_is_truly_unread():
     """Each tower builds the same module, bit for bit, whatever its unread fields hold."""
     layout = InputLayout(synth_features())
-    for tower in TOWER_FIELDS:
+    for tower in TOWERS.names():
         plain = ModelConfig(tower=tower, num_tokens=4, hidden_dim=16, num_layers=1, ffn_ratio=2)
-        odd = dataclasses.replace(plain, **{t: dataclasses.replace(getattr(plain, t)) for t in TOWER_TABLES})
+        odd = dataclasses.replace(plain, **{t: dataclasses.replace(getattr(plain, t)) for t in TABLES})
         cfg = Config(model=odd)
         for key in unused_fields(cfg):
             if key.startswith("model."):

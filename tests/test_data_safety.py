@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.config_loader import dump_toml, load_config
 from trainer.offline.csvlog import stable_hash
 from trainer.data.datasets import synth_features

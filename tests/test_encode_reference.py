@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.data.encode import RowEncoder
 
 

@@ -36,9 +36,12 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from dense.layout import InputLayout
 from dense.heads import TaskHeads
-from dense.towers import TOWERS, build_tower
-from dense.towers.unimixer import sinkhorn
-from trainer.config import MLPConfig, ModelConfig, MoEConfig
+from dense.tower_registry import TOWERS
+from dense.towers import build_tower
+from dense.unimixer import sinkhorn
+from dense.model_config import ModelConfig
+from dense.towers.baseline_towers import MLPConfig
+from dense.towers.moe_towers import MoEConfig
 from trainer.data.datasets import synth_features
 from embeddings.hooks import TrainingHooks
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags

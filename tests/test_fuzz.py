@@ -29,8 +29,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from trainer.config import FeatureSpec, TaskSpec
-from trainer.config_loader import validate_features
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
+from embeddings.features import validate_features
 from trainer.offline.csvlog import convert_csv
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trainer.config import MANAGED_ID_RANGE, FeatureSpec
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
 from trainer.offline.csvlog import hashed_column, stable_hash
 from trainer.data.feature_ops import spread, spread_ids
 from trainer.data.ids import encode_ids

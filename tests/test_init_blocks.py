@@ -38,7 +38,7 @@ def _init_worker(rank: int, world: int, port: int, plan: str, out: str) -> None:
     from embeddings.init import BLOCK_ROWS as block_rows, init_embeddings
     from embeddings.sharding import local_shards, shard_model
     from embeddings.tables import fuse_optimizer
-    from trainer.config import EmbeddingsConfig
+    from embeddings.sparse_config import EmbeddingsConfig
 
     assert block_rows == BLOCK_ROWS
     dist.init_process_group("gloo", rank=rank, world_size=world)

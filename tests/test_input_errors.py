@@ -14,7 +14,8 @@ import pytest
 
 from cli import rankmix
 from test_data_safety import train_on_a_changed_log
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.data.encode import RowEncoder
 
 WHERE = "f.parquet, row group 0"

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from trainer.config import TaskSpec
+from dense.model_config import TaskSpec
 from trainer.config_loader import to_dict
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder

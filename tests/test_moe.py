@@ -13,9 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cli import rankmix, rendezvous_port, spawn
 from dense.layout import InputLayout
-from dense.towers.moe import PerTokenMoE, expert_hidden
+from dense.moe import PerTokenMoE, expert_hidden
 from dense.towers import build_tower
-from trainer.config import ModelConfig, MoEConfig
+from dense.model_config import ModelConfig
+from dense.towers.moe_towers import MoEConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]

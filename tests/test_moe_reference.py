@@ -1,4 +1,4 @@
-"""The per-token MoE (dense/towers/moe.py) paths that tests/test_moe.py leaves open, against a
+"""The per-token MoE (dense/moe.py) paths that tests/test_moe.py leaves open, against a
 reference written out here one token and one expert at a time from the documented weight
 layout: the unfused training forward (the pre-norm block's FFN slot) with its router
 terms, the FFN slot outside training, the routing statistics, and bf16 autocast."""
@@ -10,7 +10,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from dense.towers.moe import EVAL, TRAIN, PerTokenMoE, expert_hidden
+from dense.moe import EVAL, TRAIN, PerTokenMoE, expert_hidden
 
 T, D, E, H, B = 3, 8, 4, 5, 11
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dense.heads import TaskHeads
-from dense.towers.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
+from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import GroupTokenizer, SliceTokenizer
 from test_rankmixer_fast import randomize, ref_block
 from trainer.config_loader import load_config
@@ -31,7 +31,7 @@ def test_token_mixing_rejects_indivisible_width():
     with pytest.raises(ValueError, match="hidden_dim=10 divisible by the 4 heads"):
         token_mixing(torch.randn(2, 4, 10), 4)
     with pytest.raises(ValueError, match="hidden_dim=10 divisible by the number of tokens 4"):
-        RankMixerBlock(num_tokens=4, dim=10, ratio=2)
+        RankMixerBlock(num_tokens=4, dim=10, ffn_ratio=2)
 
 
 # Seed 003, section 6: MovieLens user 253 x movie 465, T = H = D = 4, L = 1, k = 2.
@@ -53,7 +53,7 @@ def _t(rows):
 
 
 def test_worked_example_first_layer_norm():
-    block = RankMixerBlock(num_tokens=4, dim=4, ratio=2).double()  # LN: gamma 1, beta 0, eps 1e-5
+    block = RankMixerBlock(num_tokens=4, dim=4, ffn_ratio=2).double()  # LN: gamma 1, beta 0, eps 1e-5
     x0 = _t(X0)
     mixed = token_mixing(x0, 4) + x0
     assert torch.allclose(mixed, _t(MIXED), atol=1e-4)
@@ -64,10 +64,10 @@ def test_worked_example_second_layer_norm_and_head():
     """From X1 on, the example through the project's code: a one-block tower whose tokenizer
     passes X0's rows through and whose FFN outputs V pools X1 over its tokens; its head and
     the logloss give the example's z and loss."""
-    block = RankMixerBlock(num_tokens=4, dim=4, ratio=2).double()
+    block = RankMixerBlock(num_tokens=4, dim=4, ffn_ratio=2).double()
     x1 = block.norm2(_t(S0) + _t(V))
     assert torch.allclose(x1, _t(X1), atol=1e-4)
-    tower = RankMixerTower(SliceTokenizer(16, 4, 0, 4), 1, 4, 2).double()
+    tower = RankMixerTower(SliceTokenizer(16, 4, 0, 4, bias_init="uniform"), 1, 4, 2).double()
     heads = TaskHeads(4, 1).double()
     with torch.no_grad():
         tower.tokenizer.weight.copy_(torch.eye(4).expand(4, 4, 4))  # token i = e_input[4 i : 4 i + 4]
@@ -87,7 +87,7 @@ def test_worked_example_second_layer_norm_and_head():
 
 def test_worked_example_block_end_to_end():
     """The whole block with the FFN forced to output the example's V reproduces X1."""
-    block = RankMixerBlock(num_tokens=4, dim=4, ratio=2).double()
+    block = RankMixerBlock(num_tokens=4, dim=4, ffn_ratio=2).double()
     with torch.no_grad():  # zero weights, bias = V: PFFN(S) == V for any S
         block.ffn.w1.zero_()
         block.ffn.w2.zero_()
@@ -122,7 +122,7 @@ def test_per_token_ffn_gradients_match_loop_reference():
 
 def test_slice_tokenizer_pads_tail_with_zeros():
     torch.manual_seed(0)
-    tok = SliceTokenizer(input_dim=10, num_tokens=4, token_dim=0, hidden_dim=6).double()
+    tok = SliceTokenizer(input_dim=10, num_tokens=4, token_dim=0, hidden_dim=6, bias_init="uniform").double()
     assert tok.token_dim == 3  # ceil(10 / 4); the last slice holds 1 real value and 2 zeros
     e = torch.randn(2, 10, dtype=torch.float64)
     out = tok(e)
@@ -131,12 +131,12 @@ def test_slice_tokenizer_pads_tail_with_zeros():
         expected = padded[:, 3 * i:3 * i + 3] @ tok.weight[i] + tok.bias[i]
         assert torch.allclose(out[:, i], expected, atol=1e-12)
     with pytest.raises(ValueError, match="model.token_dim=2 x model.num_tokens=4 is smaller"):
-        SliceTokenizer(input_dim=10, num_tokens=4, token_dim=2, hidden_dim=6)
+        SliceTokenizer(input_dim=10, num_tokens=4, token_dim=2, hidden_dim=6, bias_init="uniform")
 
 
 def test_group_tokenizer_projects_each_group_separately():
     torch.manual_seed(0)
-    tok = GroupTokenizer([3, 5, 2], hidden_dim=4)
+    tok = GroupTokenizer([3, 5, 2], hidden_dim=4, bias_init="uniform")
     e = torch.randn(6, 10)
     out = tok(e)
     assert out.shape == (6, 3, 4)
@@ -145,7 +145,7 @@ def test_group_tokenizer_projects_each_group_separately():
 
 @pytest.mark.parametrize("t,d,layers,k,e", [(16, 64, 2, 4, 200), (4, 8, 3, 2, 7)])
 def test_parameter_count_matches_eq12_plus_tokenizer(t, d, layers, k, e):
-    tower = RankMixerTower(SliceTokenizer(e, t, 0, d), layers, d, k)
+    tower = RankMixerTower(SliceTokenizer(e, t, 0, d, bias_init="uniform"), layers, d, k)
     token_dim = math.ceil(e / t)
     ffn = 2 * k * layers * t * d * d                        # eq. 12: weights of the per-token FFNs
     ffn_bias = layers * t * (k * d + d)
@@ -157,7 +157,7 @@ def test_parameter_count_matches_eq12_plus_tokenizer(t, d, layers, k, e):
 def test_tower_output_is_mean_over_tokens():
     """The tower against eq. 1 written out ([B, T, D], a loop per token), then the mean of the T tokens."""
     torch.manual_seed(0)
-    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2).double()
+    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2).double()
     randomize(tower)
     e = torch.randn(3, 12, dtype=torch.float64)
     x = tower.tokenizer(e)
@@ -170,7 +170,7 @@ def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
     """norm="pre": S = X + TokenMixing(LN1(X)), X' = S + FFN(LN2(S)), one LN before pooling;
     pooling="flatten": the T x D tokens concatenated, token by token."""
     torch.manual_seed(0)
-    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm="pre", pooling="flatten").double()
+    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, norm="pre", pooling="flatten").double()
     for p in tower.parameters():  # LayerNorms away from gamma 1, beta 0, so that a misplaced one shows
         torch.nn.init.normal_(p, std=0.5)
     e = torch.randn(3, 12, dtype=torch.float64)
@@ -183,12 +183,12 @@ def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
     extra = sum(p.numel() for p in tower.final_norm.parameters())
     assert tower.cost()[0] == sum(p.numel() for p in tower.parameters()) and extra == 16
     with pytest.raises(ValueError, match="model.rankmixer.pooling must be one of \\('mean', 'flatten'\\), got 'max'"):
-        RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, pooling="max")
+        RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, pooling="max")
 
 
 def test_zero_tokenizer_bias_changes_nothing_else():
     torch.manual_seed(0)
-    uniform = SliceTokenizer(12, 4, 0, 8)
+    uniform = SliceTokenizer(12, 4, 0, 8, bias_init="uniform")
     torch.manual_seed(0)
     zero = SliceTokenizer(12, 4, 0, 8, bias_init="zero")
     assert torch.equal(zero.weight, uniform.weight) and not zero.bias.any() and uniform.bias.abs().min() > 0
@@ -200,9 +200,9 @@ def test_zero_tokenizer_bias_changes_nothing_else():
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_dropout_acts_in_training_only(norm):
     torch.manual_seed(0)
-    plain = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm=norm).double()
+    plain = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, norm=norm).double()
     torch.manual_seed(0)
-    dropped = RankMixerTower(SliceTokenizer(12, 4, 0, 8), 2, 8, 2, norm=norm, dropout=0.5).double()
+    dropped = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, norm=norm, dropout=0.5).double()
     e = torch.randn(5, 12, dtype=torch.float64)
     assert torch.allclose(dropped.eval()(e), plain.eval()(e), atol=1e-12)  # same weights, no dropout in eval
     assert not torch.allclose(dropped.train()(e), plain.train()(e))

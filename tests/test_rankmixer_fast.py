@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dense.towers.rankmixer import RankMixerBlock, RankMixerTower, token_mixing
+from dense.rankmixer import RankMixerBlock, RankMixerTower, token_mixing
 from dense.tokenizer import SliceTokenizer
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -71,7 +71,7 @@ def test_block_matches_reference(dtype, b, t, d, k):
                                                  (20, 2, 12, 6, 1, 3, 4)])
 def test_tower_matches_reference(dtype, e, t, td, d, layers, k, b):
     torch.manual_seed(e + t + d)
-    tower = RankMixerTower(SliceTokenizer(e, t, td, d), layers, d, k).to(dtype)
+    tower = RankMixerTower(SliceTokenizer(e, t, td, d, bias_init="uniform"), layers, d, k).to(dtype)
     randomize(tower)
     inp = torch.randn(b, e, dtype=dtype, requires_grad=True)
     w = torch.randn(b, d, dtype=dtype)
@@ -100,7 +100,7 @@ def test_tower_blocks_token_major_path_equals_public_path():
     against eq. 1 composed from the public [B, T, D] functions: token_mixing (checked against
     its definition in test_rankmixer.py), the per-token FFN's forward and the LayerNorms."""
     torch.manual_seed(0)
-    tower = RankMixerTower(SliceTokenizer(24, 4, 0, 8), 2, 8, 2).double()
+    tower = RankMixerTower(SliceTokenizer(24, 4, 0, 8, bias_init="uniform"), 2, 8, 2).double()
     randomize(tower)
     e = torch.randn(5, 24, dtype=torch.float64)
     x = tower.tokenizer(e)

@@ -1,24 +1,29 @@
-"""RankMixer (dense/towers/rankmixer.py) against references outside its code: torch's FLOP
+"""RankMixer (dense/rankmixer.py) against references outside its code: torch's FLOP
 counter and parameter count for `cost()`, autograd for the hand-written backward under
-bf16 autocast, nn.Linear's initial range, and the documented defaults of the blocks."""
+bf16 autocast, nn.Linear's initial range, and the blocks' one default, the config's."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.towers.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
+from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
+from dense.layout import InputLayout
+from dense.model_config import ModelConfig
 from dense.tokenizer import SliceTokenizer
+from dense.towers import build_tower
+from trainer.data.datasets import synth_features
 
 T, D = 4, 8
 
 
 @pytest.mark.parametrize("layers,ratio", [(1, 2), (3, 3)])
 def test_cost_is_the_parameter_count_and_the_counted_flops_per_sample(layers, ratio):
-    tower = RankMixerTower(SliceTokenizer(20, T, 6, D), layers, D, ratio=ratio)
+    tower = RankMixerTower(SliceTokenizer(20, T, 6, D, bias_init="uniform"), layers, D, ffn_ratio=ratio)
     batch = 5
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         tower(torch.randn(batch, 20))
@@ -54,31 +59,36 @@ def test_initial_weights_fill_nn_linears_range():
     assert -bound <= w.min() < -0.9 * bound and 0.9 * bound < w.max() <= bound
 
 
-def test_the_default_ffn_is_twice_as_wide_as_the_tokens():
-    assert RankMixerBlock(T, D).ffn.w1.shape == (T, D, 2 * D)
-    tower = RankMixerTower(SliceTokenizer(20, T, 6, D), 1, D)
-    assert tower.blocks[0].ffn.w1.shape == (T, D, 2 * D)
+def test_the_ffn_width_has_one_default_the_configs():
+    """model.ffn_ratio's default is the only one: the blocks take k from the config."""
+    k = ModelConfig().ffn_ratio
+    assert k == 4
+    assert RankMixerBlock(T, D, k).ffn.w1.shape == (T, D, k * D)
+    tower = build_tower(ModelConfig(num_tokens=T, hidden_dim=D, num_layers=1), InputLayout(synth_features()))
+    assert tower.blocks[0].ffn.w1.shape == (T, D, k * D)
+    for cls in (RankMixerBlock, RankMixerTower, PerTokenFFN):
+        assert inspect.signature(cls).parameters["ffn_ratio"].default is inspect.Parameter.empty, cls
 
 
 def test_blocks_take_the_ffn_they_are_given():
     ffn = PerTokenFFN(T, D, 3)
-    assert RankMixerBlock(T, D, ffn=ffn).ffn is ffn
+    assert RankMixerBlock(T, D, 3, ffn=ffn).ffn is ffn
     made: list[PerTokenFFN] = []
 
     def make() -> PerTokenFFN:
         made.append(PerTokenFFN(T, D, 1))
         return made[-1]
 
-    tower = RankMixerTower(SliceTokenizer(20, T, 6, D), 2, D, ffn=make)
+    tower = RankMixerTower(SliceTokenizer(20, T, 6, D, bias_init="uniform"), 2, D, 1, ffn=make)
     assert len(made) == 2 and all(b.ffn is m for b, m in zip(tower.blocks, made))
 
 
 def test_mean_pooling_gives_one_token_width():
-    tower = RankMixerTower(SliceTokenizer(20, T, 6, D), 1, D)
+    tower = RankMixerTower(SliceTokenizer(20, T, 6, D, bias_init="uniform"), 1, D, 2)
     assert tower.out_dim == D and tower(torch.randn(3, 20)).shape == (3, D)
 
 
 def test_an_unknown_norm_is_an_error():
     with pytest.raises(ValueError) as err:
-        RankMixerBlock(T, D, norm="mid")
+        RankMixerBlock(T, D, 2, norm="mid")
     assert str(err.value) == "model.rankmixer.norm must be one of ('post', 'pre'), got 'mid'"

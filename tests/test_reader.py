@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from trainer.config import FeatureSpec, TaskSpec
-from trainer.config_loader import validate_features
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
+from embeddings.features import validate_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader, resolve_files
 

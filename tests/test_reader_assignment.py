@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 

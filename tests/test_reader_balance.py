@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import FeatureSpec, TaskSpec
-from trainer.config_loader import validate_features
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
+from embeddings.features import validate_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 

@@ -15,7 +15,8 @@ import torch
 
 from cli import spawn
 from test_reader import assert_same, make_encoder, make_table, snap, users_of
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import SLICE_ROWS, ParquetReader, Piece, RowGroup, _sliced

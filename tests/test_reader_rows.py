@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer.data.ids import encode_ids
-from trainer.config import FeatureSpec, TaskSpec
-from trainer.config_loader import validate_features
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
+from embeddings.features import validate_features
 from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

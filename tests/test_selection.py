@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

@@ -11,10 +11,12 @@ from torchrec import EmbeddingBagCollection
 from embeddings.hooks import TrainingHooks
 from dense.heads import build_dense
 from trainer.ranking_model import RankingModel
-from dense.towers import TOWERS
+from dense.tower_registry import TOWERS
 from embeddings.tables import table_configs
-from trainer.config import TOWER_FIELDS, FeatureSpec, TaskSpec
-from trainer.config_loader import load_config, validate_features
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
+from embeddings.features import validate_features
+from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.serving.export import (FORMATS, drop_state_dict_views, example_inputs, save_model, serving_model,
                                     trace_model)
@@ -65,7 +67,7 @@ def table(seed: int = 0) -> pa.Table:
 def reference(tower: str, *overrides: str, rows_scale: int = 1) -> tuple[object, RankingModel]:
     """(config, the training code's model in evaluation mode) with seeded weights; tables
     `rows_scale` times their usual rows."""
-    uses = TOWER_FIELDS[tower]
+    uses = TOWERS.get(tower)
     sizes = {"--model.hidden_dim=16": uses.tokens, "--model.num_tokens=4": uses.tokens and
              "--model.tokenizer=group" not in overrides, "--model.mlp.hidden=[16, 8]": "mlp" in uses.tables,
              "--model.unimixer.tau_anneal_steps=10": "unimixer" in uses.tables}

@@ -294,7 +294,7 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from torch.nn.parallel import DistributedDataParallel
 
-    from dense.towers.rankmixer import RankMixerTower
+    from dense.rankmixer import RankMixerTower
     from trainer.dist import shutdown
     from trainer.train import Trainer
 
@@ -343,7 +343,7 @@ def test_sinkhorn_decided_on_the_device_is_bit_for_bit_the_read_back_one(tau, co
     """The GPU's form of the tolerance test (every iteration run, the first within tol kept
     on the device) against the CPU's (read back, stop): the same matrices, iterations and
     gradients, bit for bit, whether it stops early or runs all 50 iterations."""
-    from dense.towers.unimixer import sinkhorn
+    from dense.unimixer import sinkhorn
 
     torch.manual_seed(0)
     logits = torch.randn(6, 8, 8) / tau

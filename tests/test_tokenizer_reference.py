@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dense.tokenizer import GroupTokenizer, SliceTokenizer, build_tokenizer
-from trainer.config import ModelConfig
+from dense.model_config import ModelConfig
 
 WIDTHS = [3, 5, 4]
 
@@ -37,8 +37,8 @@ def test_an_unknown_tokenizer_is_an_error():
     assert str(err.value) == "model.tokenizer must be slice or group, got 'hash'"
 
 
-@pytest.mark.parametrize("tok", [SliceTokenizer(12, 5, 3, 6), SliceTokenizer(12, 4, 0, 6), GroupTokenizer(WIDTHS, 6),
-                                 GroupTokenizer([12], 6)], ids=["slice-padded", "slice", "groups", "one-group"])
+@pytest.mark.parametrize("tok", [SliceTokenizer(12, 5, 3, 6, bias_init="uniform"), SliceTokenizer(12, 4, 0, 6, bias_init="uniform"), GroupTokenizer(WIDTHS, 6, bias_init="uniform"),
+                                 GroupTokenizer([12], 6, bias_init="uniform")], ids=["slice-padded", "slice", "groups", "one-group"])
 def test_cost_is_the_parameter_count_and_the_counted_flops_per_sample(tok):
     batch = 7
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -48,7 +48,7 @@ def test_cost_is_the_parameter_count_and_the_counted_flops_per_sample(tok):
 
 def test_slice_projections_start_in_nn_linears_range():
     torch.manual_seed(0)
-    tok = SliceTokenizer(64, 4, 16, 32)
+    tok = SliceTokenizer(64, 4, 16, 32, bias_init="uniform")
     bound = 1 / math.sqrt(16)  # fan-in: the slice width
     for p in (tok.weight, tok.bias):
         assert -bound <= p.min() < -0.9 * bound and 0.9 * bound < p.max() <= bound

@@ -3,14 +3,16 @@
 import json
 import math
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
 
 from cli import rankmix
 from test_checkpoint import losses
-from trainer.config_loader import load_config, validate_features
-from trainer.config import TOWER_FIELDS
+from embeddings.features import validate_features
+from trainer.config_loader import load_config
+from dense.model_config import Tower
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +106,7 @@ def test_movielens_rankmixer_trains_as_well_as_logistic_regression(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--model.tower=nope",), f"rankmix: error: model.tower must be one of {tuple(TOWER_FIELDS)}, got 'nope'"),
+    (("--model.tower=nope",), f"rankmix: error: model.tower must be one of {typing.get_args(Tower)}, got 'nope'"),
     (("--model.colour=red",), "rankmix: error: unknown config key: model.colour"),
     (("--train.steps=ten",), "rankmix: error: config key train.steps must be int, got 'ten'"),
     (("--config", "missing.toml"), "rankmix: error: config file not found: missing.toml"),

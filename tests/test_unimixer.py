@@ -10,12 +10,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import cli
 from dense.layout import InputLayout
-from dense.towers.rankmixer import token_mixing
+from dense.rankmixer import token_mixing
 from dense.towers import build_tower
-from dense.towers.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
+from dense.unimixer import PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, temperature
 from test_checkpoint import losses
 from test_train import assert_loss_falls
-from trainer.config import ModelConfig, UniMixerConfig
+from dense.model_config import ModelConfig
+from dense.towers.unimixer_towers import UniMixerConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def test_swiglu_backward_equals_autograd():
     written out token by token: (x W_up + b_up) * SiLU(x W_gate + b_gate) W_down + b_down,
     SiLU(g) = g sigmoid(g), through autograd."""
     torch.manual_seed(0)
-    ffn = PerTokenSwiGLU(num_tokens=3, dim=8, ratio=2)
+    ffn = PerTokenSwiGLU(num_tokens=3, dim=8, ffn_ratio=2)
     x = torch.randn(3, 5, 8, requires_grad=True)  # block-major [n, B, blk]
     cotangent = torch.randn(3, 5, 8)
     params = [x, *ffn.parameters()]

@@ -1,8 +1,8 @@
-"""The typed configuration tree: one dataclass per section, a one-line docstring per field.
-
-The ground floor of the code base: every package (dense/, embeddings/, trainer/, launch/)
-may import these classes, and this module imports nothing of rankmix but the redaction
-of URI credentials. Loading, overriding, checking and writing a config live in
+"""The run's config tree: the sections of trainer/ (data, optim, train, checkpoint, metrics,
+launch, publish) declared here, composed with the sections each component declares next to its
+code: [embeddings] and [[features]] (embeddings/sparse_config.py, embeddings/features.py), and
+[model] with its towers' tables (dense/model_config.py). One dataclass per section, a one-line
+docstring per field. Loading, overriding, checking and writing it live in
 `trainer/config_loader.py`.
 
 Credentials in URIs (`s3://KEY:SECRET@bucket/...`) stay in the loaded config, where the
@@ -13,34 +13,20 @@ trainer/credentials.py).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
-from typing import Literal, get_args
+from dataclasses import dataclass, field
+from typing import Literal
 
+from dense.model_config import ModelConfig
+from embeddings.features import FeatureSpec
+from embeddings.sparse_config import EmbeddingsConfig
 from trainer.credentials import redact_uri
 
 # The choices of the config's fixed-choice fields. The loader checks a value against its
 # field's Literal; the code that acts on a choice reads the allowed values from here
 # (`typing.get_args`), never from a list of its own.
-ShardingType = Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"]
-SPARSE_SHARDING_TYPES: tuple[str, ...] = get_args(ShardingType)
-"""TorchRec sharding types the planner may choose from."""
-FeatureKind = Literal["id", "id_list", "sequence", "numeric"]
-Hashing = Literal["modulo", "none", "managed"]
-EvictionPolicy = Literal["lfu", "lru"]
-Pooling = Literal["sum", "mean"]
-NumericTransform = Literal["log1p", "clip", "standardize"]
 SynthTeacherName = Literal["default", "capacity"]
 DataOrder = Literal["shuffled", "time"]
-SparseOptimizer = Literal["adagrad", "rowwise_adagrad"]
-TableDataType = Literal["fp32", "fp16"]
-Tokenizer = Literal["slice", "group"]
-TokenizerBias = Literal["uniform", "zero"]
-Recipe = Literal["rankmix", "paper"]
 Calibration = Literal["none", "bias", "platt"]
-BlockNorm = Literal["post", "pre"]
-TowerPooling = Literal["mean", "flatten"]
-MoEInference = Literal["sparse", "dense"]
 ArtifactFormat = Literal["pt2", "torchscript"]
 ServedTables = Literal["fp32", "fp16", "int8", "int4"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -51,81 +37,10 @@ LoadMode = Literal["full", "weights"]
 DataPosition = Literal["exact", "next_epoch"]
 Backend = Literal["auto", "gloo", "nccl"]
 
-MANAGED_ID_RANGE = 2 ** 62
-"""Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
-that owns its part of that range, and marks an empty slot with INT64_MAX."""
-
 MAX_BATCH_ROWS = 2 ** 31 - 1
 """The most rows a batch may hold, per rank or over all ranks: FBGEMM's embedding kernels take
 a rank's batch size as a 32-bit integer, so no larger batch can run (2^31 rows are also hundreds
 of GB of input a step). Below it, whether a batch fits in memory is `rankmix plan`'s answer."""
-
-
-@dataclass
-class FeatureSpec:
-    """One input feature: where it comes from, how it is embedded, which group it feeds."""
-
-    name: str = ""
-    """Feature name: the key in the KeyedJaggedTensor, in logs and in CLI overrides."""
-    column: str = ""
-    """Source column in the Parquet files (defaults to `name`)."""
-    kind: FeatureKind = "id"
-    """id (one id per row) | id_list (multi-hot) | sequence (behaviour ids, most recent last) | numeric."""
-    table: str = ""
-    """Embedding table (defaults to `name`); features naming one table share it."""
-    num_embeddings: int = 0
-    """Rows of the embedding table."""
-    embedding_dim: int = 16
-    """Width of the embedding table."""
-    hashing: Hashing = "modulo"
-    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own row (TorchRec MCH), stale ones evicted."""
-    eviction_policy: EvictionPolicy = "lfu"
-    """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
-    eviction_interval: int = 100
-    """managed: training steps between evictions; a new id gets a row at the next one (until then the shard's miss row)."""
-    pooling: Pooling = "sum"
-    """How an id list is pooled into one vector: sum | mean."""
-    group: str = "default"
-    """Semantic group (user, item, context, sequence, cross...) the feature's token slice belongs to."""
-    max_len: int = 0
-    """id_list / sequence: keep only the last max_len ids (0 keeps all)."""
-    transform: list[NumericTransform] = field(default_factory=list)
-    """numeric: transforms applied in order, from log1p | clip | standardize."""
-    clip_min: float = -math.inf
-    """numeric `clip`: lower bound."""
-    clip_max: float = math.inf
-    """numeric `clip`: upper bound."""
-    mean: float = 0.0
-    """numeric `standardize`: subtracted mean."""
-    std: float = 1.0
-    """numeric `standardize`: divisor."""
-    fill_null: float | None = None
-    """numeric: value that replaces nulls (unset: a null is an error)."""
-
-    def __post_init__(self) -> None:
-        self.column = self.column or self.name
-        if self.kind != "numeric":
-            self.table = self.table or self.name
-
-
-def managed_tables(features: list[FeatureSpec]) -> list[str]:
-    """The tables with managed collisions (hashing = "managed"), sorted by name."""
-    return sorted({f.table for f in features if f.hashing == "managed"})
-
-
-@dataclass
-class TaskSpec:
-    """One prediction task: a binary label column and its loss weight."""
-
-    name: str = "click"
-    """Task name used in logs and metrics."""
-    label: str = ""
-    """Label column (0/1; defaults to `name`)."""
-    weight: float = 1.0
-    """Weight of this task's binary cross-entropy in the total loss."""
-
-    def __post_init__(self) -> None:
-        self.label = self.label or self.name
 
 
 @dataclass
@@ -176,203 +91,6 @@ class DataConfig:
     """data.follow: how often train_path is listed for new complete partitions."""
 
 
-@dataclass
-class EmbeddingsConfig:
-    """Sparse side: TorchRec tables, sharding and the fused optimizer."""
-
-    optimizer: SparseOptimizer = "adagrad"
-    """Fused sparse optimizer: adagrad | rowwise_adagrad."""
-    lr: float = 0.1
-    """Sparse learning rate."""
-    eps: float = 1e-8
-    """Adagrad epsilon."""
-    data_type: TableDataType = "fp32"
-    """Table weights: fp32 | fp16 (half the memory; the optimizer state stays fp32)."""
-    plan: str = "auto"
-    """Registered sharding plan builder (auto: TorchRec's planner)."""
-    sharding_types: list[ShardingType] = field(default_factory=lambda: list(SPARSE_SHARDING_TYPES))
-    """Sharding types the planner may choose; data_parallel would train tables densely, outside Adagrad."""
-    table_sharding: dict[str, ShardingType] = field(default_factory=dict)
-    """Per-table sharding type overriding the plan, e.g. {item = "row_wise"}."""
-
-
-@dataclass
-class RankMixerBlockConfig:
-    """[model.rankmixer]: the RankMixer block (towers rankmixer and rankmixer_moe)."""
-
-    norm: BlockNorm = "post"
-    """post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
-    dropout: float = 0.0
-    """Dropout on the per-token FFN's output before its residual add (0: none)."""
-    pooling: TowerPooling = "mean"
-    """Tower output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
-
-
-@dataclass
-class MoEConfig:
-    """[model.moe]: the per-token sparse mixture of experts (tower rankmixer_moe)."""
-
-    num_experts: int = 4
-    """E, experts per token."""
-    expert_hidden: int = 0
-    """Hidden width of each expert (0: k D / E, the dense per-token FFN split over the experts)."""
-    budget: float = 0.5
-    """Target mean fraction of active experts; the L1 coefficient adapts to track it."""
-    l1_init: float = 0.001
-    """Initial L1 coefficient lambda on the inference router's gates (also the smallest step scale)."""
-    l1_rate: float = 0.1
-    """Adaptation speed: lambda += rate * (active - budget) / budget * max(|lambda|, l1_init) per step."""
-    consistency: float = 1.0
-    """Weight of the loss that teaches the inference router to reproduce the dense training output."""
-    inference: MoEInference = "sparse"
-    """At evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
-
-
-@dataclass
-class UniMixerConfig:
-    """[model.unimixer]: UniMixer's mixing (towers unimixer and unimixer_lite)."""
-
-    block_size: int = 0
-    """Block size over the flattened T x D tokens (0: D, one block per token)."""
-    tau_start: float = 1.0
-    """Temperature at step 0 (eq. 21)."""
-    tau_end: float = 0.05
-    """Temperature after tau_anneal_steps (eq. 21)."""
-    tau_anneal_steps: int = 0
-    """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
-    sinkhorn_iters: int = 50
-    """Most Sinkhorn-Knopp iterations (row and column normalisation each) for the mixing weights."""
-    sinkhorn_tol: float = 1e-5
-    """Sinkhorn stops early once every row's log-sum is within this of 0 (0: always sinkhorn_iters)."""
-    num_basis: int = 4
-    """unimixer_lite: b, shared basis matrices of the local weights."""
-    global_rank: int = 8
-    """unimixer_lite: r, rank of the global weight A_G B_G."""
-
-
-@dataclass
-class MLPConfig:
-    """[model.mlp]: the ReLU MLP (tower mlp, and dcnv2's deep part)."""
-
-    hidden: list[int] = field(default_factory=lambda: [256, 128])
-    """Hidden widths; the last is the tower's output."""
-
-
-@dataclass
-class DCNv2Config:
-    """[model.dcnv2]: the cross network (tower dcnv2)."""
-
-    cross_layers: int = 3
-    """Cross layers x_{l+1} = x_0 * (W x_l + b) + x_l."""
-    cross_rank: int = 0
-    """Rank r of W = U V^T (0: full E x E matrices)."""
-
-
-@dataclass
-class AttentionConfig:
-    """[model.attention]: token mixing by self-attention (tower self_attention)."""
-
-    num_heads: int = 0
-    """Attention heads H (0: one per token, H = T); D must divide by H."""
-
-
-@dataclass(frozen=True)
-class TowerFields:
-    """What of ModelConfig a tower reads: `tables` of its own, and whether it tokenizes
-    (the tokenizer and token fields of [model]); `skip` lists fields of its tables it ignores."""
-
-    tables: tuple[str, ...] = ()
-    """ModelConfig tables the tower reads."""
-    tokens: bool = True
-    """The tower tokenizes: it reads TOKEN_FIELDS."""
-    skip: tuple[str, ...] = ()
-    """Fields of its tables that it does not read."""
-
-
-Tower = Literal["rankmixer", "rankmixer_moe", "unimixer", "unimixer_lite", "no_token_mixing", "shared_ffn",
-                "self_attention", "logreg", "mlp", "dcnv2"]
-TOWER_FIELDS: dict[str, TowerFields] = {
-    "rankmixer": TowerFields(("rankmixer",)),
-    "rankmixer_moe": TowerFields(("rankmixer", "moe")),
-    "unimixer": TowerFields(("unimixer",), skip=("num_basis", "global_rank")),
-    "unimixer_lite": TowerFields(("unimixer",)),
-    "no_token_mixing": TowerFields(),
-    "shared_ffn": TowerFields(),
-    "self_attention": TowerFields(("attention",)),
-    "logreg": TowerFields(tokens=False),
-    "mlp": TowerFields(("mlp",), tokens=False),
-    "dcnv2": TowerFields(("mlp", "dcnv2"), tokens=False),
-}
-"""Each registered tower (dense/towers/__init__.py registers exactly these names) -> the fields it reads."""
-assert set(TOWER_FIELDS) == set(get_args(Tower))
-TOKEN_FIELDS = ("tokenizer", "num_tokens", "tokenizer_bias", "token_dim", "hidden_dim", "num_layers", "ffn_ratio")
-"""The [model] fields that only token towers (TowerFields.tokens) read."""
-
-
-@dataclass
-class ModelConfig:
-    """Tokenizer, dense tower and task heads; each tower family's own fields in its table."""
-
-    tower: Tower = "rankmixer"
-    """Registered dense tower: rankmixer | rankmixer_moe | unimixer | unimixer_lite | logreg | mlp | dcnv2 | no_token_mixing | shared_ffn | self_attention."""
-    recipe: Recipe = "rankmix"
-    """rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the RankMixer paper's (RECIPES); keys given explicitly win."""
-    tokenizer: Tokenizer = "slice"
-    """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
-    num_tokens: int = 8
-    """T, tokens for the slice tokenizer (the group tokenizer makes one per group)."""
-    tokenizer_bias: TokenizerBias = "zero"
-    """Initial tokenizer biases: zero (tokens start from the embeddings alone) | uniform (nn.Linear's +-1/sqrt(fan-in), the paper's)."""
-    token_dim: int = 0
-    """slice tokenizer: d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
-    hidden_dim: int = 64
-    """D, token width."""
-    num_layers: int = 2
-    """L, blocks of the token tower."""
-    ffn_ratio: int = 4
-    """k, per-token FFN hidden width is k x D."""
-    head_hidden: int = 0
-    """Hidden width of each task head's MLP (0: one linear layer)."""
-    tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
-    """Prediction tasks, one head each."""
-    rankmixer: RankMixerBlockConfig = field(default_factory=RankMixerBlockConfig)
-    """RankMixer block (rankmixer, rankmixer_moe)."""
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    """Sparse mixture of experts (rankmixer_moe)."""
-    unimixer: UniMixerConfig = field(default_factory=UniMixerConfig)
-    """UniMixer mixing (unimixer, unimixer_lite)."""
-    mlp: MLPConfig = field(default_factory=MLPConfig)
-    """ReLU MLP (mlp, dcnv2)."""
-    dcnv2: DCNv2Config = field(default_factory=DCNv2Config)
-    """Cross network (dcnv2)."""
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    """Self-attention token mixing (self_attention)."""
-
-
-TOWER_TABLES = tuple(dict.fromkeys(table for uses in TOWER_FIELDS.values() for table in uses.tables))
-"""ModelConfig's per-tower tables."""
-
-
-def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
-    """Each model field that the chosen tower and tokenizer do not read -> (the key whose
-    value makes it unused, why)."""
-    uses = TOWER_FIELDS[model.tower]
-    unused: dict[str, tuple[str, str]] = {}
-    if not uses.tokens:
-        unused |= dict.fromkeys((f"model.{name}" for name in TOKEN_FIELDS),
-                                ("model.tower", f"tower {model.tower!r} has no tokens"))
-    elif model.tokenizer == "group":
-        unused |= dict.fromkeys(("model.num_tokens", "model.token_dim"),
-                                ("model.tokenizer", "model.tokenizer='group' makes one token per group"))
-    for table in TOWER_TABLES:
-        for f in fields(getattr(model, table)):
-            if table not in uses.tables or f.name in uses.skip:
-                readers = [t for t, u in TOWER_FIELDS.items() if table in u.tables and f.name not in u.skip]
-                unused[f"model.{table}.{f.name}"] = (
-                    "model.tower", f"tower {model.tower!r} does not read it (read by {', '.join(readers)})")
-    return unused
-
-
 RECIPES: dict[str, dict[str, object]] = {
     "rankmix": {},
     "paper": {"model.tokenizer_bias": "uniform", "optim.dense_warmup_steps": 0},
@@ -396,27 +114,6 @@ def unused_run_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
     if not data.valid_fraction and not data.valid_path:
         unused["train.calibrate"] = ("data.valid_fraction", "it fits on the validation split, and there is none "
                                      "(data.valid_fraction or data.valid_path)")
-    return unused
-
-
-ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
-"""FeatureSpec fields that only id, id_list and sequence features read."""
-NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
-"""FeatureSpec fields that only numeric features read."""
-
-
-def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, str]]:
-    """Each feature field that its feature's kind and hashing do not read -> (the key whose
-    value makes it unused, why)."""
-    unused: dict[str, tuple[str, str]] = {}
-    for f in features:
-        where = f"features.{f.name}"
-        numeric = f.kind == "numeric"
-        cause = (f"{where}.kind", f"{where}.kind={f.kind!r} does not read it")
-        unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
-        if numeric or f.hashing != "managed":
-            unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
-                                    (f"{where}.hashing", f"{where}.hashing={f.hashing!r} is not managed"))
     return unused
 
 
@@ -591,7 +288,6 @@ def _redacting_repr(cls: type) -> None:
     cls.__repr__ = __repr__  # type: ignore[method-assign]
 
 
-for _cls in (FeatureSpec, TaskSpec, DataConfig, EmbeddingsConfig, ModelConfig, OptimConfig, TrainConfig,
-             RankMixerBlockConfig, MoEConfig, UniMixerConfig, MLPConfig, DCNv2Config, AttentionConfig,
-             CheckpointConfig, MetricsConfig, LaunchConfig, PublishConfig, Config):
+for _cls in (DataConfig, OptimConfig, TrainConfig, CheckpointConfig, MetricsConfig, LaunchConfig, PublishConfig,
+             Config):  # the sections that hold paths; the others' reprs show up inside Config's
     _redacting_repr(_cls)

@@ -27,10 +27,11 @@ import tomli_w
 from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
                                  redact_uri, with_placeholders, without_credentials)
 
-from trainer.config import (MAX_BATCH_ROWS, RECIPES, SPARSE_SHARDING_TYPES, Config, FeatureSpec, TaskSpec,
-                            managed_tables, unused_feature_fields, unused_model_fields, unused_run_fields)
+from dense.model_config import TaskSpec, unused_model_fields, validate_model
+from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
+from embeddings.sparse_config import SPARSE_SHARDING_TYPES
 from trainer.checkpoint.files import write_atomic
-
+from trainer.config import MAX_BATCH_ROWS, RECIPES, Config, unused_run_fields
 
 
 # ----------------------------------------------------------------------------- loading
@@ -171,30 +172,9 @@ def apply_override(cfg: Config, item: str) -> None:
         obj[key] = _coerce(_parse_scalar(text, item), item, dotted)
         return
     if not dataclasses.is_dataclass(obj) or key not in _fields(type(obj)):
-        raise ValueError(_unknown(dotted))
+        raise ValueError(f"unknown config key: {dotted}")
     hint = _hints(type(obj))[key]
     setattr(obj, key, _coerce(_parse_scalar(text, hint), hint, dotted))
-
-
-MOVED = {f"model.{old}": f"model.{new}" for old, new in {
-    "norm": "rankmixer.norm", "dropout": "rankmixer.dropout", "pooling": "rankmixer.pooling",
-    "num_experts": "moe.num_experts", "expert_hidden": "moe.expert_hidden", "moe_budget": "moe.budget",
-    "moe_l1_init": "moe.l1_init", "moe_l1_rate": "moe.l1_rate", "moe_consistency": "moe.consistency",
-    "moe_inference": "moe.inference", "block_size": "unimixer.block_size", "tau_start": "unimixer.tau_start",
-    "tau_end": "unimixer.tau_end", "tau_anneal_steps": "unimixer.tau_anneal_steps",
-    "sinkhorn_iters": "unimixer.sinkhorn_iters", "sinkhorn_tol": "unimixer.sinkhorn_tol",
-    "num_basis": "unimixer.num_basis", "global_rank": "unimixer.global_rank", "mlp_hidden": "mlp.hidden",
-    "cross_layers": "dcnv2.cross_layers", "cross_rank": "dcnv2.cross_rank", "num_heads": "attention.num_heads"}.items()}
-"""The flat model keys that moved into their tower's table -> where they live now."""
-
-
-def _unknown(dotted: str) -> str:
-    """The error for a key no section has: where it moved, if it did."""
-    if dotted in MOVED:
-        table, _, name = MOVED[dotted].rpartition(".")
-        return (f"config key {dotted} has moved to {MOVED[dotted]}: in TOML, `{name} = ...` under [{table}]; "
-                f"on the command line, --{MOVED[dotted]}=...")
-    return f"unknown config key: {dotted}"
 
 
 def _child(obj: Any, part: str, where: str) -> Any:
@@ -205,7 +185,7 @@ def _child(obj: Any, part: str, where: str) -> Any:
         raise ValueError(f"unknown config key: {where} (no entry named {part!r})")
     if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
         return getattr(obj, part)
-    raise ValueError(_unknown(where))
+    raise ValueError(f"unknown config key: {where}")
 
 
 def _parse_scalar(text: str, hint: Any) -> Any:
@@ -226,7 +206,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     hints, known = _hints(cls), _fields(cls)
     for key in raw:
         if key not in known:
-            raise ValueError(_unknown(_join(where, key)))
+            raise ValueError(f"unknown config key: {_join(where, key)}")
     return cls(**{k: _coerce(v, hints[k], _join(where, k)) for k, v in raw.items()})
 
 
@@ -296,15 +276,10 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "data.retry_attempts",
                     "model.hidden_dim", "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr",
-                    "embeddings.lr", "model.unimixer.tau_start", "model.unimixer.tau_end",
-                    "model.unimixer.sinkhorn_iters", "model.unimixer.num_basis", "model.unimixer.global_rank",
-                    "model.moe.num_experts", "model.moe.l1_init", "launch.pg_timeout_minutes",
-                    "train.check_every", "data.poll_seconds")  # moe.l1_init > 0: lambda adapts multiplicatively
+                    "embeddings.lr", "launch.pg_timeout_minutes", "train.check_every", "data.poll_seconds")
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "data.retry_seconds", "train.steps",
                        "train.epochs", "train.early_stopping_patience", "model.token_dim", "model.head_hidden",
-                       "model.unimixer.block_size", "model.unimixer.tau_anneal_steps", "model.unimixer.sinkhorn_tol",
-                       "model.moe.expert_hidden", "model.moe.l1_rate", "model.moe.consistency",
-                       "model.dcnv2.cross_rank", "model.attention.num_heads", "optim.warmup_steps",
+                       "optim.warmup_steps",
                        "optim.dense_warmup_steps", "optim.grad_clip_norm", "metrics.eval_every", "metrics.valid_every",
                        "metrics.eval_batches", "metrics.log_every", "metrics.peak_tflops", "metrics.window_batches",
                        "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep",
@@ -315,8 +290,6 @@ def validate(cfg: Config) -> None:
                              "(FBGEMM's embedding kernels count them in 32 bits); `rankmix plan` shows what fits")
     if not math.isfinite(cfg.data.retry_seconds):  # inf (or nan) would retry an outage forever
         raise ValueError(f"data.retry_seconds must be a finite number of seconds, got {cfg.data.retry_seconds}")
-    if not 0 <= cfg.model.rankmixer.dropout < 1:
-        raise ValueError(f"model.rankmixer.dropout={cfg.model.rankmixer.dropout} must be a probability in [0, 1)")
     if not 0 <= cfg.data.valid_fraction < 1:
         raise ValueError(f"data.valid_fraction={cfg.data.valid_fraction} must be a share of the rows in [0, 1)")
     if cfg.data.valid_fraction and cfg.data.valid_path:
@@ -324,19 +297,13 @@ def validate(cfg: Config) -> None:
     if cfg.train.early_stopping_patience and not (cfg.data.valid_path or cfg.data.valid_fraction):
         raise ValueError("train.early_stopping_patience needs a validation split: set data.valid_path or "
                          "data.valid_fraction")
-    if not 0 < cfg.model.moe.budget <= 1:
-        raise ValueError(f"model.moe.budget={cfg.model.moe.budget} must be a fraction of the experts in (0, 1]")
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
     if cfg.publish.every_steps and cfg.publish.every_partition:
         raise ValueError("publish.every_steps and publish.every_partition are both set: publish one way")
     if cfg.train.steps == 0 and cfg.train.epochs == 0:
         raise ValueError("train.steps and train.epochs are both 0: nothing to train")
-    unimixer = cfg.model.unimixer
-    if unimixer.tau_anneal_steps and unimixer.tau_end > unimixer.tau_start:
-        raise ValueError(f"model.unimixer.tau_end={unimixer.tau_end} exceeds model.unimixer.tau_start="
-                         f"{unimixer.tau_start}: "
-                         "eq. 21 anneals the temperature downwards")
+    validate_model(cfg.model)  # each tower table's own ranges
     if not cfg.model.tasks:
         raise ValueError("model.tasks is empty: at least one task is needed")
     names = [t.name for t in cfg.model.tasks]
@@ -353,52 +320,6 @@ def validate(cfg: Config) -> None:
     if managed:
         raise ValueError(f"embeddings.table_sharding names managed tables {managed}: those are always row-wise "
                          "(TorchRec shards managed-collision tables no other way)")
-
-
-def validate_features(features: list[FeatureSpec]) -> None:
-    """Check each feature and table sharing (the choices are checked by the loader's types;
-    column and table defaults are FeatureSpec's own)."""
-    seen: set[str] = set()
-    tables: dict[str, FeatureSpec] = {}
-    for f in features:
-        where = f"features.{f.name or '<unnamed>'}"
-        if not f.name:
-            raise ValueError("features: every feature needs a name")
-        if f.name in seen:
-            raise ValueError(f"{where}: duplicate feature name")
-        seen.add(f.name)
-        if f.kind == "numeric":
-            if f.std <= 0:
-                raise ValueError(f"{where}.std must be positive, got {f.std}")
-            if f.fill_null is not None and not math.isfinite(f.fill_null):
-                raise ValueError(f"{where}.fill_null must be a finite number, got {f.fill_null}")
-            continue
-        if f.max_len < 0:
-            raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
-        if f.num_embeddings <= 0 or f.embedding_dim <= 0:
-            raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
-        if f.hashing == "managed" and f.eviction_interval < 1:
-            raise ValueError(f"{where}.eviction_interval must be at least 1, got {f.eviction_interval}")
-        if f.table in _taken_table_names():
-            raise ValueError(f"{where}.table: {f.table!r} is a name TorchRec cannot give a table (it keeps "
-                             "tables in a torch ModuleDict, which has an attribute of that name); rename it")
-        other = tables.setdefault(f.table, f)
-        if (other.num_embeddings, other.embedding_dim) != (f.num_embeddings, f.embedding_dim):
-            raise ValueError(
-                f"{where}: shares table {f.table!r} with features.{other.name} but their "
-                "num_embeddings / embedding_dim differ")
-        managed = (f.hashing == "managed", f.eviction_policy, f.eviction_interval)
-        if (other.hashing == "managed", other.eviction_policy, other.eviction_interval) != managed and \
-                "managed" in (f.hashing, other.hashing):
-            raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
-                             "managed with the same eviction_policy and eviction_interval, or neither")
-
-
-@functools.cache
-def _taken_table_names() -> frozenset[str]:
-    from torch import nn  # on use: launch.cli imports this module; `rankmix --help` and `data` start without torch
-
-    return frozenset(dir(nn.ModuleDict))
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -466,15 +387,20 @@ def dump_toml(cfg: Config, path: str | Path) -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's one-line docstring, read from the class source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Each field's one-line docstring, read from the source of the class and of the dataclasses
+    it extends; a field made without source (ModelConfig's derived ones) carries it as metadata."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
-                and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
-    return docs
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(inspect.getsource(klass))
+        except (OSError, TypeError):  # a builtin, or a class made by make_dataclass
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                    and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+    return docs | {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata}
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:

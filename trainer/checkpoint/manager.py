@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
-from trainer.config import CheckpointConfig, FeatureSpec, managed_tables
+from embeddings.features import FeatureSpec, managed_tables
+from trainer.config import CheckpointConfig
 from trainer.dist import gloo_group, side_group
 from trainer.checkpoint.files import swap_folder
 from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata

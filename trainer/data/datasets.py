@@ -15,7 +15,8 @@ from typing import NamedTuple, get_args
 
 import torch.distributed as dist
 
-from trainer.config import Config, FeatureSpec, SynthTeacherName
+from embeddings.features import FeatureSpec
+from trainer.config import Config, SynthTeacherName
 from trainer.offline import capacity as capacity_data
 from trainer.offline import synth as synth_data
 from trainer.offline.movielens import convert_movielens

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainer.data.ids import encode_ids
-from trainer.config import FeatureSpec, TaskSpec
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import MANAGED_ID_RANGE, FeatureSpec, Hashing
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, Hashing
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainer.config import FeatureSpec
+from embeddings.features import FeatureSpec
 from trainer.data.feature_ops import HASHINGS
 
 

@@ -31,7 +31,7 @@ from torch.export import Dim
 from torchrec import EmbeddingBagCollection
 from torchrec.inference.modules import quantize_embeddings
 
-from embeddings.hooks import serving_form
+from dense.tower_registry import serving_form
 from dense.heads import build_dense
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs

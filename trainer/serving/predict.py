@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from trainer.config import FeatureSpec
+from embeddings.features import FeatureSpec
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder, raw_numeric
 from trainer.data.ids import encode_ids

@@ -21,7 +21,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
-from trainer.config import MANAGED_ID_RANGE, FeatureSpec, managed_tables
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, managed_tables
 from trainer.data.feature_ops import HASHINGS, TRANSFORMS
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainer.config import BlockNorm, TowerPooling
+from dense.towers.rankmixer_towers import BlockNorm, TowerPooling
 
 
 def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -55,9 +55,9 @@ class PerTokenFFN(nn.Module):
     """Token t has its own two-layer GELU MLP D -> kD -> D (eq. 6-7); all T run as
     batched matrix products over weights stored [T, D, kD] and [T, kD, D]."""
 
-    def __init__(self, num_tokens: int, dim: int, ratio: int):
+    def __init__(self, num_tokens: int, dim: int, ffn_ratio: int):
         super().__init__()
-        hidden = ratio * dim
+        hidden = ffn_ratio * dim
         self.w1 = nn.Parameter(uniform_init((num_tokens, dim, hidden), dim))
         self.b1 = nn.Parameter(uniform_init((num_tokens, 1, hidden), dim))
         self.w2 = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
@@ -146,11 +146,11 @@ class RankMixerBlock(nn.Module):
 
     The per-token FFN is pluggable: any module with `forward_tm(s)` and `residual_tm(s)`
     (token-major FFN(s) and s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters,
-    FLOPs per sample). The default is the dense `PerTokenFFN` of `ratio`; the Sparse-MoE
-    (dense/towers/moe.py) is another. `dropout` drops FFN outputs before the residual add.
+    FLOPs per sample). The default is the dense `PerTokenFFN` of `ffn_ratio`; the Sparse-MoE
+    (dense/moe.py) is another. `dropout` drops FFN outputs before the residual add.
     """
 
-    def __init__(self, num_tokens: int, dim: int, ratio: int = 2, ffn: nn.Module | None = None,
+    def __init__(self, num_tokens: int, dim: int, ffn_ratio: int, ffn: nn.Module | None = None,
                  norm: str = "post", dropout: float = 0.0):
         super().__init__()
         check_mixing_width(dim, num_tokens)
@@ -158,7 +158,7 @@ class RankMixerBlock(nn.Module):
             raise ValueError(f"model.rankmixer.norm must be one of {NORMS}, got {norm!r}")
         self.num_tokens, self.pre_norm = num_tokens, norm == "pre"
         self.norm1 = nn.LayerNorm(dim)
-        self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ratio)
+        self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ffn_ratio)
         self.norm2 = nn.LayerNorm(dim)
         self.dropout = nn.Dropout(dropout) if dropout else None
 
@@ -184,10 +184,10 @@ class RankMixerTower(nn.Module):
     """Tokenizer -> L RankMixer blocks -> pooling: e_input [B, E] -> [B, D] (mean over
     tokens, the paper's) or [B, T*D] (`pooling="flatten"`: every token into the heads).
 
-    `ffn` makes each block's per-token FFN (default: `PerTokenFFN(T, D, ratio)`); `norm`
+    `ffn` makes each block's per-token FFN (default: `PerTokenFFN(T, D, ffn_ratio)`); `norm`
     places the blocks' LayerNorms (`RankMixerBlock`)."""
 
-    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ratio: int = 2,
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int,
                  ffn: Callable[[], nn.Module] | None = None, norm: str = "post", pooling: str = "mean",
                  dropout: float = 0.0):
         super().__init__()
@@ -196,8 +196,9 @@ class RankMixerTower(nn.Module):
         self.tokenizer = tokenizer
         t = tokenizer.num_tokens
         # Each FFN is made before its block, as the RNG draws have always been ordered.
-        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ratio, ffn() if ffn else PerTokenFFN(t, dim, ratio),
-                                                     norm=norm, dropout=dropout) for _ in range(num_layers)))
+        dense = lambda: PerTokenFFN(t, dim, ffn_ratio)  # noqa: E731
+        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ffn_ratio, ffn() if ffn else dense(), norm=norm,
+                                                     dropout=dropout) for _ in range(num_layers)))
         # Pre-norm leaves the residual stream unnormalised: one LayerNorm before the pooling.
         self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()
         self.flatten = pooling == "flatten"

@@ -1,5 +1,6 @@
-"""Comparison towers (docs/design.md §3.7): a DLRM-style MLP, DCNv2, and three RankMixer
-ablations, each e_input [B, E] -> [B, out_dim], with analytic (parameters, FLOPs) costs.
+"""Comparison towers (docs/design.md §3.7): logistic regression over the embeddings, a
+DLRM-style MLP, DCNv2, and three RankMixer ablations, each e_input [B, E] -> [B, out_dim],
+with analytic (parameters, FLOPs) costs.
 
 FLOPs are forward matmul FLOPs per sample, 2 m n k per product as `torch.utils.flop_counter`
 counts them; element-wise work (activations, norms, the cross product's Hadamard) is left out.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dense.towers.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
+from dense.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
 from dense.tokenizer import build_tokenizer
 
 
@@ -23,7 +24,22 @@ def _add(*costs: tuple[int, int]) -> tuple[int, int]:
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
 
 
-# ---------------------------------------------------------------- DLRM MLP and DCNv2
+# ---------------------------------------------------------------- logistic regression, DLRM MLP and DCNv2
+
+
+class Passthrough(nn.Module):
+    """No tower: the heads see e_input itself, so a linear head is logistic regression
+    over the embeddings (first-order terms only), the baseline that cannot learn crosses."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.out_dim = width
+
+    def forward(self, e_input: torch.Tensor) -> torch.Tensor:
+        return e_input
+
+    def cost(self) -> tuple[int, int]:
+        return 0, 0
 
 
 class MLP(nn.Module):
@@ -137,9 +153,9 @@ class SelfAttention(nn.Module):
 class SharedFFN(nn.Module):
     """One GELU MLP D -> kD -> D applied to every token: [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, dim: int, ratio: int):
+    def __init__(self, dim: int, ffn_ratio: int):
         super().__init__()
-        self.dim, self.hidden = dim, ratio * dim
+        self.dim, self.hidden = dim, ffn_ratio * dim
         self.net = nn.Sequential(nn.Linear(dim, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,14 +207,14 @@ class AblationTower(nn.Module):
 ABLATIONS = ("no_token_mixing", "shared_ffn", "self_attention")
 
 
-def ablation_block(kind: str, num_tokens: int, dim: int, ratio: int, num_heads: int) -> AblationBlock:
+def ablation_block(kind: str, num_tokens: int, dim: int, ffn_ratio: int, num_heads: int) -> AblationBlock:
     """One block of the ablation `kind` (one of ABLATIONS)."""
     if kind == "no_token_mixing":
-        return AblationBlock(None, PerTokenFFN(num_tokens, dim, ratio), dim)
+        return AblationBlock(None, PerTokenFFN(num_tokens, dim, ffn_ratio), dim)
     if kind == "shared_ffn":
-        return AblationBlock(TokenMixing(num_tokens, dim), SharedFFN(dim, ratio), dim)
+        return AblationBlock(TokenMixing(num_tokens, dim), SharedFFN(dim, ffn_ratio), dim)
     if kind == "self_attention":
-        return AblationBlock(SelfAttention(dim, num_heads or num_tokens), PerTokenFFN(num_tokens, dim, ratio), dim)
+        return AblationBlock(SelfAttention(dim, num_heads or num_tokens), PerTokenFFN(num_tokens, dim, ffn_ratio), dim)
     raise ValueError(f"unknown RankMixer ablation {kind!r}; expected one of {ABLATIONS}")
 
 

@@ -27,8 +27,9 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn import functional as F
 
-from embeddings.hooks import HookProvider, ServingForm, TrainingHooks
-from dense.towers.rankmixer import RankMixerTower, in_dtype, uniform_init
+from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
+from dense.tower_registry import ServingForm
+from embeddings.hooks import HookProvider, TrainingHooks
 
 
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
@@ -330,9 +331,9 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
         hooks.after_optimizer_step.append(self.set_step)
         hooks.metrics.append(self.log_values)
 
-    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, moe: Callable[[], PerTokenMoE],
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int, moe: Callable[[], PerTokenMoE],
                  norm: str = "post", pooling: str = "mean", dropout: float = 0.0):
-        super().__init__(tokenizer, num_layers, dim, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
+        super().__init__(tokenizer, num_layers, dim, ffn_ratio, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
 
     @property
     def moes(self) -> list[PerTokenMoE]:
@@ -395,11 +396,11 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
         return flops
 
 
-def expert_hidden(dim: int, ratio: int, num_experts: int, configured: int) -> int:
+def expert_hidden(dim: int, ffn_ratio: int, num_experts: int, configured: int) -> int:
     """model.moe.expert_hidden, or k D / E: the dense FFN's hidden units split over the experts."""
     if configured:
         return configured
-    if ratio * dim % num_experts:
-        raise ValueError(f"model.ffn_ratio x model.hidden_dim = {ratio * dim} does not split over "
+    if ffn_ratio * dim % num_experts:
+        raise ValueError(f"model.ffn_ratio x model.hidden_dim = {ffn_ratio * dim} does not split over "
                          f"model.moe.num_experts={num_experts}; set model.moe.expert_hidden")
-    return ratio * dim // num_experts
+    return ffn_ratio * dim // num_experts

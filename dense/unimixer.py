@@ -14,8 +14,9 @@ import math
 import torch
 from torch import nn
 
-from embeddings.hooks import HookProvider, ServingForm, TrainingHooks
-from dense.towers.rankmixer import in_dtype, uniform_init
+from dense.rankmixer import in_dtype, uniform_init
+from dense.tower_registry import ServingForm
+from embeddings.hooks import HookProvider, TrainingHooks
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, tol: float = 0.0,
@@ -192,9 +193,9 @@ class PerTokenSwiGLU(nn.Module):
     """Eq. 19: token i has its own W_up, W_gate [blk, n blk], W_down [n blk, blk]; all tokens
     in batched products. Up and gate share one [T, blk, 2 n blk] weight: one bmm, not two."""
 
-    def __init__(self, num_tokens: int, dim: int, ratio: int):
+    def __init__(self, num_tokens: int, dim: int, ffn_ratio: int):
         super().__init__()
-        hidden = ratio * dim
+        hidden = ffn_ratio * dim
         self.w_in = nn.Parameter(uniform_init((num_tokens, dim, 2 * hidden), dim))
         self.b_in = nn.Parameter(uniform_init((num_tokens, 1, 2 * hidden), dim))
         self.w_down = nn.Parameter(uniform_init((num_tokens, hidden, dim), hidden))
@@ -250,10 +251,10 @@ class UniMixerBlock(nn.Module):
     SwiGLU's tokens are the mixing blocks (eq. 19's weights are blk x n blk); blk = D makes
     them the tokens (and the block-major layout the token-major one, with no copy)."""
 
-    def __init__(self, mixing: BlockMixing, ratio: int):
+    def __init__(self, mixing: BlockMixing, ffn_ratio: int):
         super().__init__()
         self.mixing = mixing
-        self.ffn = PerTokenSwiGLU(mixing.num_blocks, mixing.block, ratio)
+        self.ffn = PerTokenSwiGLU(mixing.num_blocks, mixing.block, ffn_ratio)
 
     def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Token-major [T, B, D] and the layer's constrained (W_G, W_B) -> [T, B, D]."""
@@ -290,8 +291,7 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
     """
 
     def __init__(self, tokenizer: nn.Module, blocks: list[UniMixerBlock], dim: int,
-                 tau_start: float, tau_end: float, anneal_steps: int, sinkhorn_iters: int = 50,
-                 sinkhorn_tol: float = 0.0):
+                 tau_start: float, tau_end: float, anneal_steps: int, sinkhorn_iters: int, sinkhorn_tol: float):
         super().__init__()
         self.tokenizer = tokenizer
         self.layers = nn.ModuleList(SiameseLayer(b, dim) for b in blocks)
@@ -346,9 +346,9 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
         """(parameters, forward matmul FLOPs per sample): tokenizer plus `unimixer_cost`."""
         first = self.layers[0].block
         mixing = first.mixing
-        ratio = first.ffn.w_down.shape[1] // mixing.block
+        ffn_ratio = first.ffn.w_down.shape[1] // mixing.block
         lite = (mixing.basis.shape[0], mixing.a_global.shape[1]) if isinstance(mixing, UniMixingLite) else None
-        params, flops = unimixer_cost(self.tokenizer.num_tokens, self.out_dim, mixing.block, ratio,
+        params, flops = unimixer_cost(self.tokenizer.num_tokens, self.out_dim, mixing.block, ffn_ratio,
                                       len(self.layers), lite)
         tok_params, tok_flops = self.tokenizer.cost()
         return tok_params + params, tok_flops + flops
@@ -383,7 +383,7 @@ class FrozenMixing(nn.Module):
         return self.tower.mix(e_input, weights)
 
 
-def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int,
+def unimixer_cost(num_tokens: int, dim: int, block: int, ffn_ratio: int, layers: int,
                   lite: tuple[int, int] | None = None) -> tuple[int, int]:
     """(parameters, forward matmul FLOPs per sample) of the M layers and the output norm,
     without the tokenizer. `lite` = (num_basis, rank) for UniMixing-Lite.
@@ -398,7 +398,7 @@ def unimixer_cost(num_tokens: int, dim: int, block: int, ratio: int, layers: int
     else:
         basis, rank = lite
         mixing = basis * block * block + n * basis + 2 * n * rank
-    swiglu = n * (3 * ratio * block * block + 2 * ratio * block + block)
+    swiglu = n * (3 * ffn_ratio * block * block + 2 * ffn_ratio * block + block)
     params = layers * (mixing + swiglu + 3 * dim) + dim
-    flops = layers * (2 * length * block + 2 * length * n + 6 * ratio * length * block)
+    flops = layers * (2 * length * block + 2 * length * n + 6 * ffn_ratio * length * block)
     return params, flops

@@ -1,0 +1,86 @@
+"""The comparison towers as the config sees them: logistic regression, the MLP, DCNv2 and
+three RankMixer ablations, with the [model.mlp], [model.dcnv2] and [model.attention] tables
+and their builders (the modules: dense/baselines.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from dense.tower_registry import check_ranges, register_tower
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dense.layout import InputLayout
+    from dense.model_config import ModelConfig
+
+
+@dataclass
+class MLPConfig:
+    """ReLU MLP."""
+
+    key: ClassVar[str] = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden widths; the last is the tower's output."""
+
+
+@dataclass
+class DCNv2Config:
+    """Cross network."""
+
+    key: ClassVar[str] = "dcnv2"
+    cross_layers: int = 3
+    """Cross layers x_{l+1} = x_0 * (W x_l + b) + x_l."""
+    cross_rank: int = 0
+    """Rank r of W = U V^T (0: full E x E matrices)."""
+
+    def validate(self) -> None:
+        check_ranges(self, nonnegative=("cross_rank",))
+
+
+@dataclass
+class AttentionConfig:
+    """Self-attention token mixing."""
+
+    key: ClassVar[str] = "attention"
+    num_heads: int = 0
+    """Attention heads H (0: one per token, H = T); D must divide by H."""
+
+    def validate(self) -> None:
+        check_ranges(self, nonnegative=("num_heads",))
+
+
+@register_tower("logreg", tokens=False)
+def build_logreg(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    from dense.baselines import Passthrough  # on use: torch (the config loads without it)
+
+    return Passthrough(layout.width)
+
+
+@register_tower("mlp", tables=(MLPConfig,), tokens=False)
+def build_mlp(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    from dense.baselines import MLP  # on use: torch (the config loads without it)
+
+    return MLP(layout.width, cfg.mlp.hidden)
+
+
+@register_tower("dcnv2", tables=(MLPConfig, DCNv2Config), tokens=False)
+def build_dcnv2(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    from dense.baselines import DCNv2  # on use: torch (the config loads without it)
+
+    return DCNv2(layout.width, cfg.dcnv2.cross_layers, cfg.dcnv2.cross_rank, cfg.mlp.hidden)
+
+
+def _ablation(kind: str):
+    """The builder of RankMixer with one piece swapped out (dense/baselines.py ABLATIONS)."""
+    def build(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+        from dense.baselines import ablation_tower  # on use: torch (the config loads without it)
+
+        return ablation_tower(kind, cfg, layout.group_widths)
+    return build
+
+
+register_tower("no_token_mixing")(_ablation("no_token_mixing"))
+register_tower("shared_ffn")(_ablation("shared_ffn"))
+register_tower("self_attention", tables=(AttentionConfig,))(_ablation("self_attention"))

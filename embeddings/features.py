@@ -1,0 +1,145 @@
+"""The feature schema ([[features]]): where each input comes from, its embedding table and
+how ids reach a row (hashing, managed collisions and their eviction), or its numeric
+transforms, and the semantic group its token slice belongs to.
+
+The lowest floor of the code base holds it, because every floor reads it: the tables and
+their sharding (here), the dense side's input layout (dense/layout.py), the reader's
+encoding and the serving artifact (trainer/). Standard library only (torch on use, for one
+check): `rankmix --help` loads it without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FeatureKind = Literal["id", "id_list", "sequence", "numeric"]
+Hashing = Literal["modulo", "none", "managed"]
+EvictionPolicy = Literal["lfu", "lru"]
+Pooling = Literal["sum", "mean"]
+NumericTransform = Literal["log1p", "clip", "standardize"]
+
+MANAGED_ID_RANGE = 2 ** 62
+"""Managed tables take ids in [0, MANAGED_ID_RANGE): TorchRec's MCH routes an id to the rank
+that owns its part of that range, and marks an empty slot with INT64_MAX."""
+
+
+@dataclass
+class FeatureSpec:
+    """One input feature: where it comes from, how it is embedded, which group it feeds."""
+
+    name: str = ""
+    """Feature name: the key in the KeyedJaggedTensor, in logs and in CLI overrides."""
+    column: str = ""
+    """Source column in the Parquet files (defaults to `name`)."""
+    kind: FeatureKind = "id"
+    """id (one id per row) | id_list (multi-hot) | sequence (behaviour ids, most recent last) | numeric."""
+    table: str = ""
+    """Embedding table (defaults to `name`); features naming one table share it."""
+    num_embeddings: int = 0
+    """Rows of the embedding table."""
+    embedding_dim: int = 16
+    """Width of the embedding table."""
+    hashing: Hashing = "modulo"
+    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own row (TorchRec MCH), stale ones evicted."""
+    eviction_policy: EvictionPolicy = "lfu"
+    """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
+    eviction_interval: int = 100
+    """managed: training steps between evictions; a new id gets a row at the next one (until then the shard's miss row)."""
+    pooling: Pooling = "sum"
+    """How an id list is pooled into one vector: sum | mean."""
+    group: str = "default"
+    """Semantic group (user, item, context, sequence, cross...) the feature's token slice belongs to."""
+    max_len: int = 0
+    """id_list / sequence: keep only the last max_len ids (0 keeps all)."""
+    transform: list[NumericTransform] = field(default_factory=list)
+    """numeric: transforms applied in order, from log1p | clip | standardize."""
+    clip_min: float = -math.inf
+    """numeric `clip`: lower bound."""
+    clip_max: float = math.inf
+    """numeric `clip`: upper bound."""
+    mean: float = 0.0
+    """numeric `standardize`: subtracted mean."""
+    std: float = 1.0
+    """numeric `standardize`: divisor."""
+    fill_null: float | None = None
+    """numeric: value that replaces nulls (unset: a null is an error)."""
+
+    def __post_init__(self) -> None:
+        self.column = self.column or self.name
+        if self.kind != "numeric":
+            self.table = self.table or self.name
+
+
+def managed_tables(features: list[FeatureSpec]) -> list[str]:
+    """The tables with managed collisions (hashing = "managed"), sorted by name."""
+    return sorted({f.table for f in features if f.hashing == "managed"})
+
+
+ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
+"""FeatureSpec fields that only id, id_list and sequence features read."""
+NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
+"""FeatureSpec fields that only numeric features read."""
+
+
+def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, str]]:
+    """Each feature field that its feature's kind and hashing do not read -> (the key whose
+    value makes it unused, why)."""
+    unused: dict[str, tuple[str, str]] = {}
+    for f in features:
+        where = f"features.{f.name}"
+        numeric = f.kind == "numeric"
+        cause = (f"{where}.kind", f"{where}.kind={f.kind!r} does not read it")
+        unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
+        if numeric or f.hashing != "managed":
+            unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
+                                    (f"{where}.hashing", f"{where}.hashing={f.hashing!r} is not managed"))
+    return unused
+
+
+def validate_features(features: list[FeatureSpec]) -> None:
+    """Check each feature and table sharing (the choices are checked by the loader's types;
+    column and table defaults are FeatureSpec's own)."""
+    seen: set[str] = set()
+    tables: dict[str, FeatureSpec] = {}
+    for f in features:
+        where = f"features.{f.name or '<unnamed>'}"
+        if not f.name:
+            raise ValueError("features: every feature needs a name")
+        if f.name in seen:
+            raise ValueError(f"{where}: duplicate feature name")
+        seen.add(f.name)
+        if f.kind == "numeric":
+            if f.std <= 0:
+                raise ValueError(f"{where}.std must be positive, got {f.std}")
+            if f.fill_null is not None and not math.isfinite(f.fill_null):
+                raise ValueError(f"{where}.fill_null must be a finite number, got {f.fill_null}")
+            continue
+        if f.max_len < 0:
+            raise ValueError(f"{where}.max_len must be >= 0, got {f.max_len}")
+        if f.num_embeddings <= 0 or f.embedding_dim <= 0:
+            raise ValueError(f"{where}: num_embeddings and embedding_dim must be positive")
+        if f.hashing == "managed" and f.eviction_interval < 1:
+            raise ValueError(f"{where}.eviction_interval must be at least 1, got {f.eviction_interval}")
+        if f.table in _taken_table_names():
+            raise ValueError(f"{where}.table: {f.table!r} is a name TorchRec cannot give a table (it keeps "
+                             "tables in a torch ModuleDict, which has an attribute of that name); rename it")
+        other = tables.setdefault(f.table, f)
+        if (other.num_embeddings, other.embedding_dim) != (f.num_embeddings, f.embedding_dim):
+            raise ValueError(
+                f"{where}: shares table {f.table!r} with features.{other.name} but their "
+                "num_embeddings / embedding_dim differ")
+        managed = (f.hashing == "managed", f.eviction_policy, f.eviction_interval)
+        if (other.hashing == "managed", other.eviction_policy, other.eviction_interval) != managed and \
+                "managed" in (f.hashing, other.hashing):
+            raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
+                             "managed with the same eviction_policy and eviction_interval, or neither")
+
+
+@functools.cache
+def _taken_table_names() -> frozenset[str]:
+    from torch import nn  # on use: the config loads without torch (`rankmix --help`, `rankmix data`)
+
+    return frozenset(dir(nn.ModuleDict))
