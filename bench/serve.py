@@ -29,7 +29,7 @@ import torch
 from trainer.checkpoint import manager
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import resolve_files
+from trainer.data.store import resolve_files
 from trainer.dist import shutdown
 from trainer.score import CheckpointModel, find_config
 from trainer.serving.export import TABLES, export, load

@@ -41,7 +41,7 @@ from trainer.config import Config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
-from trainer.train import per_rank_batch_size
+from trainer.config import per_rank_batch_size
 
 GB = 2**30
 RUNTIME_BYTES = 2**29

@@ -1,74 +1,124 @@
-"""The import rule of docs/design.md §2, checked on the source: floors, and every import
-points down or sideways within its package.
+"""The floors of docs/design.md §2, checked on the source: the four packages are floors, and
+every import points down a floor or stays inside its package.
 
-    floor 0  trainer/config.py, credentials.py, registry.py, hooks.py   the contracts
-    floor 1  embeddings/ and dense/                                      each imports floor 0 only
-    floor 2  the rest of trainer/                                        floors 0-1 and itself
-    floor 3  launch/                                                     anything
+    floor 3  launch/      the CLI and job launch
+    floor 2  trainer/     composes the floors below: config tree, data, loop, checkpoints, metrics, serving
+    floor 1  dense/       [model] and the towers, tokenizers, heads
+    floor 0  embeddings/  the feature schema, [embeddings], the registry base, the hooks protocol; tables
 
-Imports under `if TYPE_CHECKING:` are annotations only and do not count. A function-level
-import needs its reason in a comment on its line or the line above (an optional dependency,
-a command that must start without torch, the fork server's preload).
+Imports of every kind count: at module level, inside functions, and under `if TYPE_CHECKING:`
+(an annotation is a dependency too). Besides: no loop between packages, no name starting with
+`_` imported from another package, no loop between modules at import time (module-level imports
+outside TYPE_CHECKING), no two modules of one file name, and a function-level import says why
+in a comment on its line or above its group (an optional dependency, a command that must start
+without torch). `test_the_checks_find_a_planted_*` run the checks on a copy with a planted fault.
 """
 
 import ast
+import functools
+import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("trainer", "embeddings", "dense", "launch")
-GROUND = {"trainer.config", "trainer.credentials", "embeddings.registry", "embeddings.hooks"}
+FLOORS = {"embeddings": 0, "dense": 1, "trainer": 2, "launch": 3}
 
 
-def floor(module: str) -> int:
-    if module in GROUND:
-        return 0
-    return {"embeddings": 1, "dense": 1, "trainer": 2, "launch": 3}[module.split(".")[0]]
+def modules(root: Path = REPO) -> dict[str, Path]:
+    """Dotted name -> file of every module of the four packages (a package by its __init__)."""
+    found = {}
+    for pkg in FLOORS:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
 
 
-def modules() -> list[tuple[str, Path]]:
-    return sorted((".".join(p.relative_to(REPO).with_suffix("").parts), p)
-                  for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[int, str, list[str], str]]:
+    """(line, imported module of ours, names taken from it, where: "module" | "function" |
+    "type_checking") of every import of `path` that names one of our modules."""
+    return _imports(path.read_text(), frozenset(known))
 
 
-def imports(path: Path) -> list[tuple[int, str, bool]]:
-    """(line, imported rankmix module, inside a function) of every import outside TYPE_CHECKING."""
-    tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    in_function = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for n in ast.walk(node)}
+@functools.cache
+def _imports(source: str, known: frozenset[str]) -> list[tuple[int, str, list[str], str]]:
+    tree = ast.parse(source)
+    where: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where |= {id(n): "function" for n in ast.walk(node)}
+    for node in ast.walk(tree):  # TYPE_CHECKING wins over function: never executed
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            where |= {id(n): "type_checking" for n in ast.walk(node)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-        for name in names:
-            out.append((node.lineno, name, id(node) in in_function))
+        kind = where.get(id(node), "module")
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, [], kind) for a in node.names if a.name.split(".")[0] in FLOORS]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.split(".")[0] in FLOORS:
+            for a in node.names:  # `from pkg import module` imports that module
+                sub = f"{node.module}.{a.name}"
+                out.append((node.lineno, sub, [], kind) if sub in known else (node.lineno, node.module, [a.name], kind))
     return out
 
 
-def ours(name: str) -> str | None:
-    """The rankmix module `name` refers to (a package's own module, or the package itself)."""
-    return name if name.split(".")[0] in PACKAGES else None
+def package(module: str) -> str:
+    return module.split(".")[0]
 
 
-def violations(module: str, path: Path) -> list[str]:
-    """`module`'s imports that point up a floor, or across floor 1 from one package to the other."""
-    wrong = []
-    for line, name, _ in imports(path):
-        target = ours(name)
-        if target is None:
-            continue
-        same_package = target.split(".")[0] == module.split(".")[0]
-        up = floor(target) > floor(module) and not (same_package and floor(module) > 0)
-        across = floor(module) == 1 == floor(target) and not same_package
-        if up or across:
-            wrong.append(f"{path.name}:{line}: {module} (floor {floor(module)}) imports {target} "
-                         f"(floor {floor(target)})")
-    return wrong
+def upward(root: Path = REPO) -> list[str]:
+    """Every import that points up a floor."""
+    known = modules(root)
+    return [f"{path.relative_to(root)}:{line}: {module} (floor {FLOORS[package(module)]}) imports {target} "
+            f"(floor {FLOORS[package(target)]}, {kind}-level)"
+            for module, path in known.items() for line, target, _, kind in imports(path, known)
+            if FLOORS[package(target)] > FLOORS[package(module)]]
+
+
+def package_loops(root: Path = REPO) -> list[list[str]]:
+    """Loops in the graph of which package imports which (any kind of import)."""
+    known = modules(root)
+    edges = defaultdict(set)
+    for module, path in known.items():
+        edges[package(module)] |= {package(t) for _, t, _, _ in imports(path, known)} - {package(module)}
+    return cycles(edges)
+
+
+def module_loops(root: Path = REPO) -> list[list[str]]:
+    """Loops between modules through imports run at import time (module level, outside TYPE_CHECKING)."""
+    known = modules(root)
+    edges = {m: {t for _, t, _, kind in imports(p, known) if kind == "module" and t in known} - {m}
+             for m, p in known.items()}
+    return cycles(edges)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One loop through each strongly connected group of `edges` (depth-first search)."""
+    found, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def private_imports(root: Path = REPO) -> list[str]:
+    """`from other_package.module import _name`: a name its package keeps to itself."""
+    known = modules(root)
+    return [f"{path.relative_to(root)}:{line}: imports {name} from {target}"
+            for module, path in known.items() for line, target, names, _ in imports(path, known)
+            if package(target) != package(module) for name in names if name.startswith("_")]
 
 
 def has_reason(lines: list[str], line: int) -> bool:
@@ -83,38 +133,78 @@ def has_reason(lines: list[str], line: int) -> bool:
     return False
 
 
-def test_every_import_points_down_or_sideways():
-    wrong = [v for module, path in modules() for v in violations(module, path)]
+def test_every_import_points_down_or_stays_in_its_package():
+    wrong = upward()
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_ground_floor_imports_only_itself():
-    for module in GROUND:
-        path = REPO / (module.replace(".", "/") + ".py")
-        above = [f"{path.name}:{line}: {name}" for line, name, _ in imports(path)
-                 if ours(name) and ours(name) not in GROUND]
-        assert not above, above
+def test_no_loop_between_packages():
+    assert not package_loops()
+
+
+def test_no_loop_between_modules_at_import_time():
+    assert not module_loops()
+
+
+def test_no_private_name_crosses_a_package():
+    wrong = private_imports()
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_two_modules_share_a_file_name():
+    names = defaultdict(list)
+    for path in modules().values():
+        if path.name != "__init__.py":
+            names[path.name].append(str(path.relative_to(REPO)))
+    assert not {n: p for n, p in names.items() if len(p) > 1}
 
 
 def test_function_level_imports_say_why():
     silent = []
-    for _, path in modules():
+    known = modules()
+    for _, path in known.items():
         lines = path.read_text().splitlines()
         silent += [f"{path.relative_to(REPO)}:{line}: import of {name}"
-                   for line, name, in_function in imports(path) if in_function and not has_reason(lines, line)]
+                   for line, name, _, kind in imports(path, known) if kind == "function" and not has_reason(lines, line)]
     assert not silent, "function-level imports without a reason:\n" + "\n".join(silent)
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from dense.heads import build_dense\n", ["x.py:1: embeddings.x (floor 1) imports dense.heads (floor 1)"]),
-    ("from trainer.data import ids\n", ["x.py:1: embeddings.x (floor 1) imports trainer.data (floor 2)"]),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.data.batch import Batch\n", []),
-    ("from trainer.config import FeatureSpec\nfrom embeddings.tables import FUSED\n", []),
+@pytest.fixture
+def copy(tmp_path) -> Path:
+    """The four packages' sources, to plant a fault in."""
+    for pkg in FLOORS:
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    assert not upward(tmp_path) and not package_loops(tmp_path) and not private_imports(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("planted, where", [
+    ("from trainer.config import Config\n", "module"),
+    ("def f():\n    from launch.cli import main  # on use\n    return main\n", "function"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dense.layout import InputLayout\n", "type_checking"),
 ])
-def test_the_rule_finds_what_it_should(tmp_path, source, expected):
-    """The check itself, on a planted module of embeddings/."""
-    (tmp_path / "x.py").write_text(source)
-    assert violations("embeddings.x", tmp_path / "x.py") == expected
+def test_the_checks_find_a_planted_upward_import(copy, planted, where):
+    """An upward import planted in embeddings/features.py, at module level, in a function or
+    for annotations only, is named by the floor check and closes a loop between packages."""
+    path = copy / "embeddings" / "features.py"
+    path.write_text(path.read_text() + "\n" + planted)
+    wrong = upward(copy)
+    assert len(wrong) == 1 and wrong[0].startswith("embeddings/features.py:") and f"{where}-level" in wrong[0], wrong
+    assert "embeddings.features (floor 0) imports" in wrong[0]
+    assert package_loops(copy)
+
+
+def test_the_checks_find_a_planted_private_import(copy):
+    path = copy / "launch" / "plan.py"
+    path.write_text(path.read_text() + "\nfrom trainer.data.store import _transient\n")
+    assert private_imports(copy) == [f"launch/plan.py:{len(path.read_text().splitlines())}: imports _transient "
+                                     "from trainer.data.store"]
+
+
+def test_the_checks_find_a_planted_loop_between_modules(copy):
+    (copy / "dense" / "a.py").write_text("from dense import b\n")
+    (copy / "dense" / "b.py").write_text("import dense.a\n")
+    assert module_loops(copy) == [["dense.a", "dense.b", "dense.a"]]
 
 
 def test_a_reason_may_head_a_group_of_imports():

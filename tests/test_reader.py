@@ -24,7 +24,8 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from embeddings.features import validate_features
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import ParquetReader, resolve_files
+from trainer.data.reader import ParquetReader
+from trainer.data.store import resolve_files
 
 NUM_ITEMS = 1000
 NUM_TAGS = 100

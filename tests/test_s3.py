@@ -18,7 +18,8 @@ from object_store import Server, filesystem, query, upload  # noqa: E402
 from dense.model_config import TaskSpec  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
-from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
+from trainer.data.reader import ParquetReader  # noqa: E402
+from trainer.data.store import resolve_files  # noqa: E402
 from trainer.offline.synth import write_synthetic  # noqa: E402
 
 

@@ -32,7 +32,8 @@ from embeddings.features import FeatureSpec  # noqa: E402
 from embeddings.features import validate_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.credentials import redact_uri  # noqa: E402
-from trainer.data.reader import ParquetReader, resolve_files  # noqa: E402
+from trainer.data.reader import ParquetReader  # noqa: E402
+from trainer.data.store import resolve_files  # noqa: E402
 from trainer.errors import DataUnavailableError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

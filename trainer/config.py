@@ -99,6 +99,16 @@ RECIPES: dict[str, dict[str, object]] = {
 on the command line keeps its value. rankmix's are the dataclass defaults."""
 
 
+def per_rank_batch_size(cfg: Config, world_size: int) -> int:
+    """data.global_batch_size split over the ranks, or data.batch_size per rank."""
+    if not cfg.data.global_batch_size:
+        return cfg.data.batch_size
+    if cfg.data.global_batch_size % world_size:
+        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} does not divide "
+                         f"over {world_size} ranks")
+    return cfg.data.global_batch_size // world_size
+
+
 TIME_ORDER_FIELDS = ("success_marker", "follow", "poll_seconds")
 """DataConfig fields that only data.order = "time" reads."""
 

@@ -29,7 +29,7 @@ from trainer.checkpoint import manager
 from trainer.config import MAX_BATCH_ROWS, Config
 from trainer.data.encode import RowEncoder
 from trainer.data.batch import Batch
-from trainer.data.reader import _reason, resolve_files
+from trainer.data.store import reason, resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.checkpoint.state import ModelState, apply_trained_step
 from trainer.metrics.streaming import SplitMetrics
@@ -173,7 +173,7 @@ def _open(fs, path: str) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path, filesystem=fs)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"cannot read Parquet file {path}: {_reason(e)}") from None
+        raise ValueError(f"cannot read Parquet file {path}: {reason(e)}") from None
 
 
 def _batches(parquet: pq.ParquetFile, path: str, batch_size: int, columns: list[str]):
@@ -181,7 +181,7 @@ def _batches(parquet: pq.ParquetFile, path: str, batch_size: int, columns: list[
     try:
         yield from parquet.iter_batches(batch_size, columns=columns)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"cannot read Parquet file {path}: {_reason(e)}") from None
+        raise ValueError(f"cannot read Parquet file {path}: {reason(e)}") from None
 
 
 def _kept_columns(names: list[str], keep: list[str], encoder: RowEncoder, path: str) -> list[str]:

@@ -23,12 +23,13 @@ from embeddings.hooks import TrainingHooks
 from trainer.ranking_model import build_model
 from embeddings.init import init_embeddings
 from embeddings.sharding import shard_model
-from trainer.config import Config
+from trainer.config import Config, per_rank_batch_size
 from trainer.config_loader import dump_toml
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
-from trainer.data.partitions import PartitionedReader, ProgressiveMetrics
+from trainer.data.partitions import PartitionedReader
+from trainer.metrics.progressive import ProgressiveMetrics
 from trainer.data.reader import ParquetReader
 from trainer.dist import (DistEnv, init_distributed, job_cluster, raise_on_every_rank, reduce_gradients_in_fixed_order,
                           side_group)
@@ -659,16 +660,6 @@ class Trainer:
             return
         manager.load(path, self.checkpoint_parts)
         self.logger.write(f"resumed from {path} at step {self.step}")
-
-
-def per_rank_batch_size(cfg: Config, world_size: int) -> int:
-    """data.global_batch_size split over the ranks, or data.batch_size per rank."""
-    if not cfg.data.global_batch_size:
-        return cfg.data.batch_size
-    if cfg.data.global_batch_size % world_size:
-        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} does not divide "
-                         f"over {world_size} ranks")
-    return cfg.data.global_batch_size // world_size
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:

@@ -36,15 +36,13 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
-from trainer.data.reader import EpochRows, ParquetReader, _open_store, file_change
+from trainer.data.reader import EpochRows, ParquetReader, file_change
+from trainer.data.store import open_store
 from trainer.dist import side_group
-from trainer.metrics.streaming import SplitMetrics
 
 log = logging.getLogger("rankmix.data")
 
@@ -62,7 +60,7 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
                     like: Partition | None = None) -> list[Partition]:
     """The complete partitions under `root`, in time order (module docstring); `like`, the last
     partition taken up, fixes the keys and their kinds."""
-    store, path = _open_store(root, retry_seconds, retry_attempts)
+    store, path = open_store(root, retry_seconds, retry_attempts)
     shown = redact_uri(root)
     infos = store.call(lambda: store.fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)),
                        path)
@@ -277,26 +275,3 @@ class PartitionedReader:
                 raise ValueError(f"data reader state: partition {state['partition']} was being trained, but it is "
                                  "no longer complete under data.train_path")
             self.reader(self.epoch).load_state_dict(state["reader"])
-
-
-class ProgressiveMetrics:
-    """AUC, NE and calibration of a partition's training rows, each scored by the training
-    forward before its update (online training's "progressive" metrics: no extra forward). A
-    forward hook on `model` (training mode) feeds a whole-split `SplitMetrics`; `compute` reads
-    it (collective) and starts the next partition afresh. After a resume inside a partition it
-    covers the rows trained since."""
-
-    def __init__(self, model: nn.Module, task_names: list[str], device: torch.device):
-        self.task_names, self.device = task_names, device
-        self.split = SplitMetrics(task_names, device)
-        model.register_forward_hook(self._record)
-
-    def _record(self, module: nn.Module, args: tuple, logits: torch.Tensor) -> None:
-        if module.training:
-            self.split.add(logits.detach(), args[0].labels, args[0].users)
-
-    def compute(self) -> dict[str, float]:
-        """'auc', 'ne', 'calibration' per task ('<task>/auc', ...; the first task's also bare) and 'examples'."""
-        figures = self.split.compute()
-        self.split = SplitMetrics(self.task_names, self.device)
-        return {k: v for k, v in figures.items() if k == "examples" or k.split("/")[-1] in ("auc", "ne", "calibration")}
