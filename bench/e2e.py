@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import io
 import statistics
 import tempfile
@@ -117,11 +116,11 @@ class StepParts:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.model = trainer.ranking_model.module  # RankingModel under DMP (and DDP for the dense part)
+        self.model = trainer.model.module  # RankingModel under DMP (and DDP for the dense part)
         self.batches: Iterator[Batch] = trainer.batches()  # for whole steps
         # The parts read their own copy of the reader: a batch they take is not one a
         # whole step trains, so it must not move the trainer's data position.
-        self.part_batches: Iterator[Batch] = iter(copy.copy(trainer.train_reader))
+        self.part_batches: Iterator[Batch] = trainer.side_batches()
         self.batch = self._next()
         self.has_tokenizer = hasattr(self.model.tower, "tokenizer")
         self.grads: list[torch.Tensor] = []
@@ -178,14 +177,13 @@ class StepParts:
     def time_heads_loss(self) -> tuple[float, float]:
         hidden = torch.randn(len(self.batch), self.model.tower.out_dim, requires_grad=True)
         with Clock() as clock:
-            task_losses = nn.functional.binary_cross_entropy_with_logits(
-                self.model.heads(hidden), self.batch.labels, reduction="none").mean(dim=0)
-            (task_losses * self.trainer.task_weights).sum().backward()
+            loss, _ = self.trainer.loss(self.model.heads(hidden), self.batch.labels)
+            loss.backward()
         return clock.times
 
     def _set_grads(self) -> None:
         """Every dense parameter holds a gradient, as after a backward."""
-        params = self.trainer.dense_params
+        params = self.trainer.dense_parameters()
         if not self.grads:
             self.grads = [torch.randn_like(p) * 1e-3 for p in params]
         for p, g in zip(params, self.grads):
@@ -200,8 +198,7 @@ class StepParts:
     def time_optimizer(self) -> tuple[float, float]:
         self._set_grads()
         with Clock() as clock:
-            self.trainer.optimizer.step()
-            self.trainer.optimizer.zero_grad(set_to_none=True)
+            self.trainer.optimizer_step()
         return clock.times
 
     def time_step(self) -> tuple[float, float]:

@@ -83,9 +83,9 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
         loss = (trainer.train_step(batches) * trainer.task_weights).sum()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
-    weights = full_state_dict(trainer.ranking_model)
+    weights = full_state_dict(trainer.model)
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.ranking_model.plan),
+        torch.save({"losses": losses, "weights": weights, "plan": str(trainer.model.plan),
                     "pipelined": trainer.pipeline is not None}, out)
     batches.close()
     trainer.close()

@@ -211,7 +211,7 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
     trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     calls: list = []
     step = [0]
-    device = DeviceTensors(trainer.env.device, [*trainer.ranking_model.parameters(), *trainer.ranking_model.buffers()])
+    device = DeviceTensors(trainer.env.device, [*trainer.model.parameters(), *trainer.model.buffers()])
     train_step = trainer.train_step
 
     def step_counted(batches):  # what follows is attributed to the step it starts
@@ -299,12 +299,12 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
     from trainer.train import Trainer
 
     trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
-    tower = next(m for m in trainer.ranking_model.modules() if isinstance(m, RankMixerTower))
+    tower = next(m for m in trainer.model.modules() if isinstance(m, RankMixerTower))
     dtypes: list[str] = []
     tower.register_forward_hook(lambda module, inputs, output: dtypes.append(str(output.dtype)))
     batches = trainer.batches()
     losses = [float((trainer.train_step(batches) * trainer.task_weights).sum()) for _ in range(4)]
-    ddp = any(isinstance(m, DistributedDataParallel) for m in trainer.ranking_model.modules())
+    ddp = any(isinstance(m, DistributedDataParallel) for m in trainer.model.modules())
     batches.close()
     trainer.close()
     shutdown()

@@ -107,7 +107,7 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
 
     trainer = Trainer(load_config(config, args))
     seen = []
-    trainer.ranking_model.register_forward_hook(
+    trainer.model.register_forward_hook(
         lambda module, inputs, logits: seen.append((logits.detach(), inputs[0].labels)) if module.training else None)
     batches = trainer.batches()
     for _ in range(trainer.cfg.train.steps):
@@ -115,11 +115,11 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     batches.close()
     window = trainer.window.compute()
     streamed = trainer.evaluate()  # the pipeline detached, the model in eval mode
-    trainer.ranking_model.eval()
+    trainer.model.eval()
     reader = ParquetReader(trainer.eval_path, trainer.encoder, batch_size=trainer.cfg.data.eval_batch_size,
                            shuffle=False, drop_last=False, rank=rank, world_size=world)
     with torch.no_grad():
-        split = [(trainer.ranking_model(b), b.labels, b.users, b.weights) for b in reader]
+        split = [(trainer.model(b), b.labels, b.users, b.weights) for b in reader]
     last = seen[-trainer.cfg.metrics.window_batches:]
     torch.save({"split": [torch.cat(t) for t in zip(*split)], "window": [torch.cat(t) for t in zip(*last)]},
                f"{out}/{rank}.pt")
@@ -256,7 +256,7 @@ def _peak_worker(rank: int, port: int, command: list[str], out: str) -> None:
     trainer = None
     if command[0] == "evaluate":
         trainer = Trainer(load_config(command[2], command[3:]))
-        trainer.ranking_model.eval()
+        trainer.model.eval()
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS

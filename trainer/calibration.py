@@ -12,16 +12,26 @@ scoring and serving artifacts carry it.
 The fit reads the validation split's logit histogram (trainer/metrics/streaming.py: 2^20
 bins of 3e-5 over +-16), not its rows: fixed memory at any split size, and at that bin width
 the bin centres stand in for the logits to well under 1e-4 of the log loss.
+
+`Calibration` is the training loop's component (trainer/loop_hooks.py): after training, on the
+weights the run ends on, it fits the maps and keeps them with the best weights.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from dense.heads import TaskHeads
+from trainer.checkpoint import manager
+from trainer.loop_hooks import LoopComponent
 from trainer.metrics.streaming import LOGIT_RANGE
+
+if TYPE_CHECKING:
+    from trainer.train import Trainer
 
 NEWTON_STEPS = 50
 """Newton steps at most; the log loss is convex in (a, b), and 10-20 reach float64 precision."""
@@ -76,3 +86,36 @@ def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[
     heads.calibration_a.copy_(a)
     heads.calibration_b.copy_(b)
     return fitted
+
+
+class Calibration(LoopComponent):
+    """train.calibrate: after training, fit the heads' logit maps on the validation split for the
+    weights the run ends on, and keep them with the best weights. `fitted`: each task's (a, b)."""
+
+    def __init__(self, kind: str, task_names: list[str]):
+        self.kind, self.task_names = kind, task_names
+        self.fitted: list[tuple[float, float]] = []
+
+    def after_training(self, trainer: Trainer) -> dict[str, float]:
+        """The test metrics before the fit as uncalibrated/*, and the maps (empty when off)."""
+        if self.kind == "none" or not trainer.selection.split:
+            return {}
+        reset_heads(trainer.model)  # the raw logits, whatever map the initial weights brought
+        before = trainer.metrics_on(trainer.eval_path)
+        path, split = trainer.selection.split
+        trainer.metrics_on(path, **split)  # its histogram: the logits before any map
+        self.fitted = calibrate_heads(trainer.model, trainer.evaluator.histogram, self.kind)
+        trainer.logger.write("calibrated on the validation split: "
+                             + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(self.task_names, self.fitted)))
+        best = trainer.selection
+        if best.keep_weights and best.best.step:  # the run ends on the best weights
+            manager.save_weights(best.folder, trainer.weights(best.best.step), best.best.step, tag=".calibrated")
+        return {**{f"uncalibrated/{k}": before[k] for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
+                **{f"{t}/calibration_{name}": v for t, ab in zip(self.task_names, self.fitted)
+                   for name, v in zip("ab", ab)}}
+
+    def state_dict(self) -> dict:
+        return {"fitted": list(self.fitted)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fitted = [tuple(ab) for ab in state["fitted"]]

@@ -31,3 +31,17 @@ class CheckedSparseDistPipeline(SparseDistPipelineWithBackwardHooks):
 
     def after_backward(self) -> None:
         self._after_backward()
+
+
+def build_pipeline(choice: str, world_size: int, device: torch.device, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer, loss_fn: Callable, check: Callable[[torch.Tensor], None],
+                   after_backward: Callable[[], None], execute_all_batches: bool) -> CheckedSparseDistPipeline | None:
+    """train.pipeline; auto pipelines where there is communication to hide. `execute_all_batches`:
+    the batches end (time order's end with the known partitions), and the pipeline must still
+    train the two it read ahead (the loop never steps past them)."""
+    if choice == "auto":
+        choice = "sparse_dist" if world_size > 1 or device.type == "cuda" else "none"
+    if choice == "none":
+        return None
+    return CheckedSparseDistPipeline(model, optimizer, device, loss_fn=loss_fn, check=check,
+                                     after_backward=after_backward, execute_all_batches=execute_all_batches)

@@ -1,7 +1,7 @@
 """The whole ranking model: sparse lookup -> e_input -> tower -> one logit per task.
 
-It sits above both of its halves: the tables (`embeddings/`) and the dense side (`dense/`),
-neither of which imports the other (docs/design.md §2).
+It sits above both of its halves, on the floor that composes them (docs/design.md §2): the
+tables (`embeddings/`) and the dense side (`dense/`, which reads the feature schema below it).
 """
 
 from __future__ import annotations
@@ -11,12 +11,16 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
-from dense.layout import InputLayout
+from dense.cost import DenseCost, measure_cost
 from dense.heads import TaskHeads, build_dense
+from dense.layout import InputLayout
+from embeddings.init import init_embeddings
 from embeddings.managed import build_managed_bags
+from embeddings.sharding import shard_model
 from embeddings.tables import build_embedding_bags
 from trainer.config import Config
 from trainer.data.batch import Batch
+from trainer.dist import job_cluster, reduce_gradients_in_fixed_order
 
 
 class RankingModel(nn.Module):
@@ -71,3 +75,17 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
     return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
                         autocast_dtype=autocast_dtype, autocast_device=device_type,
                         managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))
+
+
+def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,
+                        autocast_dtype: torch.dtype | None) -> tuple[nn.Module, DenseCost]:
+    """The training model of `cfg` on `device`: built, its dense cost measured (on the CPU, before
+    it moves), sharded for this job's cluster (collective), its tables filled plan-independently,
+    and its gradients reduced in a fixed order."""
+    model = build_model(cfg, autocast_dtype, device.type)
+    cost = measure_cost(model.tower, model.heads, model.layout.width, torch.device("cpu"))
+    sharded = shard_model(model, cfg.embeddings, device, job_cluster(device, batch_size),
+                          output_dtensor=cfg.checkpoint.async_save)
+    init_embeddings(sharded, cfg.train.seed)
+    reduce_gradients_in_fixed_order(sharded)
+    return sharded, cost

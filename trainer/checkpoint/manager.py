@@ -74,6 +74,21 @@ class CheckpointManager:
         steps = complete_steps(self.folder)
         return self.folder / f"{PREFIX}{steps[-1]}" if steps else None
 
+    def restore(self, parts: dict[str, Any], features: list[FeatureSpec], world_size: int) -> tuple[Path, bool] | None:
+        """Load this run's newest complete checkpoint into `parts`, else checkpoint.load_path's
+        (all of it, or its weights: load_mode) (collective). (what was loaded, all of it), or None."""
+        latest = [self.latest() if self.cfg.enabled and self.cfg.resume else None]
+        dist.broadcast_object_list(latest, src=0, group=side_group())  # every rank resumes from the same one
+        if latest[0] is not None:
+            path, full = latest[0], True
+        elif self.cfg.load_path:
+            path, full = resolve_load_path(self.cfg.load_path), self.cfg.load_mode == "full"
+        else:
+            return None
+        require_saved_world_size(features, path, world_size)
+        load(path, parts if full else {"model": parts["model"]})
+        return path, full
+
     def due(self, step: int, last: bool, timed: bool = False) -> bool:
         """Save after this step? Every `interval` steps, at the end, and when `timed`: rank 0's
         `time_due`, which every rank has agreed on."""

@@ -209,3 +209,18 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):  # no /proc (macOS): kill's answer stands
         return True
+
+
+def claim_run_folders(folders: dict[Path, str], is_main: bool) -> RunLocks | None:
+    """Rank 0 takes the locks of `folders` (each with the option that chose it: one run per
+    folder); every rank stops when it cannot (collective). Rank 0's locks, None elsewhere."""
+    from trainer.dist import raise_on_every_rank  # on use: torch (the folder tests run without a process group)
+
+    lock, error = (RunLocks(folders), None) if is_main else (None, None)
+    if lock is not None:
+        try:
+            lock.acquire()
+        except ValueError as e:
+            error = str(e)
+    raise_on_every_rank(error)
+    return lock

@@ -12,9 +12,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.checkpoint import manager
 from trainer.config import Config
+from trainer.loop_hooks import LoopComponent
+
+if TYPE_CHECKING:
+    from trainer.train import Trainer
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False}
 
@@ -67,17 +72,40 @@ class BestPoint:
         self.metrics = json.loads(state["metrics"])
 
 
-class ModelSelection:
-    """What a validation split does for a run (docs/design.md §2.6): it tracks the best
-    validation (`best`, a checkpoint part), keeps that validation's weights in `folder`
-    (train.restore_best), and puts them back at the end."""
+class ModelSelection(LoopComponent):
+    """What a validation split does for a run (docs/design.md §2.6), a component of the training
+    loop: it validates on schedule (metrics.valid_every, else at every epoch's end, and after the
+    last step), tracks the best validation (`best`, the checkpoint part "best"), keeps that
+    validation's weights in `folder` (train.restore_best), and puts them back after training.
+    `split`: (files, ParquetReader's holdout arguments) of the validation split, None without one."""
 
-    def __init__(self, cfg: Config, run_dir: Path):
-        t = cfg.train
+    def __init__(self, cfg: Config, run_dir: Path, train_path: str):
+        t, d = cfg.train, cfg.data
+        self.split = ((d.valid_path, {}) if d.valid_path else  # its own files, or every training row group's tail
+                      (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True}) if d.valid_fraction else None)
+        self.every = cfg.metrics.valid_every
         self.best = BestPoint(t.select_metric, t.early_stopping_patience)
+        self.checkpoint_part = "best" if self.split else None
         self.folder = run_dir / "best"
         self.keep_weights = t.restore_best
         self.restored = False
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.split and ((trainer.due(self.every) if self.every else trainer.epoch_ended())
+                           or trainer.step == trainer.total_steps):
+            self.validate(trainer)
+
+    def validate(self, trainer: Trainer) -> dict[str, float]:
+        """Metrics over the validation split, logged as `valid`; the best so far has its weights
+        saved (collective)."""
+        trainer.check()  # before the best weights are saved
+        path, split = self.split
+        metrics = trainer.metrics_on(path, **split)
+        epochs = trainer.epochs_trained()
+        trainer.logger.log(trainer.step, "valid", {**metrics, "epochs": epochs})
+        trainer.checkpoints.wait()  # one save at a time
+        self.record(metrics, trainer.step, epochs, trainer.weights())
+        return metrics
 
     def record(self, metrics: dict[str, float], step: int, epochs: float, weights: dict) -> bool:
         """A validation's metrics; the best so far has `weights` (checkpoint parts) saved (collective)."""
@@ -86,17 +114,26 @@ class ModelSelection:
             manager.save_weights(self.folder, weights, step)
         return improved
 
-    def restore(self, weights: dict, step: int) -> str | None:
-        """Load the best validation's weights unless they are those of `step`; what was done."""
-        if not self.keep_weights or self.best.step in (0, step):
-            return None
-        manager.load(self.folder, weights)
-        self.restored = True
-        return (f"restored the weights of step {self.best.step}, the best validation "
-                f"({self.best.metric} {self.best.value:.5f})")
+    def after_training(self, trainer: Trainer) -> dict[str, float]:
+        """End on the best validation's weights, unless they are the last."""
+        if self.split and self.keep_weights and self.best.step not in (0, trainer.step):
+            manager.load(self.folder, {"model": trainer.checkpoint_parts["model"]})
+            self.restored = True
+            trainer.logger.write(f"restored the weights of step {self.best.step}, the best validation "
+                                 f"({self.best.metric} {self.best.value:.5f})")
+            trainer.after_restore(self.best.step)  # the weights' own step (UniMixer's temperature)
+        return {}
 
     def summary(self) -> dict:
-        """The best point and its validation metrics, for summary.json."""
+        """The best point and its validation metrics, for summary.json (empty without a validation split)."""
+        if not self.split:
+            return {}
         return {"best/step": self.best.step, "best/epochs": self.best.epochs, "best/restored": self.restored,
                 "stopped_early": self.best.exhausted,
                 **{f"valid/{k}": v for k, v in self.best.metrics.items()}}
+
+    def state_dict(self) -> dict:
+        return self.best.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best.load_state_dict(state)
