@@ -121,6 +121,15 @@ class StepChecks:
         if save:
             self.timed_save_step = step
 
+    def poll(self, step: int, save_due: Callable[[], bool]) -> bool:
+        """Read the flags again now, the stop vote with them (collective); True once every rank
+        has seen a stop signal: the run stops after `step`."""
+        self.checked_step = -1
+        self.check(step, save_due)
+        if self.signal.agreed:
+            self.stop_at = step
+        return self.signal.agreed
+
     def stop_now(self, step: int, ck: CheckpointConfig, total_steps: int) -> bool:
         """After a signal that every rank has seen: stop after this step, or train on to a
         scheduled save due within checkpoint.signal_grace_steps."""

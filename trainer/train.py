@@ -21,7 +21,6 @@ from torch import nn
 from dense.cost import peak_flops
 from embeddings.hooks import TrainingHooks
 from trainer.calibration import Calibration
-from trainer.checkpoint.files import write_atomic
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.run_folder import claim_run_folders
 from trainer.checkpoint.selection import ModelSelection
@@ -134,9 +133,7 @@ class Trainer:
             component.after_restore(self)
         if env.is_main:
             dump_toml(cfg, self.run_dir / "config.toml")
-            write_atomic(self.run_dir / "plan.txt", f"{self.model.plan}\n")
-            print(f"world size {env.world_size}, {self.batch_size} rows per rank, sharding plan:\n{self.model.plan}\n"
-                  f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU", flush=True)
+            self.report.describe(self.run_dir, self.model.plan, self.batch_size)
 
     def _reader(self, paths: str, seed: int, epochs: int = 0) -> ParquetReader:
         """A training reader of this rank's share of `paths`."""
@@ -288,11 +285,8 @@ class Trainer:
     def poll_stop(self) -> bool:
         """Read the flags again now, the stop vote with them (collective). True when every rank has
         seen a stop signal: the run stops after this step, which is then saved."""
-        self.checks.checked_step = -1
-        self.check()
-        if not self.checks.signal.agreed:
+        if not self.checks.poll(self.step, self.checkpoints.time_due):
             return False
-        self.checks.stop_at = self.step
         if self.cfg.checkpoint.enabled and not self.cfg.checkpoint.save_final:  # else saved at this step
             self.save_checkpoint()
         return True

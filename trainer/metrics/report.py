@@ -29,6 +29,12 @@ class TrainingReport:
         self.mfu_name = "mfu_vs_peak" if peak_given else "mfu_vs_matmul"
         self.data_rows: dict[str, int] = {}
 
+    def describe(self, run_dir: Path, plan, batch_size: int) -> None:
+        """The sharding plan into the run folder; it, the batch and the dense cost onto the console."""
+        write_atomic(run_dir / "plan.txt", f"{plan}\n")
+        print(f"world size {self.world_size}, {batch_size} rows per rank, sharding plan:\n{plan}\n"
+              f"{self.cost.describe()}; peak {self.peak_flops / 1e12:.3g} TFLOP/s per device for MFU", flush=True)
+
     def mfu(self, examples_per_sec: float) -> dict[str, float]:
         """Model FLOPs utilisation of the dense model on this rank's device."""
         return {self.mfu_name: mfu(examples_per_sec / self.world_size, self.cost.flops, self.peak_flops)}
