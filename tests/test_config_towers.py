@@ -5,6 +5,11 @@ only what the run reads, so that it loads again. A tower declared in one new mod
 choice of the config, a table of it and a built tower, with nothing else edited."""
 
 import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +111,51 @@ def test_help_groups_the_fields_by_tower_table():
         assert header.endswith(f"({readers}).")
         after = lines[lines.index(header) + 1]
         assert after.strip().startswith(f"--model.{table}.")
+
+
+REPO = Path(__file__).resolve().parents[1]
+# What the planted tower must be to the config and the builder, run where it is planted.
+PLANTED = """
+import typing
+import torch
+from dense.heads import build_dense
+from dense.model_config import Tower
+from embeddings.features import FeatureSpec
+from trainer.config_loader import describe, load_config, to_dict
+
+assert "shallow" in typing.get_args(Tower)
+assert "[model.shallow]  One ReLU layer (shallow)." in describe()
+assert "  --model.shallow.width=64  Output width of the layer." in describe()
+for overrides, message in [
+        (["--model.shallow.width=8"],
+         "model.shallow.width is set, but tower 'rankmixer' does not read it (read by shallow); remove it"),
+        (["--model.tower=shallow", "--model.shallow.width=0"], "model.shallow.width must be positive, got 0"),
+        (["--model.tower=shallow", "--model.num_tokens=4"],
+         "model.num_tokens is set, but tower 'shallow' has no tokens; remove it")]:
+    try:
+        load_config(None, overrides)
+        raise SystemExit(f"no error for {overrides}")
+    except ValueError as e:
+        assert str(e) == message, (str(e), message)
+cfg = load_config(None, ["--model.tower=shallow", "--model.shallow.width=8"])
+assert to_dict(cfg)["model"]["shallow"] == {"width": 8} and "rankmixer" not in to_dict(cfg)["model"]
+features = [FeatureSpec(name="item", num_embeddings=10, embedding_dim=4), FeatureSpec(name="price", kind="numeric")]
+layout, tower, heads = build_dense(cfg.model, features)
+assert tower(torch.zeros(3, layout.width)).shape == (3, 8) and tower.cost()[0] == (5 + 1) * 8
+print("planted tower ok")
+"""
+
+
+def test_a_tower_declared_in_one_new_module_is_a_choice_a_table_and_built(tmp_path):
+    """CONTRIBUTING.md's worked example, planted as the one new module in a copy of the code:
+    the config lists it, reads and checks its table, names it as the reader of its fields, and
+    builds it."""
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    path, module = re.search(r"<!-- worked-example: (\S+) -->\n```python\n(.*?)```", text, re.S).groups()
+    for package in ("embeddings", "dense", "trainer"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert not (tmp_path / path).exists()
+    (tmp_path / path).write_text(module)
+    proc = subprocess.run([sys.executable, "-c", PLANTED], cwd=tmp_path, env=cli.run_env(PYTHONPATH=str(tmp_path)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "planted tower ok", proc.stderr[-3000:]
