@@ -3,8 +3,9 @@
 One training step of a tower is forward + backward of its output (and of the auxiliary
 losses it asks the training loop for, e.g. the MoE's router terms), gradients written
 as after optimizer.zero_grad(). Nothing on this path imports torchrec, fbgemm or the
-data stack, only torch, dense/ and two torch-only trainer modules (tests/test_bench.py
-checks it with the other packages made unimportable and the repository not installed):
+data stack, only torch, dense/, embeddings/' TorchRec-free contracts (features, registry, hooks)
+and trainer/dist.py (tests/test_bench.py checks it with the other packages made unimportable
+and the repository not installed):
 the GPU machine this project can reach has torch and nothing else.
 
 CPU (default): FLOP/s divided by the same process's plain 2048^3 float32 matmul, the
