@@ -75,9 +75,10 @@ def _table_doc(key: str) -> str:
     return f"{TABLES[key].__doc__.strip().rstrip('.')} ({', '.join(readers(key))})."
 
 
+_TOWER_DOC = f"Registered dense tower: {' | '.join(TOWERS.names())}."
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
-    [("tower", Tower, field(default="rankmixer", metadata={"doc": f"Registered dense tower: {' | '.join(TOWERS.names())}."})),
+    [("tower", Tower, field(default="rankmixer", metadata={"doc": _TOWER_DOC})),
      *((key, table, field(default_factory=table, metadata={"doc": _table_doc(key)})) for key, table in TABLES.items())],
     bases=(ModelFields,),
     namespace={"__module__": __name__,
@@ -99,8 +100,8 @@ def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
     for key in TABLES:
         for f in fields(getattr(model, key)):
             if key not in uses.tables or f.name in uses.skip:
-                unused[f"model.{key}.{f.name}"] = (
-                    "model.tower", f"tower {model.tower!r} does not read it (read by {', '.join(readers(key, f.name))})")
+                read_by = ", ".join(readers(key, f.name))
+                unused[f"model.{key}.{f.name}"] = ("model.tower", f"tower {model.tower!r} does not read it (read by {read_by})")
     return unused
 
 

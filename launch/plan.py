@@ -37,11 +37,10 @@ from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
-from trainer.config import Config
+from trainer.config import Config, per_rank_batch_size
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
-from trainer.config import per_rank_batch_size
 
 GB = 2**30
 RUNTIME_BYTES = 2**29

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from dense.layout import InputLayout
-from dense.tower_registry import TOWERS
+from dense.tower_registry import TABLES, TOWERS
 from dense.towers import build_tower
 from tests import cli
 from dense.model_config import ModelConfig
-from dense.tower_registry import TABLES
 from trainer.config import Config
 from trainer.config_loader import dump_toml, load_config, to_dict, unused_fields
 from trainer.data.datasets import synth_features

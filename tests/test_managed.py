@@ -22,9 +22,8 @@ from cli import rankmix, rendezvous_port, spawn
 from embeddings.managed import TrackedMCH, served_tables
 from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint.manager import model_tensors
-from embeddings.features import FeatureSpec
+from embeddings.features import FeatureSpec, MANAGED_ID_RANGE
 from trainer.config_loader import load_config
-from embeddings.features import MANAGED_ID_RANGE
 from trainer.data.feature_ops import spread, spread_ids
 from trainer.data.ids import encode_ids
 from trainer.serving.served_model import ManagedRows

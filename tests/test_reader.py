@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
-from embeddings.features import validate_features
+from embeddings.features import FeatureSpec, validate_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 from trainer.data.store import resolve_files

@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
-from embeddings.features import validate_features
+from embeddings.features import FeatureSpec, validate_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
 

@@ -12,8 +12,7 @@ import pytest
 
 from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
-from embeddings.features import validate_features
+from embeddings.features import FeatureSpec, validate_features
 from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader

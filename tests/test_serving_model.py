@@ -14,8 +14,7 @@ from trainer.ranking_model import RankingModel
 from dense.tower_registry import TOWERS
 from embeddings.tables import table_configs
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
-from embeddings.features import validate_features
+from embeddings.features import FeatureSpec, validate_features
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.serving.export import (FORMATS, drop_state_dict_views, example_inputs, save_model, serving_model,

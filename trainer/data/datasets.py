@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from embeddings.features import FeatureSpec
 from trainer.config import Config, SynthTeacherName
-from trainer.offline import capacity as capacity_data
-from trainer.offline import synth as synth_data
+from trainer.offline import capacity as capacity_data, synth as synth_data
 from trainer.offline.movielens import convert_movielens
 from trainer.dist import side_group
 from embeddings.registry import Registry
