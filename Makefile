@@ -39,8 +39,10 @@ $(STAMP): pyproject.toml requirements/$(DEVICE).txt
 train: setup
 	$(BIN)/rankmix train $(ARGS)
 
+# The bench scripts' end-to-end runs (pytest -m bench) are `make bench`'s: they time things,
+# and they took a third of the suite's time.
 test: setup
-	$(PYTEST) tests $(ARGS)
+	$(PYTEST) tests -m "not bench" $(ARGS)
 
 # Tests of trained quantities under other kernels (ATen's dispatch level) and one thread:
 # other rounding, other summation order. `make test-portability PORTABILITY_ARGS=` runs them all.
@@ -58,7 +60,9 @@ MUTATION_ARGS ?=
 test-mutation: setup
 	$(BIN)/python tests/mutation.py --workers $(TEST_WORKERS) $(MUTATION_ARGS)
 
+# Every bench script end to end in its small preset (the tests marked bench), then the towers' bench.
 bench: setup
+	$(PYTEST) tests -m bench $(ARGS)
 	$(BIN)/python bench/tower.py
 
 clean:
