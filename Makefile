@@ -55,7 +55,7 @@ test-portability: setup
 
 # Mutation testing (mutmut) of the pure-logic modules, each against its own fast tests:
 # prints each module's kill rate and its surviving mutants (CONTRIBUTING.md, "Mutation testing").
-# 5 to 10 minutes on 2 cores; not part of `make test`. `make test-mutation MUTATION_ARGS=ids` runs one module.
+# Not part of `make test`; its time is in docs/performance.md. `make test-mutation MUTATION_ARGS=ids` runs one module.
 MUTATION_ARGS ?=
 test-mutation: setup
 	$(BIN)/python tests/mutation.py --workers $(TEST_WORKERS) $(MUTATION_ARGS)
