@@ -39,8 +39,10 @@ $(STAMP): pyproject.toml requirements/$(DEVICE).txt
 train: setup
 	$(BIN)/rankmix train $(ARGS)
 
+# The bench scripts' end-to-end runs (pytest -m bench) are `make bench`'s: they time things,
+# and they took a third of the suite's time.
 test: setup
-	$(PYTEST) tests $(ARGS)
+	$(PYTEST) tests -m "not bench" $(ARGS)
 
 # Tests of trained quantities under other kernels (ATen's dispatch level) and one thread:
 # other rounding, other summation order. `make test-portability PORTABILITY_ARGS=` runs them all.
@@ -53,12 +55,14 @@ test-portability: setup
 
 # Mutation testing (mutmut) of the pure-logic modules, each against its own fast tests:
 # prints each module's kill rate and its surviving mutants (CONTRIBUTING.md, "Mutation testing").
-# 5 to 10 minutes on 2 cores; not part of `make test`. `make test-mutation MUTATION_ARGS=ids` runs one module.
+# Not part of `make test`; its time is in docs/performance.md. `make test-mutation MUTATION_ARGS=ids` runs one module.
 MUTATION_ARGS ?=
 test-mutation: setup
 	$(BIN)/python tests/mutation.py --workers $(TEST_WORKERS) $(MUTATION_ARGS)
 
+# Every bench script end to end in its small preset (the tests marked bench), then the towers' bench.
 bench: setup
+	$(PYTEST) tests -m bench $(ARGS)
 	$(BIN)/python bench/tower.py
 
 clean:

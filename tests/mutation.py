@@ -75,7 +75,8 @@ MODULES = {
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
                                                   "tests/test_encode_reference.py")),
     "metrics": Target("trainer/metrics/ranking.py", ("tests/test_metrics.py", "tests/test_metrics_reference.py")),
-    "calibration": Target("trainer/calibration.py", ("tests/test_calibration.py",), ("fit_affine",)),
+    "calibration": Target("trainer/calibration.py", ("tests/test_calibration.py", "tests/test_calibration_heads.py"),
+                          ("fit_affine", "task_heads", "reset_heads", "calibrate_heads")),
     "tokenizer": Target("dense/tokenizer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
                                                "tests/test_tokenizer_reference.py")),
     "rankmixer": Target("dense/rankmixer.py", ("tests/test_rankmixer.py", "tests/test_rankmixer_fast.py",
@@ -92,6 +93,34 @@ MODULES = {
         "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
         "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
         "ParquetReader._windows")),
+    # the listing's agreement over ranks (_agreed_listing) is the two-rank tests' to check
+    "partitions": Target("trainer/data/partitions.py", ("tests/test_partitions.py",), (
+        "list_partitions", "_is_partition", "_key_names", "_same_keys", "_keys", "_is_int", "_child",
+        "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
+        "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",
+        "PartitionedReader.epoch_rows", "PartitionedReader.steps_left", "PartitionedReader.__iter__",
+        "PartitionedReader._consumed", "PartitionedReader.state_dict", "PartitionedReader.load_state_dict")),
+    "progressive": Target("trainer/metrics/progressive.py", ("tests/test_partitions.py",)),
+    # not the collective `publish` and the tracker's set-up on a sharded model (the runs of test_publish.py)
+    "publish": Target("trainer/serving/publish.py", ("tests/test_publish_unit.py",), (
+        "Publisher.__init__", "Publisher.due", "Publisher._write", "Publisher._changed_rows",
+        "Publisher._latest_metrics", "tracked_rows", "split_tables", "_maps", "tables_digest", "load_tensors",
+        "_published_step", "_base_tables", "_delta", "_artifact_manifest", "_tensors", "_id_maps", "_check_base",
+        "_check_rows", "apply")),
+    # the rank-to-rank exchange (_world, _all_reduce, _gather_rows) is the two-rank tests' to check
+    "streaming": Target("trainer/metrics/streaming.py", ("tests/test_streaming_metrics_unit.py",), (
+        "_codes", "_sums", "histogram_auc", "_task_figures", "_first_task", "SplitMetrics.__init__",
+        "SplitMetrics.add", "SplitMetrics.compute", "_bucket_of", "UserBuckets.__init__", "UserBuckets.add",
+        "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close",
+        "TrainingWindow.__init__", "TrainingWindow._record", "TrainingWindow.compute")),
+    "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py",), (
+        "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node")),
+    "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
+        "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
+    # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
+    "doctor": Target("launch/doctor.py", ("tests/test_doctor_unit.py",
+                                          "tests/test_doctor.py::test_mismatches_are_named"),
+                     ("mismatches", "report", "_try")),
 }
 
 # Surviving mutants that change no behaviour: (mutmut's name of the function, the changed
@@ -104,7 +133,15 @@ _FLOAT64 = "astype(None) is astype(float64)"
 _INFER = "gates() takes every router name but 'train' for the inference router"
 _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list or table of the config "
                  "holds plain strings (their items are Literals or ints)")
+_FIRST = "the key is the text before the first '=', however many splits follow"
+_RETRIES = "the trainer passes data.retry_seconds and data.retry_attempts: the defaults are never used"
+_EPOCH = ("a ParquetReader's steps_in_epoch and epoch_rows do not read their epoch (as the reader's entry says): "
+          "every epoch has the same steps")
+_TRAINED_FILES = "a trained partition's files are read from the listing and the state, never from this Partition"
 _NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
+_SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (int64 for counts, which int(), "
+                    "mean() and isnan read alike)")
+_HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',
      _NEWTON),
@@ -113,6 +150,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _NEWTON),
     ("trainer.calibration.x_fit_affine", "if np.abs(step).max() <= 1e-12:",
      "a step of exactly 1e-12 is as converged either way"),
+    ("trainer.calibration.x_calibrate_heads", "a, b = torch.tensor(fitted, dtype=None).T", _HEAD_DTYPE),
+    ("trainer.calibration.x_calibrate_heads", "a, b = torch.tensor(fitted, ).T", _HEAD_DTYPE),
     ("trainer.data.ids.x__hash", "reduce: bool = False) -> np.ndarray:",
      "every caller passes `reduce`: the default is never used"),
     ("trainer.data.ids.x__hash", 'return HASHINGS["managed"].numpy(values, None)',
@@ -218,6 +257,79 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.data.reader.x\u01c1ParquetReader\u01c1epoch_rows",
      "return EpochRows(self.num_rows, self.steps_in_epoch(None) * self.batch_size * self.world_size)",
      "every epoch has the same row counts: steps_in_epoch does not read its epoch"),
+    ("trainer.data.partitions.x__is_partition",
+     'return folder != "XX.XX" and all("=" in part.strip("=") for part in folder.split("/"))',
+     'the folder "." has no "=" either: not a partition all the same'),
+    ("trainer.data.partitions.x__key_names", 'return [part.split("=", )[0] for part in folder.split("/")]', _FIRST),
+    ("trainer.data.partitions.x__key_names", 'return [part.split("=", 2)[0] for part in folder.split("/")]', _FIRST),
+    ("trainer.data.partitions.x_list_partitions",
+     "def list_partitions(root: str, marker: str, retry_seconds: float = 301.0, retry_attempts: int = 3,", _RETRIES),
+    ("trainer.data.partitions.x_list_partitions",
+     "def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 4,", _RETRIES),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
+     "retry_seconds: float = 301.0, retry_attempts: int = 3):", _RETRIES),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
+     "retry_seconds: float = 300.0, retry_attempts: int = 4):", _RETRIES),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(None):", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(1):", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows",
+     "return self.reader(epoch).epoch_rows(None)", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows", "return self.reader(epoch).epoch_rows(1)",
+     _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
+     "return self.reader(epoch).steps_in_epoch(None)", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
+     "return self.reader(epoch).steps_in_epoch(1)", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
+     "done = current is not None and step == current.steps_in_epoch(None)", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
+     "done = current is not None and step == current.steps_in_epoch(1)", _EPOCH),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
+     'Partition(last["partition"], tuple(last["key"]), None))', _TRAINED_FILES),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
+     'trained = [Partition(c["partition"], tuple(c["key"]), None) for c in consumed]', _TRAINED_FILES),
+    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
+     'change = file_change(c["files"], listed[c["partition"]].files, rows=None)', "rows=None is falsy, as False"),
+    ("trainer.metrics.progressive.x\u01c1ProgressiveMetrics\u01c1_record",
+     "self.split.add(logits.detach(), args[0].labels, None)",
+     "SplitMetrics reads users for UAUC only, which progressive metrics do not compute (no spill folder)"),
+    ("trainer.serving.publish.x_apply", 'cfg = load_config(str(Path(base) / "config.toml"), allow_redacted=True)',
+     "load_config's overrides default to none, as []"),
+    ("trainer.serving.publish.x_apply", 'files, _ = artifact_files(cfg, model, manifest["format"], None)',
+     "artifact_files reads `tables` only into the manifest it returns, which apply leaves for the delta's own"),
+    ("trainer.serving.publish.x_tracked_rows", "first[table] = starts.pop() if starts else 1",
+     "the tracker reports the rows of a rank's own shards only: a table without one on this rank is never offset"),
+    ("trainer.metrics.streaming.x__bucket_of", "with np.errstate(over=None):",
+     "numpy checks no integer overflow in array arithmetic: there is nothing to silence"),
+    ("trainer.metrics.streaming.x_histogram_auc", 'return float("NAN"), float("nan")', _NAN),
+    ("trainer.metrics.streaming.x_histogram_auc", 'return float("nan"), float("NAN")', _NAN),
+    ("trainer.metrics.streaming.x__task_figures",
+     'out[f"{name}/logloss"] = loss_sum / rows if rows else float("NAN")', _NAN),
+    ("trainer.metrics.streaming.x__task_figures", "rate = positives / rows if rows else 1.0",
+     "without rows the NE is NaN at a rate of 0 or 1 alike"),
+    ("trainer.metrics.streaming.x__task_figures",
+     'out[f"{name}/ne"] = out[f"{name}/logloss"] / base_rate_entropy(rate) if 0 < rate < 1 else float("NAN")', _NAN),
+    ("trainer.metrics.streaming.x__task_figures",
+     'out[f"{name}/calibration"] = prob_sum / positives if positives else float("NAN")', _NAN),
+    ("trainer.metrics.streaming.x\u01c1SplitMetrics\u01c1__init__", "rows: int = 1):",
+     "0 rows and 1 row both make the fewest buckets, one per rank"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_flush", 'order = np.argsort(bucket, kind="STABLE")',
+     "numpy reads a sort kind by its first letter, in either case: still the stable sort"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_flush", "rows, counts = rows[order], np.bincount(bucket, )",
+     "the buckets past the last one with rows get no rows either way: zip stops at the shorter counts"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1uauc",
+     'totals[k] -= uauc_sums(rows["logits"][:, k].astype(np.float64), rows["labels"][:, k],',
+     "the sum of AUCs and its weight both change sign: their ratio stays"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1uauc",
+     'totals[k] += uauc_sums(rows["logits"][:, k].astype(None), rows["labels"][:, k],', _FLOAT64),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1uauc",
+     'return [total / weight if weight else float("NAN") for total, weight in totals]', _NAN),
+    ("launch.study.x\u01c1Row\u01c1values", "for run in (self.runs[s] for s in sorted(self.runs))], dtype=None)",
+     _SUMMARY_NUMBERS),
+    ("launch.study.x\u01c1Row\u01c1values", "for run in (self.runs[s] for s in sorted(self.runs))], )",
+     _SUMMARY_NUMBERS),
+    ("launch.study.x\u01c1Row\u01c1values", "return np.array([next((run[n] for n in names if n in run), None)",
+     "dtype=float reads None as NaN"),
 ]
 
 KILLED = {"killed", "timeout", "segfault"}

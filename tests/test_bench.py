@@ -60,6 +60,7 @@ def test_tower_bench_names_what_is_wrong_with_its_options(args, message):
     assert message in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.bench
 def test_e2e_bench_prints_one_line_per_tower(tmp_path):
     proc = subprocess.run([sys.executable, "bench/e2e.py", "--towers", "rankmixer,rankmixer_moe,mlp",
                            "--tower-set", "mlp:model.mlp.hidden=[32]", "--set", "data.synth_rows=4000",
@@ -91,7 +92,7 @@ def test_gpu_check_runs_the_tower_bench_with_options_it_has():
             bench.TOWERS.get(name)
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_tower_bench_compiles_the_towers_with_hand_written_steps():
     """torch.compile around the fused FFN, the MoE's training step (run eagerly inside the
     compiled tower) and UniMixer's SwiGLU and fixed-iteration Sinkhorn. One layer: a second adds
@@ -137,7 +138,7 @@ SCALE_FIGURES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
     """bench/scale.py --small: data, loader, 4-rank training with async saves, a 2-rank resume,
     a load, evaluation and an int8 export; one row per figure, each with a finite ratio."""
@@ -158,7 +159,7 @@ def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the data and runs are deleted without --keep
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_freshness_bench_times_each_publish_and_weighs_its_delta():
     import json
 
@@ -173,7 +174,7 @@ def test_freshness_bench_times_each_publish_and_weighs_its_delta():
     assert line["publish_s"] == pytest.approx(line["save_s"] + line["artifact_s"] + line["delta_s"])
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_drift_study_prints_one_row_a_day_with_finite_figures(tmp_path):
     """bench/drift.py --small: days 2-4 of a drifting log, each scored by the five models, then
     the mean over the days after the freeze; the same table in --out."""

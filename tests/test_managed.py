@@ -179,6 +179,7 @@ def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path
     assert (weight[evicted].abs() <= bound).all() and (weight[evicted] != 0).any()
 
 
+@pytest.mark.bench
 def test_the_comparison_bench_prints_both_modes():
     proc = subprocess.run([sys.executable, "bench/managed.py", "--seeds", "1", "--synth-rows", "4000", "--epochs", "1",
                            "--rows", "500"], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,

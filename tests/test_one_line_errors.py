@@ -1,19 +1,16 @@
 """Input that used to end in a traceback, or in an error that did not say what was wrong, is
-one `rankmix: error:` line naming the option, the partition or the file (exit 2); a run stopped
-by a bad partition goes on once it is moved away; a zero-row file scores to a zero-row file."""
+one `rankmix: error:` line naming the option or the file (exit 2); a zero-row file scores to a
+zero-row file. (A bad partition's errors: tests/test_partitions.py.)"""
 
 import shutil
 import subprocess
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
 from test_serving import data, rankmixer  # noqa: F401  (fixtures: a short debug run, made once)
-from trainer.data.partitions import PartitionedReader
-from trainer.checkpoint.state import decode_state, encode_state
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:
@@ -55,89 +52,6 @@ def test_a_score_batch_no_kernel_can_run_is_refused(rankmixer, tmp_path):
                    "--batch-size", "99999999999999999999")
     assert one_line(proc) == ("rankmix: error: --batch-size 99999999999999999999 is more rows than a batch can hold: "
                               "at most 2147483647")
-
-
-# ----------------------------------------------------------------------------- partitions
-
-class OnePass:
-    """A partition's stand-in for its ParquetReader: one batch (the partition's name)."""
-
-    def __init__(self, uri: str, name: str):
-        self.name, self.step = name, 0
-        self.input_files = [[str(p), p.stat().st_size, [1]] for p in sorted(Path(uri).glob("*.parquet"))]
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        return 1
-
-    def __iter__(self):
-        self.step = 1
-        yield self.name
-
-
-def land(root: Path, name: str, complete: bool = True) -> None:
-    (root / name).mkdir(parents=True)
-    pq.write_table(pa.table({"x": [1]}), root / name / "part-0.parquet")
-    if complete:
-        (root / name / "_SUCCESS").write_text("")
-
-
-def resumed(root: Path, state: dict) -> PartitionedReader:
-    """A new run on the same folder, from the checkpoint's reader state."""
-    reader = PartitionedReader(str(root), OnePass, marker="_SUCCESS")
-    reader.load_state_dict(state)
-    return reader
-
-
-def trained(root: Path, *names: str) -> tuple[PartitionedReader, dict]:
-    """A reader that trained the partitions `names`, and its state as a checkpoint keeps it."""
-    for name in names:
-        land(root, name)
-    reader = PartitionedReader(str(root), OnePass, marker="_SUCCESS")
-    assert list(reader) == list(names)
-    return reader, decode_state(encode_state(reader.state_dict()), "reader state")
-
-
-@pytest.mark.parametrize("bad,why", [
-    ("hour=late", "its hour 'late' is not an integer, but the partitions taken up before it (hour=10) order hour "
-                  "as integers; move the folder out of data.train_path, and the run goes on after them"),
-    ("hour=__HIVE_DEFAULT_PARTITION__", "its hour is Hive's null value, which has no place in time order; move "
-                                        "the folder out of data.train_path"),
-])
-def test_a_partition_key_that_changes_kind_is_one_line_and_the_run_goes_on(tmp_path, bad, why):
-    root = tmp_path / "logs"
-    following, state = trained(root, "hour=1", "hour=2", "hour=10")
-    land(root, bad)
-    message = f"{root}: partition {bad}: {why}"
-    with pytest.raises(ValueError) as refused:  # a run that follows the folder
-        following.refresh()
-    assert str(refused.value) == message
-    with pytest.raises(ValueError) as refused:  # `rankmix train` again
-        resumed(root, state)
-    assert str(refused.value) == message
-    shutil.move(root / bad, tmp_path / bad)
-    land(root, "hour=11")
-    assert [p.name for p in following.refresh()] == ["hour=11"] and list(following) == ["hour=11"]
-    assert list(resumed(root, state)) == ["hour=11"]
-
-
-def test_a_partition_still_being_written_decides_no_key_kind(tmp_path):
-    root = tmp_path / "logs"
-    following, state = trained(root, "hour=2", "hour=10")
-    land(root, "hour=late", complete=False)
-    land(root, "hour=11")
-    assert [p.name for p in following.refresh()] == ["hour=11"]
-    assert list(resumed(root, state)) == ["hour=11"]
-
-
-def test_keys_trained_as_strings_stay_strings_when_the_listing_is_all_integers(tmp_path):
-    root = tmp_path / "logs"
-    _, state = trained(root, "hour=1", "hour=x")  # "1" < "x": string order
-    shutil.rmtree(root / "hour=x")  # retention
-    land(root, "hour=2")
-    with pytest.raises(ValueError) as refused:
-        resumed(root, state)
-    assert str(refused.value) == ("data reader state: partition hour=2 is new but sorts before the last trained "
-                                  "partition hour=x: time order cannot train it")
 
 
 # ----------------------------------------------------------------------------- score

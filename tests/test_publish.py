@@ -90,6 +90,24 @@ def test_a_delta_applied_to_its_base_serves_the_full_artifacts_predictions(world
 
 
 @pytest.mark.slow
+def test_the_last_publish_scores_like_the_checkpoint_of_its_step(made_once, tmp_path):
+    """The run's final checkpoint and its last publish are of step 21: `score --checkpoint`
+    (the training model, evaluating) and the artifact give the same probabilities."""
+    publish, cache = published(made_once, 1)
+    valid = next(cache.glob("*/valid"))
+    (tmp_path / "in").mkdir()
+    pq.write_table(pq.read_table(sorted(valid.glob("*.parquet"))[0]).slice(0, 2000), tmp_path / "in" / "rows.parquet")
+    checkpoint = publish.parent / "checkpoints" / "step-21"
+    assert manifest(publish / "step-21")["step"] == 21
+    ok(rankmix("score", "--checkpoint", str(checkpoint), "--data", str(tmp_path / "in"),
+               "--out", str(tmp_path / "out")))
+    scored = pq.read_table(tmp_path / "out" / "rows.parquet")
+    tasks = manifest(publish / "step-21")["tasks"]
+    expected = torch.stack([torch.from_numpy(scored[f"pred_{t}"].to_numpy()) for t in tasks], dim=1)
+    torch.testing.assert_close(predictions(publish / "step-21", valid), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_apply_refuses_a_delta_of_another_base_and_folders_that_are_not_published(made_once, tmp_path):
     publish, _ = published(made_once, 1)
     cases = [

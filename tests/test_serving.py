@@ -250,6 +250,7 @@ def test_score_needs_an_artifact_folder(tmp_path):
     assert f"--model {tmp_path}: no config.toml there (not a `rankmix export` folder)" in proc.stderr
 
 
+@pytest.mark.bench
 def test_the_serving_bench_times_every_table_type_against_eager_scoring(rankmixer):
     run, _, valid = rankmixer
     proc = subprocess.run([sys.executable, "bench/serve.py", "--checkpoint", str(run), "--data", str(valid),

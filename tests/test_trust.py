@@ -141,7 +141,7 @@ def test_manifest_paths_stay_inside_the_artifact(run, artifact, tmp_path):
 
 
 def test_a_pickled_payload_in_a_pt2_artifact_is_refused(run, artifact, tmp_path):
-    """torch.export.load reads its sample inputs with weights_only=False when the safe load fails."""
+    """torch.export.load unpickles the sample inputs (weights-only): their pickle is scanned first."""
     marker, copied = tmp_path / "ran", tmp_path / "copy"
     shutil.copytree(artifact, copied)
     buffer = io.BytesIO()
@@ -154,7 +154,33 @@ def test_a_pickled_payload_in_a_pt2_artifact_is_refused(run, artifact, tmp_path)
     data = next((run.parent / "data").iterdir()) / "valid"
     proc = rankmix("score", "--model", str(copied), "--data", str(data), "--out", str(tmp_path / "s"))
     line = refused(proc, target, marker)
-    assert "a payload is not plain tensors" in line
+    assert "refused: sample inputs whose pickle holds GLOBAL posix system at byte 2" in line
+
+
+def test_score_refuses_an_opaque_object_planted_in_upper_case(run, artifact, tmp_path):
+    """The review's finding 1, as it ran: `rankmix score --model` on an export with an upper-case
+    OPAQUE_OBJ_0 pickle named as an opaque object in model_constants_config.json (more of these
+    in tests/test_trust_pt2.py)."""
+    marker, copied = tmp_path / "ran", tmp_path / "copy"
+    shutil.copytree(artifact, copied)
+    source, target = artifact / "model.pt2", copied / "model.pt2"
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for item in old.infolist():
+            data = old.read(item)
+            if item.filename.endswith("data/constants/model_constants_config.json"):
+                config = json.loads(data)
+                config["config"]["planted"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True,
+                                               "tensor_meta": None}
+                data = json.dumps(config).encode()
+            new.writestr(item, data)
+        top = item.filename.split("/")[0]
+        new.writestr(f"{top}/data/constants/OPAQUE_OBJ_0", pickle.dumps(Payload(marker)))
+    data = next((run.parent / "data").iterdir()) / "valid"
+    proc = rankmix("score", "--model", str(copied), "--data", str(data), "--out", str(tmp_path / "s"))
+    line = refused(proc, target, marker)
+    assert line == (f"rankmix: error: {target}: refused: an entry '{top}/data/constants/OPAQUE_OBJ_0', which no "
+                    "rankmix export holds (loading it could run code or touch files); see README, Trust")
+    assert not (tmp_path / "s").exists()
 
 
 def test_per_rank_state_round_trips_as_json():
@@ -239,7 +265,7 @@ def test_best_is_swapped_by_a_rename(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "best.step-5"]
 
 
-@pytest.mark.parametrize("fmt, says", [("pt2", "A pt2 file is data"),
+@pytest.mark.parametrize("fmt, says", [("pt2", "A pt2 file of `rankmix export` is data"),
                                        ("torchscript", "A TorchScript file is a program: `torch.jit.load` runs")])
 def test_the_artifact_readme_says_what_loading_trusts(tmp_path, fmt, says):
     from trainer.config_loader import load_config

@@ -10,10 +10,11 @@ another world size or sharding plan.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
 from embeddings.features import FeatureSpec, managed_tables
+from trainer.checkpoint.files import check_swap, swap_folder
+from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, first_line, read_metadata
 from trainer.config import CheckpointConfig
-from trainer.dist import gloo_group, side_group
-from trainer.checkpoint.files import swap_folder
-from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, read_metadata
+from trainer.dist import gloo_group, raise_on_every_rank, side_group
 
 PREFIX = "step-"
 
@@ -171,9 +172,14 @@ def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") ->
     (`run_folder.swap_folder`), so `path` always holds a whole save. A `tag` tells a second
     save of one step from the first, which `path` still points at while it is written."""
     new = path.with_name(f"{path.name}.step-{step}{tag}")
+    error = None
     if dist.get_rank() == 0:
-        shutil.rmtree(new, ignore_errors=True)  # an interrupted save of this step
-    dist.barrier(group=side_group())
+        try:
+            check_swap(path, new)  # before anything is written: nothing goes through a planted link
+            shutil.rmtree(new, ignore_errors=True)  # an interrupted save of this step
+        except ValueError as e:
+            error = str(e)
+    raise_on_every_rank(error)  # the barrier too: rank 0 cleared `new`
     dcp.save(parts, checkpoint_id=str(new), process_group=side_group())
     dist.barrier(group=side_group())
     if dist.get_rank() == 0:
@@ -184,13 +190,24 @@ def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") ->
 def model_tensors(path: Path) -> dict[str, Any]:
     """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
     world size that saved it, read without a process group and without the optimizer's state."""
-    metadata = read_metadata(path)
+    metadata = read_metadata(path)  # checked: sizes, dtypes, and chunks that tile each tensor
     prefix = "model."
-    model = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    _dcp_load({"model": model}, path, metadata)
+    wanted = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    _fits_in_memory(path, wanted.values())
+    # zeros, not empty: even if a read were missed, no memory of this process could leave in an export
+    model = {name: torch.zeros(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
+    _read({"model": model}, path, metadata)
     return model
+
+
+def _fits_in_memory(path: Path, tensors: Iterable[TensorStorageMetadata]) -> None:
+    """Refuse before allocating whole tensors that this host's memory could not hold."""
+    need = sum(math.prod(meta.size) * meta.properties.dtype.itemsize for meta in tensors)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise ValueError(f"{path}: its model takes {need / 2**30:.1f} GiB whole, more than this host's "
+                         f"{have / 2**30:.1f} GiB of memory")
 
 
 def export_weights(path: str, out: str) -> int:
@@ -226,8 +243,19 @@ def _trainer_value(path: Path, key: str) -> int:
     if f"trainer.{key}" not in metadata.state_dict_metadata:
         raise ValueError(f"{path}: not a rankmix checkpoint (it has no trainer.{key})")
     progress = {key: 0}
-    _dcp_load({"trainer": progress}, path, metadata)
+    _read({"trainer": progress}, path, metadata)
     return progress[key]
+
+
+def _read(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
+    """`_dcp_load` for reads of a checkpoint as a file (no model to fit): a storage file DCP
+    cannot read is one line naming `path`."""
+    try:
+        _dcp_load(parts, path, metadata)
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()))[0]
+        raise ValueError(f"{path}: not a readable checkpoint ({type(first).__name__}: {first_line(first)[:200]})") \
+            from None
 
 
 def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:

@@ -4,23 +4,29 @@ A run folder, a checkpoint or a pt2 artifact may come from someone else (a share
 colleague's run). Their formats are data, but the libraries read parts of them with pickle,
 which runs whatever a crafted file asks for. Every rankmix read goes through here instead:
 
-- DCP's `.metadata` is unpickled by `MetadataUnpickler`, which builds DCP's own metadata
-  classes and a few builtins and refuses every other global;
+- DCP's `.metadata` is read whole up to a size cap, its opcodes are checked (`scan_pickle`)
+  before anything is unpickled, and `MetadataUnpickler` builds DCP's own metadata classes and
+  a few builtins, refusing every other global. The result is checked (`check_metadata`):
+  exact types, sizes and dtypes, chunks that tile each tensor, storage files inside the folder;
 - DCP's byte values (the non-tensor parts of a state dict) and every `torch.load` behind
   `torch.export.load` run with weights_only=True (tensors and plain containers only);
-- storage paths in the metadata and file names in a manifest must stay inside their folder.
+- storage paths in the metadata and file names in a manifest must stay inside their folder,
+  links resolved (`inside`).
 
-TorchScript artifacts are programs by nature and are not covered: see README's "Trust".
+pt2 artifacts are checked by trainer/serving/safe_pt2.py; TorchScript artifacts are programs
+by nature and are not covered: see README's "Trust".
 """
 
 from __future__ import annotations
 
-import contextlib
+import bisect
+import dataclasses
+import functools
 import io
+import math
 import os
 import pickle
-import zipfile
-from collections.abc import Iterator
+import pickletools
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,10 +34,40 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlan, Metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = ".metadata"
+
+# DCP's metadata takes about 300 bytes per tensor and 140 more per further chunk (measured on
+# torch 2.13): 1000 tables, each with its weights and two optimizer states, all row-wise over
+# 128 ranks, take 54 MiB. Nothing rankmix trains comes near; a larger file is refused unread.
+MAX_METADATA_BYTES = 64 << 20
+# DCP's metadata makes one container or instance per 9 bytes or more of its pickle (measured
+# from 1 to 128 chunks per tensor, 1 to 3 dimensions). A crafted stream can make a 64-byte
+# dict per byte; refusing more than one per 4 bytes keeps the unpickled objects within about
+# twice the memory a real metadata of the same size takes.
+MIN_BYTES_PER_OBJECT = 4
+# Per tensor: 2^40 elements is 4 TiB of float32, beyond any table rankmix trains.
+MAX_ELEMENTS = 2 ** 40
+MAX_DIMS = 8  # rankmix's tensors have at most 3
+# The cells of the grid `tiling_error` lays over a tensor's chunks: a sharding plan's chunks
+# form a grid of one cell each (at most 2^20 chunks per tensor).
+MAX_CELLS = 2 ** 20
+
+# Every opcode pickle protocols 4 and 5 write for DCP's metadata (dataclasses, dicts, lists,
+# tuples, str, int, bool, None) and no other: no persistent ids, extension codes, INST/OBJ,
+# text (protocol 0) opcodes, sets, bytes or buffers. Memo entries are made by MEMOIZE alone,
+# so the PUT opcodes are refused too: the unpickler sizes its memo from their index, and the
+# 9 bytes `\x80\x04]r\xff\xff\xff\xff.` ask for 64 GiB.
+_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
+    "SHORT_BINUNICODE", "BINUNICODE", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST",
+    "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD",
+    "MEMOIZE", "BINGET", "LONG_BINGET"})
+_NEW_OBJECTS = frozenset({"EMPTY_DICT", "EMPTY_LIST", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NEWOBJ", "REDUCE"})
 
 # Every global a DCP `.metadata` of torch 2.13 refers to (torch.distributed.checkpoint.metadata
 # and filesystem's dataclasses, torch's dtype/layout/memory-format objects, torch.Size).
@@ -48,10 +84,15 @@ _DCP_GLOBALS = {
 }
 # torch pickles a dtype, layout or memory format as the name of its module attribute.
 _TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+# The dtypes a checkpoint's tensor may have: what a model or optimizer holds (no quantized,
+# bit-packed or float8 storage, which rankmix never saves).
+_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                     torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
 class UnsafeFileError(ValueError):
-    """A file asks to run code, or to read outside its folder: refused before anything ran."""
+    """A file asks to run code, to read outside its folder, or for memory out of all proportion
+    to its size: refused before anything ran."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -72,21 +113,188 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint folder `path`, read with `MetadataUnpickler` and checked:
-    every storage file it names lies inside `path`."""
-    file = Path(path) / METADATA_FILE
+    """The DCP metadata of checkpoint folder `path`: read within `MAX_METADATA_BYTES`, its opcodes
+    scanned, unpickled by `MetadataUnpickler`, then checked (`check_metadata`)."""
+    folder = Path(path)
+    file = folder / METADATA_FILE
+    data = _read_capped(inside(folder, METADATA_FILE, file), file)
+    scan_pickle(data, file)
     try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f, file).load()
+        metadata = MetadataUnpickler(io.BytesIO(data), file).load()
     except UnsafeFileError:
         raise
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-        raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None
-    if not isinstance(metadata, Metadata):
-        raise ValueError(f"{file}: not a checkpoint metadata file (it holds a {type(metadata).__name__})")
-    for info in (metadata.storage_data or {}).values():
-        inside(Path(path), getattr(info, "relative_path", ""), file)
+    except Exception as e:  # the allowed constructors raise anything on crafted arguments: all mean unreadable
+        raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: "
+                         f"{first_line(e)[:200]})") from None
+    check_metadata(metadata, folder, file)
     return metadata
+
+
+def _read_capped(path: Path, file: Path) -> bytes:
+    if not path.is_file():  # a folder, a FIFO (whose open would wait forever) or nothing
+        raise ValueError(f"{file}: not a readable checkpoint metadata file (not a regular file)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{file}: refused: larger than {MAX_METADATA_BYTES >> 20} MiB, which no rankmix "
+                              "checkpoint's metadata comes near")
+    return data
+
+
+def scan_pickle(data: bytes, file: Path) -> None:
+    """Refuse, before anything is unpickled, a pickle with an opcode outside `_OPCODES`, a memo
+    read of an entry not yet made, or more objects than `MIN_BYTES_PER_OBJECT` allows."""
+    memo = objects = 0
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            if op.name not in _OPCODES:
+                raise UnsafeFileError(f"{file}: refused: opcode {op.name} at byte {pos}"
+                                      f"{f' (memo index {arg})' if 'PUT' in op.name or 'GET' in op.name else ''}, "
+                                      "which a DCP checkpoint's metadata never holds")
+            if op.name == "MEMOIZE":
+                memo += 1
+            elif op.name in ("BINGET", "LONG_BINGET") and arg >= memo:
+                raise UnsafeFileError(f"{file}: refused: memo index {arg} at byte {pos}, beyond the {memo} "
+                                      "entries memoized so far")
+            objects += op.name in _NEW_OBJECTS
+    except UnsafeFileError:
+        raise
+    except ValueError as e:  # pickletools' verdict on a truncated or unknown opcode
+        raise ValueError(f"{file}: not a readable checkpoint metadata file ({first_line(e)[:200]})") from None
+    if objects * MIN_BYTES_PER_OBJECT > len(data):
+        raise UnsafeFileError(f"{file}: refused: it makes {objects} objects in {len(data)} bytes; a DCP "
+                              f"checkpoint's metadata makes at most one per {MIN_BYTES_PER_OBJECT} bytes")
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _unlike(obj: Any, cls: type) -> str | None:
+    """None when `obj` is exactly a `cls` (a dataclass) with every field set (an unpickled one may
+    lack any), else what it is instead."""
+    if type(obj) is not cls:
+        return f"a {type(obj).__name__}"
+    missing = [name for name in _fields(cls) if not hasattr(obj, name)]
+    return f"a {cls.__name__} without its {missing[0]}" if missing else None
+
+
+def check_metadata(metadata: Any, folder: Path, file: Path) -> None:
+    """Refuse metadata (unpickled from `file`, of checkpoint `folder`) that is not DCP's, names a
+    storage file outside `folder` or past a file's end, or describes a tensor that DCP's load would
+    leave partly unwritten or that no host could allocate."""
+    unlike = _unlike(metadata, Metadata)
+    if unlike:
+        raise ValueError(f"{file}: not a checkpoint metadata file (it holds {unlike})")
+    for part, value in (("state_dict_metadata", metadata.state_dict_metadata),
+                        ("storage_data", metadata.storage_data)):
+        if type(value) is not dict:
+            raise ValueError(f"{file}: not a valid checkpoint: its {part} is a {type(value).__name__}, not a dict")
+    unlike = metadata.storage_meta is not None and _unlike(metadata.storage_meta, StorageMeta)
+    if unlike:
+        raise ValueError(f"{file}: not a valid checkpoint: its storage_meta is {unlike}")
+    check_storage(metadata.storage_data, folder, file)
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if type(fqn) is not str:
+            raise ValueError(f"{file}: not a valid checkpoint: a key is a {type(fqn).__name__}, not a str")
+        tensor = type(meta) is TensorStorageMetadata
+        unlike = _unlike(meta, TensorStorageMetadata if tensor else BytesStorageMetadata)
+        if unlike:
+            raise ValueError(f"{file}: not a valid checkpoint: {fqn!r} is {unlike}")
+        if tensor:
+            check_tensor(fqn, meta, file)
+        indexes = [MetadataIndex(fqn, chunk.offsets) for chunk in meta.chunks] if tensor else [MetadataIndex(fqn)]
+        missing = next((index for index in indexes if index not in metadata.storage_data), None)
+        if missing is not None:
+            where = "" if missing.offset is None else f" at offset {tuple(missing.offset)}"
+            raise ValueError(f"{file}: not a valid checkpoint: {fqn!r}{where} is stored nowhere")
+
+
+def check_storage(storage_data: dict, folder: Path, file: Path) -> None:
+    """Each entry of `storage_data` names a regular file inside `folder` (links resolved), and
+    bytes within it; no transforms (rankmix writes none)."""
+    sizes: dict[str, int] = {}
+    for index, info in storage_data.items():
+        unlike = _unlike(index, MetadataIndex) or _unlike(info, _StorageInfo) \
+            or (type(index.fqn) is not str and f"a key for a {type(index.fqn).__name__}")
+        if unlike:
+            raise ValueError(f"{file}: not a valid checkpoint: its storage_data holds {unlike}")
+        name = info.relative_path
+        if type(name) is not str or name not in sizes:
+            try:
+                path = inside(folder, name, file)
+            except UnsafeFileError as e:
+                raise UnsafeFileError(f"{e} (the storage of {index.fqn!r})") from None
+            if not path.is_file():
+                raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored in {name!r}, "
+                                 "which is not a file there")
+            sizes[name] = path.stat().st_size
+        start, length = info.offset, info.length
+        if type(start) is not int or type(length) is not int:
+            raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored at an offset or length that "
+                             "is not an int")
+        if start < 0 or length < 0 or start + length > sizes[name]:
+            raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored at bytes {start}+{length} "
+                             f"of {name!r}, which has {sizes[name]}")
+        if info.transform_descriptors:
+            raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored transformed, which rankmix "
+                             "never writes")
+
+
+def check_tensor(fqn: str, meta: TensorStorageMetadata, file: Path) -> None:
+    """The dtype, size and chunks of tensor `fqn` are ones a load can allocate and fill whole."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{file}: not a valid checkpoint: tensor {fqn!r} {what}")
+    unlike = _unlike(meta.properties, TensorProperties)
+    if unlike:
+        raise bad(f"has properties that are {unlike}")
+    dtype = meta.properties.dtype
+    if type(dtype) is not torch.dtype or dtype not in _DTYPES:
+        raise bad(f"has dtype {dtype if type(dtype) is torch.dtype else 'a ' + type(dtype).__name__}, "
+                  "not one a rankmix checkpoint holds")
+    size = meta.size
+    if type(size) is not torch.Size or len(size) > MAX_DIMS or any(n < 0 for n in size):
+        raise bad(f"has size {size if type(size) is torch.Size else 'a ' + type(size).__name__}")
+    if math.prod(size) >= MAX_ELEMENTS:
+        raise bad(f"has {math.prod(size)} elements: 2^40 or more, beyond any table rankmix trains")
+    if type(meta.chunks) is not list:
+        raise bad(f"has chunks in a {type(meta.chunks).__name__}, not a list")
+    for chunk in meta.chunks:
+        if _unlike(chunk, ChunkStorageMetadata) or not all(
+                type(v) is torch.Size and len(v) == len(size) for v in (chunk.offsets, chunk.sizes)):
+            raise bad(f"has a chunk that is not a {len(size)}-dimensional ChunkStorageMetadata")
+        if not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, size)):
+            raise bad(f"of size {tuple(size)} has a chunk at {tuple(chunk.offsets)} of size {tuple(chunk.sizes)}, "
+                      "outside it")
+    error = tiling_error(size, meta.chunks)
+    if error:
+        raise bad(f"of size {tuple(size)}: its chunks {error}")
+
+
+def tiling_error(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> str | None:
+    """Why `chunks` (each inside `size`) do not tile a tensor of `size` exactly, or None when they
+    do: on the grid of every chunk's edges, each cell must lie in exactly one chunk. The cells
+    covered are counted first, so overlapping chunks never cost more than the grid."""
+    edges = [sorted({0, n, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
+             for d, n in enumerate(size)]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_CELLS:
+        return f"cut it into more than {MAX_CELLS} pieces"
+    spans = [[(bisect.bisect_left(e, o), bisect.bisect_left(e, o + s)) for e, o, s in zip(edges, c.offsets, c.sizes)]
+             for c in chunks]
+    covered = sum(math.prod(hi - lo for lo, hi in span) for span in spans)
+    if covered < cells:
+        return "leave a gap"
+    if covered > cells:
+        return "overlap"
+    grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
+    for span in spans:
+        grid[tuple(slice(lo, hi) for lo, hi in span)] += 1
+    return None if bool((grid == 1).all()) else "overlap"
 
 
 class SafeReader(FileSystemReader):
@@ -137,55 +345,17 @@ def first_line(e: Exception) -> str:
 
 
 def inside(folder: Path, name: str, source: Path) -> Path:
-    """`folder / name`, refused (naming `source`, where `name` came from) unless it stays inside `folder`."""
-    rel = PurePosixPath(str(name).replace("\\", "/"))
-    if not name or rel.is_absolute() or ".." in rel.parts or Path(name).is_absolute():
+    """`folder / name`, refused (naming `source`, where `name` came from) unless `name` is a relative
+    `str` (exactly: a path object's parts may disagree with its string) and the file it names,
+    links resolved, lies inside `folder`."""
+    if type(name) is not str:
+        raise UnsafeFileError(f"{source}: refused: it names a {type(name).__name__} where a file name (a str) "
+                              "belongs")
+    rel = PurePosixPath(name.replace("\\", "/"))
+    if not name or "\0" in name or rel.is_absolute() or ".." in rel.parts or Path(name).is_absolute():
         raise UnsafeFileError(f"{source}: refused: it names {name!r}, which is not a file inside {folder}")
+    root, real = os.path.realpath(folder), os.path.realpath(folder / rel)
+    if real == root or os.path.commonpath([root, real]) != root:
+        raise UnsafeFileError(f"{source}: refused: it names {name!r}, which leads to {real}, not a file inside "
+                              f"{folder}")
     return folder / rel
-
-
-# ----------------------------------------------------------------------------- pt2 artifacts
-
-# Payloads of a pt2 archive that its loader unpickles without weights_only: custom (torchbind)
-# and opaque objects, and the archives of torch <= 2.7. rankmix's artifacts hold none of them.
-_PT2_PICKLED = ("data/constants/custom_obj", "data/constants/opaque_obj")
-
-
-def check_pt2(path: Path) -> None:
-    """Refuse a pt2 archive that holds anything `torch.export.load` would unpickle unchecked."""
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
-    inner = ["/".join(n.split("/")[1:]) for n in names]
-    if "archive_format" not in inner:
-        raise UnsafeFileError(f"{path}: refused: not a torch >= 2.8 pt2 archive (older ones are read with pickle)")
-    pickled = [n for n in inner if n.startswith(_PT2_PICKLED) or n in ("data/weights/model.pt",
-                                                                         "data/constants/model.pt")]
-    if pickled:
-        raise UnsafeFileError(f"{path}: refused: it holds pickled objects ({pickled[0]}), which loading would run; "
-                              "a rankmix export holds tensors only")
-
-
-@contextlib.contextmanager
-def weights_only_loads() -> Iterator[None]:
-    """Every torch.load inside runs with weights_only=True, whatever its caller asks for
-    (torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call)."""
-    old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
-
-
-def load_pt2(path: Path) -> torch.export.ExportedProgram:
-    """`torch.export.load(path)` on the safe path only: checked first, then loaded with weights-only loads."""
-    check_pt2(path)
-    with weights_only_loads():
-        try:
-            return torch.export.load(str(path))
-        except pickle.UnpicklingError as e:
-            raise UnsafeFileError(f"{path}: refused: a payload is not plain tensors ({first_line(e)})") from None
-

@@ -18,9 +18,9 @@ partition as they split a fixed file list: disjoint rows, equal steps. To the tr
 State. A checkpoint holds the partitions consumed, each with its files (path, bytes, rows of
 each row group), and the partition being trained with its ParquetReader position. On resume a
 consumed partition whose files changed (compared by path and bytes, from the listing alone)
-is an error naming the file, as is a new partition that sorts before the last consumed one; a
-consumed partition that is gone (retention) is not. The partitions after the last consumed one
-are the new work.
+is an error naming the file, as is a new partition that sorts before the last consumed one, or
+level with it (`hour=010` after `hour=10`); a consumed partition that is gone (retention) is
+not. The partitions after the last consumed one are the new work.
 
 Agreement. Rank 0 lists the partitions and broadcasts the list over the side group, so every
 rank trains the same partitions whatever its own view of a store being written to.
@@ -72,6 +72,8 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
                 raise ValueError(f"{shown}: {info.path} lies outside the KEY=VALUE partition folders "
                                  "that data.order=time reads")
             folders.setdefault(folder, {})[info.path] = info.size
+    # A folder of a marker alone is no partition: Spark also writes _SUCCESS at the top of what it wrote.
+    folders = {f: files for f, files in folders.items() if any(p.endswith(".parquet") for p in files)}
     if not folders:
         raise ValueError(f"{shown}: no KEY=VALUE partition folders with Parquet files (data.order=time)")
     _same_keys(shown, list(folders))
@@ -264,7 +266,8 @@ class PartitionedReader:
                                      "since; a trained partition must not change (write a new partition instead)")
         names = {c["partition"] for c in consumed}
         after = [p for p in self.sequence if p.name not in names]
-        if consumed and after and after[0].key < tuple(consumed[-1]["key"]):
+        # A twin of its key (hour=010 after hour=10) is late too, as refresh has it.
+        if consumed and after and after[0].key <= tuple(consumed[-1]["key"]):
             raise ValueError(f"data reader state: partition {after[0].name} is new but sorts before the last "
                              f"trained partition {consumed[-1]['partition']}: time order cannot train it")
         # Trained partitions keep their epoch numbers and are never read again (their files may be gone).

@@ -38,7 +38,8 @@ from embeddings.tables import table_configs
 from trainer.checkpoint.manager import model_tensors, resolve_load_path, trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
-from trainer.checkpoint.safe_load import UnsafeFileError, inside, load_pt2
+from trainer.checkpoint.safe_load import UnsafeFileError, inside
+from trainer.serving.safe_pt2 import load_pt2
 from trainer.serving.served_model import ManagedRows, ServingModel
 from trainer.serving.readme import write_readme
 from trainer.checkpoint.state import apply_trained_step
@@ -251,6 +252,17 @@ def load(folder: str | Path) -> tuple[nn.Module, dict]:
     FBGEMM's operators when the manifest says it needs them. A pt2 artifact is read as data
     (trainer/checkpoint/safe_load.py); a TorchScript one is a program (README, Trust)."""
     folder = Path(folder)
+    manifest, path = _manifest(folder)
+    program = load_pt2(path) if manifest["format"] == "pt2" else None  # its errors name the file
+    try:
+        model = torch.jit.load(str(path)) if program is None else program.module()
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, AssertionError) as e:  # a partial or damaged copy
+        raise ValueError(f"--model {folder}: cannot load the artifact ({type(e).__name__}: {e})") from None
+    return model, manifest
+
+
+def _manifest(folder: Path) -> tuple[dict, Path]:
+    """(the manifest of artifact `folder`, the model file it names), checked."""
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"--model {folder}: no manifest.json there (not a `rankmix export` folder)")
@@ -263,10 +275,8 @@ def load(folder: str | Path) -> tuple[nn.Module, dict]:
             import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm
         if not zipfile.is_zipfile(path):  # checked first: torch's loaders log a traceback before raising
             raise ValueError(f"{manifest['file']} is missing or not a saved model")
-        scripted = manifest["format"] == "torchscript"
-        model = torch.jit.load(str(path)) if scripted else load_pt2(path).module()
     except UnsafeFileError:
         raise
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError, zipfile.BadZipFile) as e:  # a partial or damaged copy
+    except (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
         raise ValueError(f"--model {folder}: cannot load the artifact ({type(e).__name__}: {e})") from None
-    return model, manifest
+    return manifest, path

@@ -9,10 +9,11 @@ from trainer.config import Config
 
 # What loading each format means for trust (README.md, Trust).
 _TRUST = {
-    "pt2": "A pt2 file is data: `torch.export.load` rebuilds the program from its graph and tensors. "
-           "torch's own loader still falls back to unpickling some payloads; `rankmix score --model` refuses "
-           "those, and a server that loads files from elsewhere should load with "
-           "`TORCH_FORCE_WEIGHTS_ONLY_LOAD=1` set.",
+    "pt2": "A pt2 file of `rankmix export` is data: a graph of tensor ops, its tensors' raw bytes and JSON. "
+           "`torch.export.load` alone trusts the file, and runs parts of a crafted one as code (pickled "
+           "payloads, shape expressions, input guards, graph ops that write files); `rankmix score --model` "
+           "checks every part against what rankmix's exports hold first (`trainer.serving.safe_pt2.load_pt2`). A "
+           "server that loads files from elsewhere should check them the same way.",
     "torchscript": "A TorchScript file is a program: `torch.jit.load` runs the code it holds. Load it only "
                    "from a source you would let run code on the server, or export `--format pt2` (data) "
                    "instead.",
