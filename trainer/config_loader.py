@@ -18,7 +18,6 @@ import math
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

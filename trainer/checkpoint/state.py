@@ -20,7 +20,6 @@ import json
 import random
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
