@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve; NaN when only one class is present."""
     if labels.min() == labels.max():
         return float("nan")
+    # On use: torchmetrics pulls in matplotlib, a second of every rank's start-up, and training
+    # reads only this module's sums (a split's AUC is streaming.py's)
+    from torchmetrics.functional.classification import binary_auroc
+
     return float(binary_auroc(scores, labels.long()))
 
 
