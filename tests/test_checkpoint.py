@@ -122,6 +122,7 @@ def test_resume_on_one_rank_is_bitwise_equal_to_an_uninterrupted_run(cache, tmp_
     assert losses(halves) == losses(whole) and len(losses(whole)) == 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_run(mode, reference, cache, tmp_path):
     """Asynchronous saves also end bitwise equal to the synchronously saved reference."""
@@ -148,6 +149,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(reference, cache, tmp_path):
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2",
@@ -193,6 +195,7 @@ def test_retention_keeps_exactly_k_and_skips_an_incomplete_newest(cache, tmp_pat
     assert complete_steps(run / "checkpoints") == [25, 30]
 
 
+@pytest.mark.slow
 def test_row_wise_on_two_ranks_loads_into_table_wise_on_one(cache, tmp_path):
     two = tmp_path / "two"
     ok(train(2, *train_args(two, cache, 10, "--embeddings.plan=row_wise")))
@@ -241,6 +244,7 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(c
     tensors(run / "checkpoints" / f"step-{step - 1}", tmp_path)  # the last good one loads
 
 
+@pytest.mark.slow
 def test_time_interval_saves_agree_across_ranks(cache, tmp_path):
     # A 6 ms interval makes the ranks' clocks disagree about "due" at some step; rank 0's
     # verdict must reach both, or the one that saves waits for the other forever.

@@ -99,6 +99,7 @@ def consumed(run: Path, tmp: Path) -> list[str]:
     return [c["partition"] for c in reader["consumed"]]
 
 
+@pytest.mark.slow
 def test_time_order_trains_each_complete_partition_once_in_key_order(config, tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"
     names = days(data, 4, complete=2)  # days 3 and 4 are still being written
@@ -209,6 +210,7 @@ def scored(checkpoint: Path, data: Path, out: Path) -> dict[str, float]:
     return figures
 
 
+@pytest.mark.slow
 def test_two_ranks_evaluate_each_partition_before_training_it(config, tmp_path):
     """metrics.eval_next_partition: day d >= 2 scored by the model of the step before its first,
     equal to `rankmix score` of that step's checkpoint over the day's files."""

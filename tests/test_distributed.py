@@ -155,6 +155,7 @@ def _cli_worker(rank: int, world: int, ports: list[int], run: str, cache: str) -
         assert [t.name for t in threading.enumerate()] == ["MainThread"], threading.enumerate()
 
 
+@pytest.mark.slow
 def test_repeated_two_rank_runs_exit_cleanly(tmp_path):
     """The full `rankmix train` path (pipeline, async saves, TensorBoard) three times over on
     2 ranks: every run ends with its threads joined and its collectives finished, and both
@@ -186,6 +187,7 @@ def _in_flight_worker(rank: int, port: int, leave_cleanly: bool) -> None:
         time.sleep(2)  # rank 1 finalizes meanwhile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leave_cleanly", [False, True])
 def test_a_collective_in_flight_at_exit_aborts_unless_shutdown_waits_for_it(leave_cleanly):
     """The root cause of the rank that died with SIGABRT at exit: gloo's thread finishes the

@@ -55,6 +55,7 @@ def uneven(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_torchrun_with_uneven_files_finishes_on_every_rank(uneven, tmp_path):
     # Files of 2,000, 300 and 200 rows in one row group each: the ranks split the rows, not
     # the row groups, so both train on 1,250 rows an epoch and stop after the same step.
@@ -72,6 +73,7 @@ def test_torchrun_with_uneven_files_finishes_on_every_rank(uneven, tmp_path):
     assert summary["steps"] == expected == 3 * (2_500 // 2 // 50)  # the even split, whatever the row groups
 
 
+@pytest.mark.slow
 def test_torchx_local_run_with_two_processes(tmp_path):
     """As the README types it, from a shell where the environment is not activated: the job
     starts the interpreter that runs torchx, not a `torchrun` looked up on PATH."""

@@ -53,6 +53,7 @@ def test_sigterm_saves_at_once_and_the_run_resumes_there(cache, tmp_path):
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == last + 2
 
 
+@pytest.mark.slow
 def test_sigterm_through_torchrun_trains_on_to_a_save_due_within_the_grace(cache, tmp_path):
     run = tmp_path / "run"
     args = train_args(run, cache, 10_000, "--checkpoint.interval=6", "--checkpoint.signal_grace_steps=5",

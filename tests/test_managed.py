@@ -96,6 +96,7 @@ def trained(made_once, world: int) -> tuple[Path, Path]:
     return folder / "run", cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world, tmp_path, made_once):
     reference, cache = trained(made_once, world)
@@ -124,6 +125,7 @@ def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world
     assert any("managed/user_id.miss_rate" in r for r in logged if r["kind"] == "train")
 
 
+@pytest.mark.slow
 def test_managed_tables_resume_only_at_the_world_size_that_trained_them(made_once, tmp_path):
     reference, cache = trained(made_once, 1)
     shutil.copytree(reference / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
@@ -256,6 +258,7 @@ def test_an_artifact_with_managed_tables_scores_as_its_training_run_evaluated(wo
         assert 0 < missed < 1 and scored["managed/user_id.miss_rate"] == pytest.approx(float(missed), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_model_whose_tables_are_all_managed_trains_on_two_ranks_and_serves(made_once, tmp_path):
     cache = made_once("managed-cache", lambda folder: None)
     sparse = [f.name for f in load_config("configs/synth.toml").features if f.kind != "numeric"]

@@ -40,6 +40,7 @@ def _late_peer(rank: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps({"outcome": outcome, "seconds": time.monotonic() - start}))
 
 
+@pytest.mark.slow
 def test_pg_timeout_minutes_bounds_a_collective_wait(tmp_path):
     out = tmp_path / "rank0.json"
     spawn(_late_peer, (rendezvous_port(), str(out)), 2)

@@ -66,6 +66,7 @@ def recording_python(folder: Path) -> Path:
     return wrapper
 
 
+@pytest.mark.slow
 def test_sweep_runs_get_uri_credentials_in_their_environment(tmp_path, store):
     config, with_credentials, bare = store
     record = tmp_path / "record"

@@ -109,6 +109,7 @@ def test_the_readme_loads_the_artifact_in_a_bare_interpreter(rankmixer, tmp_path
     assert proc.stdout.splitlines()[-1] == str(["fbgemm_gpu"] if fbgemm else [])
 
 
+@pytest.mark.slow
 def test_moe_artifacts_route_as_the_checkpoint_does(made_once, data, tmp_path):
     run, _, valid = trained(made_once, data, "moe", "--model.tower=rankmixer_moe", "--train.steps=30")
     export(run, tmp_path / "sparse")
@@ -122,6 +123,7 @@ def test_moe_artifacts_route_as_the_checkpoint_does(made_once, data, tmp_path):
     assert np.abs(sparse["pred_click"] - dense["pred_click"]).max() > 1e-3  # two different routers
 
 
+@pytest.mark.slow
 def test_row_wise_tables_of_two_ranks_export_whole(made_once, data, tmp_path):
     run, _, valid = trained(made_once, data, "row-wise", "--embeddings.plan=row_wise", "--train.steps=10",
                             ranks=2)

@@ -49,6 +49,7 @@ def test_a_sparse_moe_row_reports_its_measured_inference_cost():
     assert records[0]["vs_reference"] == "" and records[3]["vs_baseline"] == ""
 
 
+@pytest.mark.slow
 def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--tower", "mlp", "--tower", "logreg",

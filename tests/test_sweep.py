@@ -84,6 +84,7 @@ def test_bad_grid_is_a_clear_error_before_any_training(tmp_path, launches, extra
     assert launches == [] and not out.exists()
 
 
+@pytest.mark.slow
 def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep"
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--grid", "model.hidden_dim=16,32",

@@ -73,6 +73,7 @@ def test_pipeline_with_evaluation_trains_exactly_like_the_plain_loop(tmp_path, c
     assert losses("--train.pipeline=none", "--metrics.eval_every=10") == plain
 
 
+@pytest.mark.slow
 @pytest.mark.trained
 def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir):
     # One epoch, the rankmix recipe: over seeds 0-2 the gaps were 0.045-0.077 AUC, 0.058-0.082 UAUC.
@@ -83,6 +84,7 @@ def test_rankmixer_learns_crosses_logistic_regression_cannot(tmp_path, cache_dir
     assert rm["uauc"] > lr["uauc"] + 0.03, (rm["uauc"], lr["uauc"])
 
 
+@pytest.mark.slow
 @pytest.mark.trained
 @pytest.mark.skipif(not (MOVIELENS / "ml-100k.inter").exists(), reason="MovieLens-100K is not in ../shared/data")
 def test_movielens_rankmixer_trains_as_well_as_logistic_regression(tmp_path):
