@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
+from embeddings.features import FeatureSpec, attended_tables
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 
@@ -20,9 +20,13 @@ class RowEncoder:
     """Checks schemas, encodes row groups and assembles batches for one feature schema."""
 
     def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = ""):
-        # Managed tables' features last: the batch carries them in a KeyedJaggedTensor of their own.
+        # Attended sequences' tables' features, then managed tables' features last: the batch
+        # carries each kind in a KeyedJaggedTensor of its own.
         sparse = [f for f in features if f.kind != "numeric"]
-        self.sparse = [f for f in sparse if f.hashing != "managed"] + [f for f in sparse if f.hashing == "managed"]
+        unpooled = set(attended_tables(features))
+        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.table not in unpooled]
+                       + [f for f in sparse if f.table in unpooled] + [f for f in sparse if f.hashing == "managed"])
+        self.num_sequence = sum(f.table in unpooled for f in sparse)
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
         self.user_column = user_column
@@ -77,7 +81,7 @@ class RowEncoder:
             # pattern, which keeps ids distinct (a cast would overflow).
             users = column.to_numpy().astype(np.int64, copy=False)
         return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users,
-                          num_managed=sum(f.hashing == "managed" for f in self.sparse))
+                          num_managed=sum(f.hashing == "managed" for f in self.sparse), num_sequence=self.num_sequence)
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
