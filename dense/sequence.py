@@ -121,7 +121,8 @@ class SequenceInputs(nn.Module):
 
         looked_up  name -> JaggedTensor of [N_f, D] rows (TorchRec's EmbeddingCollection output)
         longest    per key of `keys`: L_f >= its longest row, a Python int
-        gaps       name -> JaggedTensor of [N_f] gap buckets, for sequences with timestamps
+        gaps       per attended sequence with timestamps (`timed`, schema order): [N_f] int64 time-gap
+                   buckets aligned with its rows
         pooled     the bags' vectors by name [B, D_f]: a candidate on another table comes from there
         ->         name -> [B, D]: the pooled vector (pooling sum or mean) of every plain feature on
                    these tables, and each attended sequence's token slots (dense/sequence_modules.py)
@@ -137,10 +138,10 @@ class SequenceInputs(nn.Module):
                                         for f in on if attended(f)})
         self.candidates = {f.name: default_candidate(f, features) for f in on if attended(f)}
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
-        self.timed = {f.name for f in on if attended(f) and f.timestamps}
+        self.timed = [f.name for f in on if attended(f) and f.timestamps]
 
     def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
-                gaps: dict | None = None) -> dict[str, torch.Tensor]:
+                gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         padded = {}
         for i, name in enumerate(self.keys):
@@ -157,7 +158,7 @@ class SequenceInputs(nn.Module):
             x, mask = padded[name]
             time = None
             if name in self.timed:
-                time, _ = pad(gaps[name].values(), gaps[name].offsets(), longest[self.keys.index(name)])
+                time, _ = pad(gaps[self.timed.index(name)], looked_up[name].offsets(), longest[self.keys.index(name)])
             vectors = module(x, mask, v, time)  # [B, k, D]
             for j, slot in enumerate(self.slots[name]):
                 out[slot] = vectors[:, j]

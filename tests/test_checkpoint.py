@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from cli import rankmix
 from trainer.checkpoint.manager import complete_steps
 from trainer.checkpoint.state import decode_state
+from trainer.config_loader import dump_toml, load_config
+from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # of the shared 2-rank reference, saved every 10 steps
@@ -30,7 +32,16 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cache(made_once) -> Path:
-    return made_once("checkpoint-cache", lambda folder: None)
+    """The data cache, and beside it the config of every run here: the debug model on the
+    synthetic log, its behaviour sequence read by target attention (an unpooled
+    EmbeddingCollection for the item table beside the bags), so that resume, resharding and
+    the async save cover both kinds of table."""
+    def make(folder: Path) -> None:
+        cfg = load_config(str(REPO / "configs" / "debug.toml"))
+        cfg.features = synth_features()
+        next(f for f in cfg.features if f.name == "hist_items").sequence_module = "target_attention"
+        dump_toml(cfg, folder / "config.toml")
+    return made_once("checkpoint-cache", make)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def run_from(reference: Path, run: Path, *steps: int) -> Path:
 
 
 def train_args(run: Path, cache: Path, steps: int, *extra: str) -> list[str]:
-    return ["--config", "configs/debug.toml", f"--train.run_dir={run}", f"--data.cache_dir={cache}",
+    return ["--config", str(cache / "config.toml"), f"--train.run_dir={run}", f"--data.cache_dir={cache}",
             f"--train.steps={steps}", "--metrics.log_every=1", "--metrics.progress=false",
             "--metrics.tensorboard=false", *extra]
 
@@ -79,6 +90,7 @@ def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
     ta, tb = tensors(a, tmp), tensors(b, tmp)
     model_and_optim = [k for k in ta if k.startswith(("model.", "optim."))]
     assert any(".embedding_bags." in k for k in model_and_optim) and any("sparse" in k for k in model_and_optim)
+    assert any("sequence_tables.embeddings." in k for k in model_and_optim)
     assert set(ta) == set(tb)
     for key in model_and_optim:
         assert torch.equal(ta[key], tb[key]), key

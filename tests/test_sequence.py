@@ -81,7 +81,7 @@ def test_padding_changes_nothing_and_an_empty_sequence_gives_zeros(module):
     features = schema(module, tokens=2, timestamps="hist_ts")
     inputs = SequenceInputs(features, SequenceConfig())
     rows = [3, 0, 5, 2]
-    gaps = {"hist": jagged(rows, width=None, seed=7)}
+    gaps = (jagged(rows, width=None, seed=7).values(),)
     tight = inputs({}, lookups(rows), (1, 3, 5), gaps)
     loose = inputs({}, lookups(rows), (1, 3, 6), gaps)
     assert set(tight) == {"item", "also", "hist.0", "hist.1"}
@@ -164,8 +164,7 @@ def test_a_training_step_on_meta_reads_nothing_back(module):
     looked = {k: JaggedTensor(v.values().to(META).requires_grad_(v.values().is_floating_point()),
                               lengths=v.lengths().to(META), offsets=v.offsets().to(META))
               for k, v in lookups([3, 0, 5, 2]).items()}
-    gaps = {"hist": JaggedTensor(torch.zeros(10, dtype=torch.int64, device=META),
-                                 lengths=looked["hist"].lengths(), offsets=looked["hist"].offsets())}
+    gaps = (torch.zeros(10, dtype=torch.int64, device=META),)
     out = inputs({}, looked, (1, 3, 5), gaps)
     sum(v.sum() for v in out.values()).backward()
     params = list(inputs.parameters())

@@ -69,6 +69,8 @@ class DataConfig:
     """Rows held in memory and shuffled together (0: rows keep their order within a row group)."""
     user_column: str = "user_id"
     """Column that identifies the user for UAUC ('' disables UAUC)."""
+    time_column: str = ""
+    """Column of each row's request time (integer seconds): the time gaps of features.<name>.timestamps are measured from it."""
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
     synth_teacher: SynthTeacherName = "default"

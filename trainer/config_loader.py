@@ -314,6 +314,9 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"features.{f.name}.sequence_module={f.sequence_module!r} is not one of "
                              f"{SEQUENCE_MODULES.names()}")
     validate_features(cfg.features)
+    timed = [f.name for f in cfg.features if f.kind == "sequence" and f.sequence_module != "pool" and f.timestamps]
+    if timed and not cfg.data.time_column:
+        raise ValueError(f"features.{timed[0]}.timestamps needs data.time_column, the column of each row's request time")
     bad = sorted({f.eviction_interval for f in cfg.features
                   if f.hashing == "managed" and cfg.checkpoint.interval % f.eviction_interval})
     if bad:

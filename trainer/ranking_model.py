@@ -65,7 +65,8 @@ class RankingModel(nn.Module):
         """[B, E]: the bags' vectors, the sequence modules' (under autocast, where they run) and
         the numeric features."""
         if self.sequences is not None:
-            pooled.update(self.sequences(pooled, self.sequence_tables(batch.sequence_ids), batch.sequence_max))
+            pooled.update(self.sequences(pooled, self.sequence_tables(batch.sequence_ids), batch.sequence_max,
+                                         batch.sequence_gaps))
         return self.layout.assemble(pooled, batch.dense)
 
     def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
