@@ -143,23 +143,32 @@ class SequenceInputs(nn.Module):
     def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
                 gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        padded = {}
+        padded, padded_gaps = {}, {}
         for i, name in enumerate(self.keys):
             rows = looked_up[name]
             x, mask = pad(rows.values(), rows.offsets(), longest[i])
             if name in self.attention:
                 padded[name] = (x, mask)
+                if name in self.timed:
+                    padded_gaps[name] = pad(gaps[self.timed.index(name)], rows.offsets(), longest[i])[0]
                 continue
             total = x.sum(dim=1)
             out[name] = total / rows.lengths().clamp(min=1).unsqueeze(1).to(total.dtype) if name in self.mean else total
+        out.update(self.attend(out, pooled, padded, padded_gaps))
+        return out
+
+    def attend(self, own: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor],
+               padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               gaps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each attended sequence's token slots [B, D] from its padded rows (x [B, L, D], mask
+        [B, L]) and gap buckets [B, L]; its candidate's vector from `own` (the features on these
+        tables) or else `pooled` (the bags). A served model pads by its own means and calls this."""
+        out = {}
         for name, module in self.attention.items():
             candidate = self.candidates[name]
-            v = out[candidate] if candidate in out else pooled[candidate]
+            v = own[candidate] if candidate in own else pooled[candidate]
             x, mask = padded[name]
-            time = None
-            if name in self.timed:
-                time, _ = pad(gaps[self.timed.index(name)], looked_up[name].offsets(), longest[self.keys.index(name)])
-            vectors = module(x, mask, v, time)  # [B, k, D]
+            vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
             for j, slot in enumerate(self.slots[name]):
                 out[slot] = vectors[:, j]
         return out

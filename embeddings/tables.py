@@ -9,7 +9,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from embeddings.features import FeatureSpec, attended_tables, managed_tables
+from embeddings.features import FeatureSpec, attended, attended_tables, managed_tables
 from embeddings.sparse_config import EmbeddingsConfig
 
 FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
@@ -18,16 +18,18 @@ _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 _OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 
 
-def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
+def table_configs(features: list[FeatureSpec], serving: bool = False) -> list[EmbeddingBagConfig]:
     """One EmbeddingBagConfig per pooled table; features naming the same table share its rows.
-    The tables of attended sequences are not here: `sequence_table_configs` holds them.
+    The tables of attended sequences are not here (`sequence_table_configs` holds them for
+    training) unless `serving`: a served model looks their rows up through its one bag
+    collection too, one id per bag (trainer/serving/served_model.py).
 
     TorchRec pools per table, so the multi-id features sharing a table must agree on
-    pooling (a single id pools the same either way).
+    pooling (a single id pools the same either way; an attended sequence is not pooled).
     """
     tables: dict[str, EmbeddingBagConfig] = {}
     pooled_by: dict[str, FeatureSpec] = {}
-    unpooled = set(attended_tables(features))
+    unpooled = set() if serving else set(attended_tables(features))
     for f in features:
         if f.kind == "numeric" or f.table in unpooled:
             continue
@@ -37,7 +39,7 @@ def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
                 feature_names=[], pooling=_POOLING[f.pooling])
         table = tables[f.table]
         table.feature_names.append(f.name)
-        if f.kind == "id":
+        if f.kind == "id" or attended(f):
             continue
         first = pooled_by.setdefault(f.table, f)
         if first.pooling != f.pooling:

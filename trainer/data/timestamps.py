@@ -45,6 +45,10 @@ class TimeGaps:
         if self.features:
             yield self.time_column, "integer request times (data.time_column)", pa.types.is_integer
 
+    def check(self, table: pa.Table, where: str) -> None:
+        """The checks of `encode` alone (a served model's inputs: trainer/serving/predict.py)."""
+        self.encode(table, where)
+
     def encode(self, table: pa.Table, where: str) -> list[np.ndarray]:
         """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last max_len)."""
         if not self.features:
