@@ -113,7 +113,7 @@ def movielens(cfg: Config) -> DatasetFiles:
     if not cfg.features:
         raise ValueError("features is empty: the movielens dataset needs a [[features]] schema "
                          "(see configs/movielens.toml)")
-    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k",
+    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k-v2",  # v2: with hist_timestamps
                        lambda out: convert_movielens(cfg.data.source_dir, out))
     return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features)
 
