@@ -127,8 +127,8 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
         unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
         if f.kind != "sequence":
             unused |= dict.fromkeys((f"{where}.{name}" for name in SEQUENCE_FIELDS), cause)
-        elif not attended(f):
-            unused |= dict.fromkeys((f"{where}.{name}" for name in SEQUENCE_FIELDS[1:]),
+        elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
+            unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens")),
                                     (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
