@@ -49,21 +49,36 @@ class TargetAttention(nn.Module):
     def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None):
         super().__init__()
         self.time = nn.Embedding(*time) if time else None
-        width, layers = 4 * dim + (time[1] if time else 0), []
+        width = 4 * dim + (time[1] if time else 0)
+        layers = []
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
-        self.score = nn.Sequential(*layers, nn.Linear(width, tokens))
+        layers.append(nn.Linear(width, tokens))
+        self.first, self.rest = layers[0], nn.Sequential(*layers[1:])  # the first is applied by parts
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        """The scoring MLP on a whole input [..., 4D + Dt] (what `first_layer` computes by parts)."""
+        return self.rest(self.first(x))
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
                 gaps: torch.Tensor | None = None) -> torch.Tensor:
-        v = candidate.unsqueeze(1).expand_as(behaviours)
-        parts = [behaviours, v, behaviours * v, behaviours - v]
-        if self.time is not None:
-            parts.append(self.time(gaps))
-        scores = self.score(torch.cat(parts, dim=-1))  # [B, L, k]
+        scores = self.rest(self.first_layer(behaviours, candidate, gaps))  # [B, L, k]
         weights = masked_softmax(scores, mask.unsqueeze(-1), dim=1)
         return torch.einsum("blk,bld->bkd", weights.to(behaviours.dtype), behaviours)
+
+    def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
+        """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
+        with W = [W1 W2 W3 W4 Wt], it is (W1 + W4) b + W3 (b * v) + Wt t per behaviour, plus
+        (W2 - W4) v + bias once per row (the step's cost at long sequences; bench/sequence.py)."""
+        linear = self.first
+        dim = b.shape[-1]
+        w1, w2, w3, w4, wt = torch.split(linear.weight, [dim, dim, dim, dim, linear.in_features - 4 * dim], dim=1)
+        per_row = nn.functional.linear(v, w2 - w4, linear.bias).unsqueeze(1)  # [B, 1, H]
+        out = torch.matmul(torch.cat([b, b * v.unsqueeze(1)], dim=-1), torch.cat([w1 + w4, w3], dim=1).t()) + per_row
+        if self.time is not None:  # the time embedding through Wt once per bucket, then looked up
+            out = out + nn.functional.embedding(gaps, self.time.weight @ wt.t())
+        return out
 
 
 class SelfAttentionBlock(nn.Module):

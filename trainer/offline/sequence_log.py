@@ -136,8 +136,8 @@ def write_sequence_log(out_dir: str | os.PathLike, *, rows: int = 200_000, valid
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    import torch  # on use, as trainer/offline/capacity.py
-
+    # on use: torch and torchmetrics load slowly, and datasets.py reads this module's schema only
+    import torch
     from trainer.metrics.ranking import auc
 
     return auc(torch.from_numpy(scores), torch.from_numpy(labels))
