@@ -91,14 +91,15 @@ class SelfAttentionBlock(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.ffn = nn.Sequential(nn.Linear(width, ffn_ratio * width), nn.GELU(), nn.Linear(ffn_ratio * width, width))
-        self.scale = (width // heads) ** -0.5
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, L, W], mask [B, L] -> [B, L, W]."""
+        """x [B, L, W], mask [B, L] -> [B, L, W]. torch's fused attention (flash on the CPU and on
+        CUDA: memory O(B L W), not O(B L^2)). Position 0 stays a key even in an empty row, so no
+        row is all masked (which would give NaN); an empty row's outputs are never attended."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
-        weights = masked_softmax(q @ k.transpose(-1, -2) * self.scale, mask[:, None, None, :], dim=-1)
-        attended_values = (weights.to(v.dtype) @ v).transpose(1, 2).flatten(-2)  # [B, L, W]
-        x = x + self.proj(attended_values)
+        keys = mask | (torch.arange(mask.shape[1], device=mask.device) == 0)
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+        x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
         return x + self.ffn(self.norm2(x))
 
 
