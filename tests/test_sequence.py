@@ -170,3 +170,23 @@ def test_a_training_step_on_meta_reads_nothing_back(module):
     params = list(inputs.parameters())
     assert params and all(p.grad is not None and p.grad.device == META for p in params)
     assert looked["hist"].values().grad.device == META
+
+
+def test_under_bf16_autocast_the_softmax_runs_in_fp32():
+    """bf16 scores, fp32 weights: 1,000 behaviours' weights sum to 1 within 1e-5 (bf16 sums miss by ~1e-2), and the
+    module's output stays near its fp32 self."""
+    from dense.sequence import masked_softmax
+
+    torch.manual_seed(0)
+    scores = (torch.randn(2, 1000, 1) * 3).bfloat16()
+    mask = torch.ones(2, 1000, 1, dtype=torch.bool)
+    weights = masked_softmax(scores, mask, dim=1)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(dim=1), torch.ones(2, 1), rtol=0, atol=1e-5)  # bf16: ~1e-2
+    module = TargetAttention(D, tokens=1, hidden=[16])
+    seqs, cand = jagged([300, 1000]), torch.randn(2, D)
+    x, m = pad(seqs.values(), seqs.offsets(), 1000)
+    expected = module(x, m, cand)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = module(x, m, cand)
+    torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.02)
