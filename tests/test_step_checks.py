@@ -235,15 +235,11 @@ def test_steps_between_checks_read_nothing_back(tower, sequence, cache, tmp_path
     move or copy to the host) and no object collective, on either rank, whoever's code would
     make it: rankmix's, torch's, torchrec's or fbgemm's, but for TorchRec's own input
     distribution (`torchrec_own`). Steps 5 and 10 read the flags once. With an attended
-    sequence (its table an EmbeddingCollection, padded to the batch's longest) too."""
-    config = REPO / "configs" / "debug.toml"
-    if sequence != "pool":
-        cfg = load_config(str(config))
-        cfg.features = synth_features()
-        next(f for f in cfg.features if f.name == "hist_items").sequence_module = sequence
-        config = tmp_path / "config.toml"
-        dump_toml(cfg, config)
-    args = [f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
+    sequence too: the sequence teacher's behaviours with their timestamps, the item table an
+    EmbeddingCollection, each batch padded to its longest row, the gaps bucketed by the reader."""
+    config = REPO / "configs" / ("debug.toml" if sequence == "pool" else "sequence.toml")
+    extra = [] if sequence == "pool" else [f"--features.hist_items.sequence_module={sequence}", "--data.synth_rows=4000"]
+    args = [*extra, f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
             "--checkpoint.interval=5", "--checkpoint.interval_minutes=600", "--metrics.eval_batches=1",
             "--metrics.progress=false", "--metrics.tensorboard=false", f"--train.run_dir={tmp_path / 'run'}",
             f"--data.cache_dir={cache}"]
