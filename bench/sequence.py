@@ -32,13 +32,14 @@ MODULES = ("pool", "target_attention", "transformer")
 
 
 def child(module: str, length: int, rows: int, steps: int, tower: str) -> dict:
+    # on use: the parent process only starts children and prints
     import numpy as np
     import pyarrow as pa
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
     from dense.heads import build_dense
-    from dense.sequence import build_sequences
+    from dense.sequence import build_sequences, pad
     from embeddings.features import FeatureSpec
     from embeddings.tables import sequence_table_configs, table_configs
     from trainer.config_loader import load_config
@@ -75,9 +76,8 @@ def child(module: str, length: int, rows: int, steps: int, tower: str) -> dict:
 
     def module_alone() -> None:
         looked = model.sequence_tables(batch.sequence_ids)
-        x, mask = (looked["hist"].values().detach().requires_grad_(), None)
-        from dense.sequence import pad
-        padded, mask = pad(x, looked["hist"].offsets(), batch.sequence_max[-1])
+        rows = looked["hist"].values().detach().requires_grad_()
+        padded, mask = pad(rows, looked["hist"].offsets(), batch.sequence_max[-1])
         gaps = pad(batch.sequence_gaps[0], looked["hist"].offsets(), batch.sequence_max[-1])[0]
         candidate = looked["item"].values().detach()
         out = sequences.attend({"item": candidate}, {}, {"hist": (padded, mask)}, {"hist": gaps})

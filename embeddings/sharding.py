@@ -97,7 +97,8 @@ def configs_of(module: nn.Module) -> list:
 
 
 def _sharder(module: nn.Module):
-    return EmbeddingBagCollectionSharder() if isinstance(module, EmbeddingBagCollection) else EmbeddingCollectionSharder()
+    bags = isinstance(module, EmbeddingBagCollection)
+    return EmbeddingBagCollectionSharder() if bags else EmbeddingCollectionSharder()
 
 
 def _weight(module: nn.Module, table: str) -> torch.Tensor:

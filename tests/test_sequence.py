@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 from torchrec import JaggedTensor
 
 from dense.layout import InputLayout
@@ -142,7 +141,6 @@ def test_config_errors_name_the_option(change, message):
 
 
 def test_an_unknown_module_name_lists_the_choices(tmp_path):
-    from trainer.config_loader import load_config
     from trainer.config import Config
     from trainer.config_loader import validate
 

@@ -245,7 +245,8 @@ def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str)
     if fmt == "torchscript":
         return torch.jit.script(torchrec.fx.symbolic_trace(model))
     batch, ids = Dim("batch", min=1), Dim("ids", min=0)
-    shapes = ({0: ids}, {1: batch}, {0: batch}) + (({0: Dim("timestamps", min=0)}, {0: batch}) if len(inputs) > 3 else ())
+    timed = ({0: Dim("timestamps", min=0)}, {0: batch}) if len(inputs) > 3 else ()  # TimedServingModel's
+    shapes = ({0: ids}, {1: batch}, {0: batch}) + timed
     return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
 
 
