@@ -188,3 +188,21 @@ def test_under_bf16_autocast_the_softmax_runs_in_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = module(x, m, cand)
     torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.02)
+
+
+def test_rankmix_plan_plans_the_sequence_table_beside_the_bags():
+    """`rankmix plan`: the attended sequence's table in the EmbeddingCollection's plan (row-wise,
+    where the bags may not be), and its rows' all-to-all counted."""
+    from pathlib import Path
+
+    from launch.plan import plan_cluster
+    from trainer.config_loader import load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "sequence.toml"
+    cfg = load_config(str(config), ["--features.hist_items.sequence_module=target_attention",
+                                    "--embeddings.plan=row_wise"])
+    plan = plan_cluster(cfg, 2, "cuda", 80.0, 64.0, 2)
+    assert plan.fits and set(plan.plan.plan) == {"ebc", "sequence_tables"}
+    assert set(plan.plan.plan["sequence_tables"]) == {"item"}
+    assert plan.plan.plan["sequence_tables"]["item"].sharding_type == "row_wise"
+    assert "attended sequences' rows at most" in plan.text
