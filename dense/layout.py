@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from embeddings.features import FeatureSpec
+from dense.sequence_modules import token_slots
+from embeddings.features import FeatureSpec, attended
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,16 @@ class InputLayout:
 
     def __init__(self, features: list[FeatureSpec]):
         numeric = [f.name for f in features if f.kind == "numeric"]
-        groups = list(dict.fromkeys(f.group for f in features))
-        self.slots = [
-            Slot(f.name, f.group, 1 if f.kind == "numeric" else f.embedding_dim,
-                 numeric.index(f.name) if f.kind == "numeric" else -1)
-            for g in groups for f in features if f.group == g
-        ]
+        entries = []
+        for f in features:  # an attended sequence's vectors each have a group of their own (token_slots)
+            if f.kind == "numeric":
+                entries.append(Slot(f.name, f.group, 1, numeric.index(f.name)))
+            elif attended(f):
+                entries += [Slot(name, group, f.embedding_dim, -1) for name, group in token_slots(f)]
+            else:
+                entries.append(Slot(f.name, f.group, f.embedding_dim, -1))
+        groups = list(dict.fromkeys(s.group for s in entries))
+        self.slots = [s for g in groups for s in entries if s.group == g]
         self.groups = groups
         self.group_widths = [sum(s.width for s in self.slots if s.group == g) for g in groups]
         self.width = sum(self.group_widths)

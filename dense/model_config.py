@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from dense.sequence_modules import SEQUENCE_MODULES, SequenceConfig
 from dense.tower_registry import TABLES, TOWERS, readers
 import dense.towers  # noqa: F401  (importing the package registers every tower)
 
@@ -62,6 +63,8 @@ class ModelFields:
     """Hidden width of each task head's MLP (0: one linear layer)."""
     tasks: list[TaskSpec] = field(default_factory=lambda: [TaskSpec()])
     """Prediction tasks, one head each."""
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
+    """Sequence modules (features.<name>.sequence_module): the time gap's buckets and each module's options."""
 
 
 TOKEN_FIELDS = ("tokenizer", "num_tokens", "tokenizer_bias", "token_dim", "hidden_dim", "num_layers", "ffn_ratio")
@@ -106,7 +109,9 @@ def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
 
 
 def validate_model(model: ModelConfig) -> None:
-    """Each tower table's own checks (its `validate`, where it has one); ValueError naming the key."""
+    """Each tower table's own checks (its `validate`, where it has one) and the sequence modules';
+    ValueError naming the key."""
+    model.sequence.validate()
     for key in TABLES:
         check = getattr(getattr(model, key), "validate", None)
         if check is not None:

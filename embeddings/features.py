@@ -66,11 +66,41 @@ class FeatureSpec:
     """numeric `standardize`: divisor."""
     fill_null: float | None = None
     """numeric: value that replaces nulls (unset: a null is an error)."""
+    sequence_module: str = "pool"
+    """sequence: pool (a pooled bag, as id_list) | target_attention (behaviours weighted by the candidate) | transformer (self-attention, then target attention); dense/sequence.py."""
+    candidate: str = ""
+    """sequence, not pool: the id feature whose vector attends (default: the id feature sharing this table)."""
+    sequence_tokens: int = 1
+    """sequence, not pool: vectors the module outputs, each its own group and so its own token under the group tokenizer."""
+    timestamps: str = ""
+    """sequence, not pool: list column of the behaviours' times (seconds, aligned with the ids); the gap to data.time_column is embedded."""
 
     def __post_init__(self) -> None:
         self.column = self.column or self.name
         if self.kind != "numeric":
             self.table = self.table or self.name
+
+
+def attended(f: FeatureSpec) -> bool:
+    """Whether `f` is a sequence read position by position (a sequence module other than pool)."""
+    return f.kind == "sequence" and f.sequence_module != "pool"
+
+
+def attended_tables(features: list[FeatureSpec]) -> list[str]:
+    """The tables of attended sequences, sorted by name: looked up unpooled (an EmbeddingCollection),
+    with every feature that names them."""
+    return sorted({f.table for f in features if attended(f)})
+
+
+def default_candidate(f: FeatureSpec, features: list[FeatureSpec]) -> str:
+    """The candidate of sequence `f`: its `candidate`, or else the first id feature on its table."""
+    if f.candidate:
+        return f.candidate
+    same = [g.name for g in features if g.kind == "id" and g.table == f.table]
+    if not same:
+        raise ValueError(f"features.{f.name}: sequence_module={f.sequence_module!r} needs a candidate, and no id "
+                         f"feature shares table {f.table!r}; set features.{f.name}.candidate")
+    return same[0]
 
 
 def managed_tables(features: list[FeatureSpec]) -> list[str]:
@@ -80,6 +110,8 @@ def managed_tables(features: list[FeatureSpec]) -> list[str]:
 
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
 """FeatureSpec fields that only id, id_list and sequence features read."""
+SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps")
+"""FeatureSpec fields that only sequence features read (all but sequence_module only when not pooled)."""
 NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
 """FeatureSpec fields that only numeric features read."""
 
@@ -93,6 +125,11 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
         numeric = f.kind == "numeric"
         cause = (f"{where}.kind", f"{where}.kind={f.kind!r} does not read it")
         unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
+        if f.kind != "sequence":
+            unused |= dict.fromkeys((f"{where}.{name}" for name in SEQUENCE_FIELDS), cause)
+        elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
+            unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens")),
+                                    (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
                                     (f"{where}.hashing", f"{where}.hashing={f.hashing!r} is not managed"))
@@ -136,6 +173,42 @@ def validate_features(features: list[FeatureSpec]) -> None:
                 "managed" in (f.hashing, other.hashing):
             raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
                              "managed with the same eviction_policy and eviction_interval, or neither")
+    _validate_sequences(features)
+
+
+def _validate_sequences(features: list[FeatureSpec]) -> None:
+    """Attended sequences: a bounded length, a candidate that is an id feature of the same width,
+    unmanaged tables of one width (TorchRec's EmbeddingCollection holds tables of one width)."""
+    by_name = {f.name: f for f in features}
+    width = None
+    for f in features:
+        if not attended(f):
+            continue
+        where = f"features.{f.name}"
+        if f.max_len <= 0:
+            raise ValueError(f"{where}.sequence_module={f.sequence_module!r} needs max_len > 0 (the behaviours kept, "
+                             "most recent last), got 0")
+        if f.sequence_tokens < 1:
+            raise ValueError(f"{where}.sequence_tokens must be at least 1, got {f.sequence_tokens}")
+        if f.hashing == "managed":
+            raise ValueError(f"{where}.sequence_module={f.sequence_module!r}: managed tables are pooled only so far; "
+                             "use hashing = 'modulo' or 'none' for an attended sequence's table")
+        name = default_candidate(f, features)
+        cand = by_name.get(name)
+        if cand is None or cand.kind != "id":
+            raise ValueError(f"{where}.candidate={name!r} is not an id feature")
+        if cand.embedding_dim != f.embedding_dim:
+            raise ValueError(f"{where}.candidate={name!r} has embedding_dim {cand.embedding_dim}, the sequence "
+                             f"{f.embedding_dim}: they must match")
+        if width is not None and width != f.embedding_dim:
+            raise ValueError(f"{where}.embedding_dim={f.embedding_dim}: every attended sequence's table needs the same "
+                             f"width (TorchRec's EmbeddingCollection), another has {width}")
+        width = f.embedding_dim
+    unpooled = set(attended_tables(features))
+    for f in features:
+        if f.kind in ("id_list", "sequence") and f.table in unpooled and f.max_len <= 0:
+            raise ValueError(f"features.{f.name}.max_len must be > 0: its table {f.table!r} holds an attended "
+                             "sequence, so it is looked up unpooled and padded (to max_len in a served model)")
 
 
 @functools.cache

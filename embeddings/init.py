@@ -33,10 +33,13 @@ def init_embeddings(model: nn.Module, seed: int) -> None:
 
 
 def _table_of(key: str) -> str | None:
-    """'<path>.embedding_bags.<table>.weight' -> table."""
-    head, sep, tail = key.rpartition(".embedding_bags.")
-    if sep and tail.endswith(".weight") and "." not in tail[:-len(".weight")]:
-        return tail[:-len(".weight")]
+    """'<path>.embedding_bags.<table>.weight' (a bag collection's) or
+    'sequence_tables.embeddings.<table>.weight' (the attended sequences' collection) -> table:
+    a table draws the same values in either."""
+    for marker in (".embedding_bags.", "sequence_tables.embeddings."):
+        head, sep, tail = key.rpartition(marker)
+        if sep and tail.endswith(".weight") and "." not in tail[:-len(".weight")]:
+            return tail[:-len(".weight")]
     return None
 
 

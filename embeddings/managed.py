@@ -21,6 +21,7 @@ from embeddings.torchrec_compat import (FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_
 from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
 from embeddings.sparse_config import EmbeddingsConfig
 
+SEQUENCE_WEIGHTS = "sequence_tables.embeddings."  # the attended sequences' tables (embeddings/tables.py)
 EVICTION_POLICIES = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}  # features.*.eviction_policy
 
 def build_managed_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig,
@@ -103,7 +104,8 @@ def managed_plans(model: nn.Module, device: torch.device, local: int, world: int
 
 def served_tables(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """A RankingModel's whole-tensor state (`manager.model_tensors`) -> (the same state with
-    the managed tables' weights beside the plain ones, under `ebc.embedding_bags.`; each managed
+    the managed tables' and the attended sequences' tables' weights beside the plain ones, under
+    `ebc.embedding_bags.` (a served model has one bag collection); each managed
     table's id map). An id map is what MCH's evaluation remap reads, whatever the world size
     that trained it:
 
@@ -112,8 +114,12 @@ def served_tables(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
         miss_rows [W] int64  the miss row of each rank's range, W the ranks that trained it
     """
     weights, mch = "managed_tables." + MC_WEIGHTS, "managed_tables." + MCH_BUFFERS
-    plain = {("ebc.embedding_bags." + k[len(weights):] if k.startswith(weights) else k): v
-             for k, v in state.items() if not k.startswith(mch)}
+    def served_name(key: str) -> str:
+        for prefix in (weights, SEQUENCE_WEIGHTS):
+            if key.startswith(prefix):
+                return "ebc.embedding_bags." + key[len(prefix):]
+        return key
+    plain = {served_name(k): v for k, v in state.items() if not k.startswith(mch)}
     maps = {}
     for table in sorted({k[len(mch):].split(".")[0] for k in state if k.startswith(mch)}):
         ids, rows = state[f"{mch}{table}.{MCH_SORTED_IDS}"], state[f"{mch}{table}.{MCH_ROWS}"]

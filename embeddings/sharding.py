@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed import sharding_plan as sp
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -71,15 +72,42 @@ PLANS: Registry[Callable[[nn.Module, EmbeddingsConfig, Cluster], ShardingPlan]] 
     Registry("embeddings.plan")
 
 
-def embedding_module(model: nn.Module) -> tuple[str, EmbeddingBagCollection] | None:
-    """The model's (single) EmbeddingBagCollection of plain tables and its path (not the one
-    inside the managed-collision collection, which has a plan of its own), or None when every
-    table is managed."""
+_EC_KINDS = {"table_row_wise": "row_wise", "table_column_wise": "column_wise"}
+"""Sharding types TorchRec's EmbeddingCollection lacks -> the nearest it has (an attended
+sequence's table under such a plan)."""
+
+
+def table_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's collections of plain tables and their paths: its EmbeddingBagCollection (not
+    the one inside the managed-collision collection, which has a plan of its own), then its
+    EmbeddingCollection of attended sequences' tables; either may be absent."""
     inside = [name + "." for name, _ in managed_modules(model)]
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
              and not any(name.startswith(prefix) for prefix in inside)]
-    assert len(found) <= 1, f"expected one EmbeddingBagCollection, found {len(found)}"
-    return found[0] if found else None
+    found.sort(key=lambda nm: isinstance(nm[1], EmbeddingCollection))
+    assert len(found) <= 2 and len({type(m) for _, m in found}) == len(found), \
+        f"expected one collection of each kind, found {[type(m).__name__ for _, m in found]}"
+    return found
+
+
+def configs_of(module: nn.Module) -> list:
+    """The table configs of an EmbeddingBagCollection or an EmbeddingCollection."""
+    return module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection) else module.embedding_configs()
+
+
+def _sharder(module: nn.Module):
+    bags = isinstance(module, EmbeddingBagCollection)
+    return EmbeddingBagCollectionSharder() if bags else EmbeddingCollectionSharder()
+
+
+def _weight(module: nn.Module, table: str) -> torch.Tensor:
+    tables = module.embedding_bags if isinstance(module, EmbeddingBagCollection) else module.embeddings
+    return tables[table].weight
+
+
+def _kind(module: nn.Module, kind: str) -> str:
+    return kind if isinstance(module, EmbeddingBagCollection) else _EC_KINDS.get(kind, kind)
 
 
 @PLANS.register("auto")
@@ -88,7 +116,7 @@ def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> S
     tables: those are row-wise on every rank whatever it would choose, and counted as whole
     tables they would crowd one rank out. The dense modules stay, since the planner reserves
     memory for them."""
-    if embedding_module(model) is None:
+    if not table_modules(model):
         return ShardingPlan({})
     unmanaged = nn.Module()
     for name, child in model.named_children():
@@ -99,16 +127,18 @@ def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> S
 
 def plan_tables(model: nn.Module, kinds: list[str], cluster: Cluster,
                 callbacks: Sequence[Callable] = ()) -> ShardingPlan:
-    """TorchRec's planner's plan of the model's EmbeddingBagCollection for `cluster`, with
-    `kinds` of sharding and the fused kernel: training's plan and `rankmix plan`'s. In a job it
-    runs collectively, so that every rank gets the same plan; `callbacks` see the chosen
-    sharding options."""
-    _, ebc = embedding_module(model)
-    constraints = {t.name: ParameterConstraints(sharding_types=kinds, compute_kernels=[FUSED])
-                   for t in ebc.embedding_bag_configs()}
+    """TorchRec's planner's plan of the model's table collections for `cluster`, with `kinds` of
+    sharding (those an EmbeddingCollection has, for its tables) and the fused kernel: training's
+    plan and `rankmix plan`'s. In a job it runs collectively, so that every rank gets the same
+    plan; `callbacks` see the chosen sharding options."""
+    constraints = {}
+    for _, module in table_modules(model):
+        allowed = list(dict.fromkeys(_kind(module, k) for k in kinds))
+        constraints |= {t.name: ParameterConstraints(sharding_types=allowed, compute_kernels=[FUSED])
+                        for t in configs_of(module)}
     planner = EmbeddingShardingPlanner(topology=cluster.topology(), batch_size=cluster.batch_size,
                                        constraints=constraints, callbacks=list(callbacks))
-    sharders = [EmbeddingBagCollectionSharder()]
+    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
     try:
         plan = (planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if dist.is_initialized()
                 else planner.plan(model, sharders))
@@ -123,72 +153,74 @@ def _whole_tables_as_table_wise(plan: ShardingPlan, model: nn.Module, cluster: C
     table-column-wise (one shard; the label varies between runs with cost ties). Call it
     table-wise, which it is: TorchRec's DTensor state dict (async checkpoints) fails on
     column-wise tables absent from some ranks."""
-    path, ebc = embedding_module(model)
-    for name, sharding in plan.plan[path].items():
-        ranks = set(sharding.ranks or [])
-        if sharding.sharding_type != "table_wise" and len(ranks) == 1:
-            generator = sp.table_wise(rank=ranks.pop(), compute_kernel=FUSED)
-            plan.plan[path][name] = generator(ebc.embedding_bags[name].weight, cluster.local_world_size,
-                                              cluster.world_size, cluster.device, EmbeddingBagCollectionSharder())
+    for path, module in table_modules(model):
+        for name, sharding in plan.plan[path].items():
+            ranks = set(sharding.ranks or [])
+            if sharding.sharding_type != "table_wise" and len(ranks) == 1:
+                generator = sp.table_wise(rank=ranks.pop(), compute_kernel=FUSED)
+                plan.plan[path][name] = generator(_weight(module, name), cluster.local_world_size,
+                                                  cluster.world_size, cluster.device, _sharder(module))
 
 
 def _explicit(kind: str) -> Callable[[nn.Module, EmbeddingsConfig, Cluster], ShardingPlan]:
     def build(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> ShardingPlan:
-        found = embedding_module(model)
-        if found is None:
-            return ShardingPlan({})
-        return _construct(model, cluster, {t.name: kind for t in found[1].embedding_bag_configs()})
+        return _construct(model, cluster, {t.name: kind for _, m in table_modules(model) for t in configs_of(m)})
     build.__doc__ = f"Every table {kind}."
     return build
 
 
-for _kind in ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"):
-    PLANS.register(_kind)(_explicit(_kind))
+for _kind_name in ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"):
+    PLANS.register(_kind_name)(_explicit(_kind_name))
 
 
 def _construct(model: nn.Module, cluster: Cluster, kinds: dict[str, str]) -> ShardingPlan:
-    """A plan giving each named table its sharding type (table-wise ones balanced by size)."""
-    path, ebc = embedding_module(model)
+    """A plan giving each named table its sharding type (table-wise ones balanced by size, over
+    both collections); an EmbeddingCollection's table gets the nearest type it has (`_EC_KINDS`)."""
     world, local = cluster.world_size, cluster.local_world_size
-    tables = {t.name: t for t in ebc.embedding_bag_configs()}
+    modules = table_modules(model)
+    tables = {t.name: (t, module) for _, module in modules for t in configs_of(module)}
     load = [0] * world
-    per_param = {}
-    for name in sorted(kinds, key=lambda n: -_size(tables[n])):  # biggest first, onto the lightest rank
-        kind = kinds[name]
+    per_param: dict[int, dict] = {id(module): {} for _, module in modules}
+    placed = 0
+    for name in sorted(kinds, key=lambda n: -_size(tables[n][0])):  # biggest first, onto the lightest rank
+        table, module = tables[name]
+        kind = _kind(module, kinds[name])
         if kind == "table_wise":
             rank = min(range(world), key=load.__getitem__)
-            load[rank] += _size(tables[name])
-            per_param[name] = sp.table_wise(rank=rank, compute_kernel=FUSED)
+            load[rank] += _size(table)
+            generator = sp.table_wise(rank=rank, compute_kernel=FUSED)
         elif kind == "row_wise":
-            per_param[name] = sp.row_wise(compute_kernel=FUSED)
+            generator = sp.row_wise(compute_kernel=FUSED)
         elif kind == "column_wise":
-            per_param[name] = sp.column_wise(ranks=list(range(world)), compute_kernel=FUSED)
+            generator = sp.column_wise(ranks=list(range(world)), compute_kernel=FUSED)
         elif kind == "table_row_wise":
-            per_param[name] = sp.table_row_wise(host_index=len(per_param) % (world // local))
+            generator = sp.table_row_wise(host_index=placed % (world // local))
         elif kind == "table_column_wise":
-            host = len(per_param) % (world // local)
-            per_param[name] = sp.column_wise(ranks=list(range(host * local, (host + 1) * local)),
-                                             compute_kernel=FUSED)
+            host = placed % (world // local)
+            generator = sp.column_wise(ranks=list(range(host * local, (host + 1) * local)), compute_kernel=FUSED)
         else:
             raise ValueError(f"unknown sharding type {kind!r} for table {name!r}")
-    module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=local,
-                                                    world_size=world, device_type=cluster.device)
-    return ShardingPlan({path: module_plan})
+        per_param[id(module)][name] = generator
+        placed += 1
+    return ShardingPlan({path: sp.construct_module_sharding_plan(
+        module, per_param_sharding=per_param[id(module)], sharder=_sharder(module), local_size=local,
+        world_size=world, device_type=cluster.device) for path, module in modules if per_param[id(module)]})
 
 
 def build_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> ShardingPlan:
     """The configured plan for `cluster` with `embeddings.table_sharding` applied on top."""
     plan = PLANS.get(cfg.plan)(model, cfg, cluster)
     if cfg.table_sharding:
-        path, ebc = embedding_module(model) or ("", None)
-        tables = {t.name for t in ebc.embedding_bag_configs()} if ebc else set()
-        if unknown := set(cfg.table_sharding) - tables:
+        modules = table_modules(model)
+        where = {t.name: path for path, m in modules for t in configs_of(m)}
+        if unknown := set(cfg.table_sharding) - set(where):
             raise ValueError(f"embeddings.table_sharding names unknown tables {sorted(unknown)}; the tables are "
-                             f"{sorted(tables)}")
+                             f"{sorted(where)}")
         # TorchRec's constructor wants every table; keep only the overridden ones' entries.
-        kinds = {t.name: cfg.table_sharding.get(t.name, "table_wise") for t in ebc.embedding_bag_configs()}
-        overridden = _construct(model, cluster, kinds).plan[path]
-        plan.plan[path].update({name: overridden[name] for name in cfg.table_sharding})
+        kinds = {name: cfg.table_sharding.get(name, "table_wise") for name in where}
+        overridden = _construct(model, cluster, kinds).plan
+        for name in cfg.table_sharding:
+            plan.plan[where[name]][name] = overridden[where[name]][name]
     return plan
 
 
@@ -205,7 +237,8 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device, c
     plan.plan.update(managed_plans(model, device, cluster.local_world_size, cluster.world_size))
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
-                                    sharders=[EmbeddingBagCollectionSharder(), ManagedTablesSharder()],
+                                    sharders=[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
+                                              ManagedTablesSharder()],
                                     data_parallel_wrapper=ReplicateAcrossRanks())
 
 
@@ -222,7 +255,7 @@ def local_shards(value: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int
     return [(value, (0, 0))]
 
 
-def _size(table: EmbeddingBagConfig) -> int:
+def _size(table) -> int:
     return table.num_embeddings * table.embedding_dim
 
 

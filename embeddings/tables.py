@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec import (DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
+                      PoolingType)
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from embeddings.features import FeatureSpec, managed_tables
+from embeddings.features import FeatureSpec, attended, attended_tables, managed_tables
 from embeddings.sparse_config import EmbeddingsConfig
 
 FUSED = EmbeddingComputeKernel.FUSED.value  # tables updated by the optimizer fused into the backward pass
@@ -17,16 +18,20 @@ _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 _OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 
 
-def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
-    """One EmbeddingBagConfig per table; features naming the same table share its rows.
+def table_configs(features: list[FeatureSpec], serving: bool = False) -> list[EmbeddingBagConfig]:
+    """One EmbeddingBagConfig per pooled table; features naming the same table share its rows.
+    The tables of attended sequences are not here (`sequence_table_configs` holds them for
+    training) unless `serving`: a served model looks their rows up through its one bag
+    collection too, one id per bag (trainer/serving/served_model.py).
 
     TorchRec pools per table, so the multi-id features sharing a table must agree on
-    pooling (a single id pools the same either way).
+    pooling (a single id pools the same either way; an attended sequence is not pooled).
     """
     tables: dict[str, EmbeddingBagConfig] = {}
     pooled_by: dict[str, FeatureSpec] = {}
+    unpooled = set() if serving else set(attended_tables(features))
     for f in features:
-        if f.kind == "numeric":
+        if f.kind == "numeric" or f.table in unpooled:
             continue
         if f.table not in tables:
             tables[f.table] = EmbeddingBagConfig(
@@ -34,7 +39,7 @@ def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
                 feature_names=[], pooling=_POOLING[f.pooling])
         table = tables[f.table]
         table.feature_names.append(f.name)
-        if f.kind == "id":
+        if f.kind == "id" or attended(f):
             continue
         first = pooled_by.setdefault(f.table, f)
         if first.pooling != f.pooling:
@@ -43,6 +48,35 @@ def table_configs(features: list[FeatureSpec]) -> list[EmbeddingBagConfig]:
                              "TorchRec pools per table")
         table.pooling = _POOLING[f.pooling]
     return list(tables.values())
+
+
+def sequence_table_configs(features: list[FeatureSpec], cfg: EmbeddingsConfig | None = None) -> list[EmbeddingConfig]:
+    """One EmbeddingConfig per table of an attended sequence (features.<name>.sequence_module not
+    pool), with every feature that names it: the item table exists once, and the candidate id is
+    looked up through it too (docs/design.md, "Sequence module"). `cfg` sets the data type."""
+    tables: dict[str, EmbeddingConfig] = {}
+    wanted = set(attended_tables(features))
+    for f in features:
+        if f.kind == "numeric" or f.table not in wanted:
+            continue
+        if f.table not in tables:
+            tables[f.table] = EmbeddingConfig(name=f.table, num_embeddings=f.num_embeddings,
+                                              embedding_dim=f.embedding_dim, feature_names=[])
+            if cfg is not None:
+                tables[f.table].data_type = _DATA_TYPES[cfg.data_type]
+        tables[f.table].feature_names.append(f.name)
+    return list(tables.values())
+
+
+def build_sequence_tables(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingCollection | None:
+    """An EmbeddingCollection of the attended sequences' tables (unpooled: one vector per id),
+    on the meta device, fused like the bags; None when no sequence is attended."""
+    tables = sequence_table_configs(features, cfg)
+    if not tables:
+        return None
+    ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))
+    fuse_optimizer(ec, cfg)
+    return ec
 
 
 def build_embedding_bags(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingBagCollection | None:
@@ -67,6 +101,6 @@ def tables_of(features: list[FeatureSpec], cfg: EmbeddingsConfig, managed: bool)
     return tables
 
 
-def fuse_optimizer(ebc: EmbeddingBagCollection, cfg: EmbeddingsConfig) -> None:
+def fuse_optimizer(ebc: EmbeddingBagCollection | EmbeddingCollection, cfg: EmbeddingsConfig) -> None:
     """Mark `ebc`'s tables for the sparse optimizer that runs fused inside the backward pass."""
     apply_optimizer_in_backward(_OPTIMIZERS[cfg.optimizer], ebc.parameters(), {"lr": cfg.lr, "eps": cfg.eps})

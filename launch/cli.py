@@ -248,7 +248,7 @@ def score(argv: list[str]) -> int:
     try:
         if args.model:
             from trainer.serving.predict import ArtifactModel  # on use: torch and TorchRec
-            model = ArtifactModel(args.model, cfg.features)
+            model = ArtifactModel(args.model, cfg.features, cfg.data.time_column)
         else:
             model = CheckpointModel(cfg, args.checkpoint)
         summary = Scorer(cfg, model).score(args.data, args.out, args.batch_size, keep)
@@ -288,7 +288,8 @@ def data(argv: list[str]) -> int:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--teacher", choices=get_args(SynthTeacherName), default="default",
                    help="capacity: high-order crosses over 16 Zipf fields and a behaviour sequence "
-                        "(trainer/offline/capacity.py), streamed in bounded memory")
+                        "(trainer/offline/capacity.py), streamed in bounded memory; sequence: clicks from the recent "
+                        "behaviours that resemble the candidate, with timestamps (trainer/offline/sequence_log.py)")
     s.add_argument("--days", type=int, default=0, help="write N day partitions date=YYYY-MM-DD/ of --rows rows "
                    "each, from a drifting teacher (default teacher only; docs/continuous.md)")
     s.add_argument("--drift", type=float, default=0.0, help="with --days: share of the teacher's users' and "

@@ -34,7 +34,7 @@ from dense.heads import build_dense
 from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, managed_plans
 from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
-from embeddings.tables import build_embedding_bags, table_configs
+from embeddings.tables import build_embedding_bags, build_sequence_tables, sequence_table_configs, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
 from trainer.config import Config, per_rank_batch_size
@@ -104,9 +104,11 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     batch = cluster.batch_size
     plan, options = ShardingPlan({}), []
     ebc = build_embedding_bags(cfg.features, cfg.embeddings)  # meta device; None when every table is managed
-    if ebc is not None:
+    ec = build_sequence_tables(cfg.features, cfg.embeddings)  # attended sequences' tables, unpooled
+    if ebc is not None or ec is not None:
         holder = nn.Module()
         holder.ebc = ebc
+        holder.sequence_tables = ec  # training's attribute names: the plan's module paths
         try:
             with _quiet_torchrec():
                 if cfg.embeddings.plan == "auto" and not cfg.embeddings.table_sharding:
@@ -118,8 +120,9 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
             return ClusterPlan(f"fits: no (TorchRec's planner found no plan)\n{e.details}", [], False, plan)
     memory = _rank_memory(options, world_size, cfg.embeddings)
     if not options:
-        for sharding in plan.plan.get("ebc", {}).values():
-            _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings)
+        for path in ("ebc", "sequence_tables"):
+            for sharding in plan.plan.get(path, {}).values():
+                _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings)
     managed_text = _add_managed_tables(cfg, memory, device, local_world_size)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
     dense_params = sum(p.numel() for m in (tower, heads) for p in m.parameters())
@@ -135,8 +138,10 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
         lines.append(f"{rank:>4} {m.tables / GB:>10.3f} {m.optimizer / GB:>13.3f} {m.id_maps / GB:>11.3f} "
                      f"{dense / GB:>9.3f} {m.estimate / GB:>12.3f} {(capacity - m.estimate - dense) / GB:>8.2f}")
     pooled, ids = _all_to_all_bytes(table_configs(cfg.features), batch, world_size)
+    unpooled = _unpooled_bytes(cfg, batch, world_size)
     lines += ["", f"all-to-all per rank and step: pooled embeddings {pooled / 2**20:.1f} MB forward and "
-              f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB",
+              f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB"
+              + (f"; attended sequences' rows at most {unpooled / 2**20:.1f} MB each way" if unpooled else ""),
               f"dense tower and heads: {dense_params:,} parameters, replicated"]
     host = host_memory(cfg, memory, dense, dense_params, device, batch)
     lines += ["", *_host_lines(host)]
@@ -166,7 +171,7 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
     # being assembled (and PREFETCH_BATCHES pinned ones on a GPU rank), a read buffer per column
     window = cfg.data.shuffle_buffer + SLICE_ROWS
     batches = 1 + (PREFETCH_BATCHES if device == "cuda" else 0)
-    columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column).columns
+    columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column).columns
     reader = (3 * window + SLICE_ROWS + batches * batch) * row + READ_BUFFER * len(columns)
     evaluation = evaluation_bytes(cfg, batch, row)
     out = []
@@ -283,6 +288,14 @@ def _all_to_all_bytes(tables: list, batch: int, world_size: int) -> tuple[int, i
     dims = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     id_features = sum(len(t.feature_names) for t in tables)
     return int(batch * dims * 4 * remote), int(batch * id_features * 8 * remote)
+
+
+def _unpooled_bytes(cfg: Config, batch: int, world_size: int) -> int:
+    """Bytes of the rows an EmbeddingCollection returns per step at most (every bag at max_len): one
+    vector per id of each feature on an attended sequence's table (embeddings/tables.py)."""
+    remote = (world_size - 1) / world_size
+    return int(sum(batch * max(f.max_len, 1) * f.embedding_dim * 4 * remote
+                   for t in sequence_table_configs(cfg.features) for f in cfg.features if f.name in t.feature_names))
 
 
 @contextlib.contextmanager

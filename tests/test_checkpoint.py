@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from cli import rankmix
 from trainer.checkpoint.manager import complete_steps
 from trainer.checkpoint.state import decode_state
+from trainer.config_loader import dump_toml, load_config
+from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # of the shared 2-rank reference, saved every 10 steps
@@ -30,7 +32,16 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cache(made_once) -> Path:
-    return made_once("checkpoint-cache", lambda folder: None)
+    """The data cache, and beside it the config of every run here: the debug model on the
+    synthetic log, its behaviour sequence read by target attention (an unpooled
+    EmbeddingCollection for the item table beside the bags), so that resume, resharding and
+    the async save cover both kinds of table."""
+    def make(folder: Path) -> None:
+        cfg = load_config(str(REPO / "configs" / "debug.toml"))
+        cfg.features = synth_features()
+        next(f for f in cfg.features if f.name == "hist_items").sequence_module = "target_attention"
+        dump_toml(cfg, folder / "config.toml")
+    return made_once("checkpoint-cache", make)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,10 @@ def run_from(reference: Path, run: Path, *steps: int) -> Path:
 
 
 def train_args(run: Path, cache: Path, steps: int, *extra: str) -> list[str]:
-    return ["--config", "configs/debug.toml", f"--train.run_dir={run}", f"--data.cache_dir={cache}",
+    """A short run's options: the config beside the data cache where its fixture wrote one (this
+    module's `cache`), else configs/debug.toml (the other modules that import this)."""
+    config = cache / "config.toml" if (cache / "config.toml").is_file() else REPO / "configs" / "debug.toml"
+    return ["--config", str(config), f"--train.run_dir={run}", f"--data.cache_dir={cache}",
             f"--train.steps={steps}", "--metrics.log_every=1", "--metrics.progress=false",
             "--metrics.tensorboard=false", *extra]
 
@@ -74,11 +88,13 @@ def tensors(step_dir: Path, tmp: Path) -> dict[str, object]:
     return flat(torch.load(out, weights_only=True))
 
 
-def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
-    """Weights and both optimizers' states bitwise equal; same step and data position."""
+def assert_same_state(a: Path, b: Path, tmp: Path, sequences: bool = False) -> None:
+    """Weights and both optimizers' states bitwise equal; same step and data position; with
+    `sequences`, the attended sequence's EmbeddingCollection among them."""
     ta, tb = tensors(a, tmp), tensors(b, tmp)
     model_and_optim = [k for k in ta if k.startswith(("model.", "optim."))]
     assert any(".embedding_bags." in k for k in model_and_optim) and any("sparse" in k for k in model_and_optim)
+    assert any("sequence_tables.embeddings." in k for k in model_and_optim) == sequences
     assert set(ta) == set(tb)
     for key in model_and_optim:
         assert torch.equal(ta[key], tb[key]), key
@@ -118,7 +134,7 @@ def test_resume_on_one_rank_is_bitwise_equal_to_an_uninterrupted_run(cache, tmp_
     assert complete_steps(halves / "checkpoints") == [12]
     resumed = ok(train(1, *train_args(halves, cache, 24)))
     assert f"resumed from {halves / 'checkpoints' / 'step-12'} at step 12" in resumed.stdout
-    assert_same_state(whole / "checkpoints" / "step-24", halves / "checkpoints" / "step-24", tmp_path)
+    assert_same_state(whole / "checkpoints" / "step-24", halves / "checkpoints" / "step-24", tmp_path, sequences=True)
     assert losses(halves) == losses(whole) and len(losses(whole)) == 24
 
 
@@ -133,7 +149,7 @@ def test_resume_on_two_ranks_is_bitwise_equal_to_an_uninterrupted_run(mode, refe
     resumed = ok(train(2, *train_args(halves, cache, STEPS, save)))
     assert f"resumed from {halves / 'checkpoints' / f'step-{half}'} at step {half}" in resumed.stdout
     assert_same_state(reference / "checkpoints" / f"step-{STEPS}", halves / "checkpoints" / f"step-{STEPS}",
-                      tmp_path)
+                      tmp_path, sequences=True)
     assert losses(halves) == losses(reference) and len(losses(reference)) == STEPS
 
 
@@ -168,7 +184,7 @@ def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(reference, c
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in out  # the restarted workers picked up the newest checkpoint
-    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}", tmp_path)
+    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}", tmp_path, sequences=True)
     assert losses(run) == losses(reference)
 
 
@@ -180,7 +196,7 @@ def test_kill_during_save_resumes_from_previous_and_saves_again(reference, cache
     resumed = ok(train(2, *train_args(run, cache, 20, "--checkpoint.interval=10"), timeout=120))
     assert f"resumed from {run / 'checkpoints' / 'step-10'} at step 10" in resumed.stdout
     assert complete_steps(run / "checkpoints") == [10, 20]  # step-20 written again, no deadlock
-    assert_same_state(reference / "checkpoints" / "step-20", run / "checkpoints" / "step-20", tmp_path)
+    assert_same_state(reference / "checkpoints" / "step-20", run / "checkpoints" / "step-20", tmp_path, sequences=True)
 
 
 def test_retention_keeps_exactly_k_and_skips_an_incomplete_newest(cache, tmp_path):

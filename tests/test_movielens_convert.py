@@ -35,6 +35,7 @@ EXPECTED_SCHEMA = [
     ("hour", pa.int64()),
     ("weekday", pa.int64()),
     ("hist_items", pa.list_(pa.int64())),
+    ("hist_timestamps", pa.list_(pa.int64())),
     ("hist_len", pa.float64()),
     ("rating", pa.float64()),
     ("timestamp", pa.int64()),
@@ -134,10 +135,11 @@ def test_history_matches_raw(raw_inter, rows) -> None:
     sample = random.Random(0).sample(raw_inter, 2_000)
     for user, item, _, ts in sample:
         # Same-second ratings are ordered by item id: the converter's documented tie-break.
-        earlier = [it for t, it in sorted(by_user[user]) if t < ts]
+        earlier = [(t, it) for t, it in sorted(by_user[user]) if t < ts]
         row = rows[(user, item, ts)]
         assert row["hist_len"] == float(len(earlier))
-        assert row["hist_items"] == earlier[-HISTORY_LEN:]
+        assert row["hist_items"] == [it for _, it in earlier[-HISTORY_LEN:]]
+        assert row["hist_timestamps"] == [t for t, _ in earlier[-HISTORY_LEN:]]
 
 
 def test_calendar_features_are_utc(raw_inter, rows) -> None:

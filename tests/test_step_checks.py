@@ -202,13 +202,13 @@ def counting(calls: list, step: list[int], device: DeviceTensors):
             setattr(dist, name, original)
 
 
-def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -> None:
+def _count_worker(rank: int, world: int, port: int, args: list[str], out: str, config: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trainer.dist import shutdown
     from trainer.train import Trainer
 
-    trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
+    trainer = Trainer(load_config(config, args))
     calls: list = []
     step = [0]
     device = DeviceTensors(trainer.env.device, [*trainer.model.parameters(), *trainer.model.buffers()])
@@ -227,18 +227,23 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str) -
     Path(f"{out}.{rank}").write_text(json.dumps({"calls": calls, "pipelined": trainer.pipeline is not None}))
 
 
-@pytest.mark.parametrize("tower", ["rankmixer", "rankmixer_moe"])
-def test_steps_between_checks_read_nothing_back(tower, cache, tmp_path):
+@pytest.mark.parametrize("tower,sequence", [("rankmixer", "pool"), ("rankmixer_moe", "pool"),
+                                            ("rankmixer", "transformer")])
+def test_steps_between_checks_read_nothing_back(tower, sequence, cache, tmp_path):
     """10 steps on 2 ranks (pipelined, DDP), checks, logs and saves every 5 steps, a timed
     save configured: steps 1-4 and 6-9 make no host sync (a read, a data-sized output, a
     move or copy to the host) and no object collective, on either rank, whoever's code would
     make it: rankmix's, torch's, torchrec's or fbgemm's, but for TorchRec's own input
-    distribution (`torchrec_own`). Steps 5 and 10 read the flags once."""
-    args = [f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
+    distribution (`torchrec_own`). Steps 5 and 10 read the flags once. With an attended
+    sequence too: the sequence teacher's behaviours with their timestamps, the item table an
+    EmbeddingCollection, each batch padded to its longest row, the gaps bucketed by the reader."""
+    config = REPO / "configs" / ("debug.toml" if sequence == "pool" else "sequence.toml")
+    extra = [] if sequence == "pool" else [f"--features.hist_items.sequence_module={sequence}", "--data.synth_rows=4000"]
+    args = [*extra, f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
             "--checkpoint.interval=5", "--checkpoint.interval_minutes=600", "--metrics.eval_batches=1",
             "--metrics.progress=false", "--metrics.tensorboard=false", f"--train.run_dir={tmp_path / 'run'}",
             f"--data.cache_dir={cache}"]
-    spawn(_count_worker, (2, rendezvous_port(), args, str(tmp_path / "calls")), 2)
+    spawn(_count_worker, (2, rendezvous_port(), args, str(tmp_path / "calls"), str(config)), 2)
     for rank in range(2):
         result = json.loads((tmp_path / f"calls.{rank}").read_text())
         assert result["pipelined"]

@@ -24,7 +24,7 @@ from trainer.credentials import redact_uri
 # The choices of the config's fixed-choice fields. The loader checks a value against its
 # field's Literal; the code that acts on a choice reads the allowed values from here
 # (`typing.get_args`), never from a list of its own.
-SynthTeacherName = Literal["default", "capacity"]
+SynthTeacherName = Literal["default", "capacity", "sequence"]
 DataOrder = Literal["shuffled", "time"]
 Calibration = Literal["none", "bias", "platt"]
 ArtifactFormat = Literal["pt2", "torchscript"]
@@ -69,10 +69,12 @@ class DataConfig:
     """Rows held in memory and shuffled together (0: rows keep their order within a row group)."""
     user_column: str = "user_id"
     """Column that identifies the user for UAUC ('' disables UAUC)."""
+    time_column: str = ""
+    """Column of each row's request time (integer seconds): the time gaps of features.<name>.timestamps are measured from it."""
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
     synth_teacher: SynthTeacherName = "default"
-    """synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf fields and a sequence)."""
+    """synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate)."""
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"

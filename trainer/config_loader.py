@@ -27,6 +27,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
                                  redact_uri, with_placeholders, without_credentials)
 
 from dense.model_config import TaskSpec, unused_model_fields, validate_model
+from dense.sequence_modules import SEQUENCE_MODULES
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES
 from trainer.checkpoint.files import write_atomic
@@ -308,7 +309,14 @@ def validate(cfg: Config) -> None:
     names = [t.name for t in cfg.model.tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"model.tasks has duplicate names: {names}")
+    for f in cfg.features:
+        if f.kind == "sequence" and f.sequence_module not in SEQUENCE_MODULES.names():
+            raise ValueError(f"features.{f.name}.sequence_module={f.sequence_module!r} is not one of "
+                             f"{SEQUENCE_MODULES.names()}")
     validate_features(cfg.features)
+    timed = [f.name for f in cfg.features if f.kind == "sequence" and f.sequence_module != "pool" and f.timestamps]
+    if timed and not cfg.data.time_column:
+        raise ValueError(f"features.{timed[0]}.timestamps needs data.time_column, the column of each row's request time")
     bad = sorted({f.eviction_interval for f in cfg.features
                   if f.hashing == "managed" and cfg.checkpoint.interval % f.eviction_interval})
     if bad:

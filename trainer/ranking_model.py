@@ -14,10 +14,11 @@ from torchrec import EmbeddingBagCollection
 from dense.cost import DenseCost, measure_cost
 from dense.heads import TaskHeads, build_dense
 from dense.layout import InputLayout
+from dense.sequence import SequenceInputs, build_sequences
 from embeddings.init import init_embeddings
 from embeddings.managed import build_managed_bags
 from embeddings.sharding import shard_model
-from embeddings.tables import build_embedding_bags
+from embeddings.tables import build_embedding_bags, build_sequence_tables
 from trainer.config import Config
 from trainer.data.batch import Batch
 from trainer.dist import job_cluster, reduce_gradients_in_fixed_order
@@ -28,16 +29,23 @@ class RankingModel(nn.Module):
     tables fed by `batch.managed_ids` (each None when there are none), are sharded by DMP; the
     rest is replicated (DDP).
 
+    `sequence_tables`, the attended sequences' tables (an EmbeddingCollection fed by
+    `batch.sequence_ids`, also sharded by DMP), feed `sequences` (dense/sequence.py), which
+    pads them to the batch's longest and runs each sequence module (None when no sequence is attended).
+
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32) for
     `autocast_device`, the type of the device the model runs on.
     """
 
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cpu",
-                 managed_tables: nn.Module | None = None):
+                 managed_tables: nn.Module | None = None, sequence_tables: nn.Module | None = None,
+                 sequences: SequenceInputs | None = None):
         super().__init__()
         self.ebc = ebc
         self.managed_tables = managed_tables
+        self.sequence_tables = sequence_tables
+        self.sequences = sequences
         self.layout = layout
         self.tower = tower
         self.heads = heads
@@ -45,13 +53,21 @@ class RankingModel(nn.Module):
         self.autocast_device = autocast_device
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        e_input = self.layout.assemble(self.pooled(batch), batch.dense)
+        pooled = self.pooled(batch)
         if self.autocast_dtype is None:
-            return self.heads(self.tower(e_input))
+            return self.heads(self.tower(self.e_input(pooled, batch)))
         # The device type given at construction rather than e_input.device: TorchRec's
         # pipeline traces this forward symbolically, where e_input is a proxy.
         with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
-            return self.heads(self.tower(e_input)).float()
+            return self.heads(self.tower(self.e_input(pooled, batch))).float()
+
+    def e_input(self, pooled: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """[B, E]: the bags' vectors, the sequence modules' (under autocast, where they run) and
+        the numeric features."""
+        if self.sequences is not None:
+            pooled.update(self.sequences(pooled, self.sequence_tables(batch.sequence_ids), batch.sequence_max,
+                                         batch.sequence_gaps))
+        return self.layout.assemble(pooled, batch.dense)
 
     def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
@@ -74,7 +90,9 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
     world = dist.get_world_size() if dist.is_initialized() else 1
     return RankingModel(build_embedding_bags(cfg.features, cfg.embeddings), layout, tower, heads,
                         autocast_dtype=autocast_dtype, autocast_device=device_type,
-                        managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world))
+                        managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world),
+                        sequence_tables=build_sequence_tables(cfg.features, cfg.embeddings),
+                        sequences=build_sequences(cfg.features, cfg.model.sequence))
 
 
 def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,

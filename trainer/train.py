@@ -82,7 +82,8 @@ class Trainer:
         cfg.features, self.eval_path = files.features, files.eval_path
         self.task_names = [t.name for t in cfg.model.tasks]
         self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=env.device)
-        self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column)
+        self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column,
+                                  cfg.model.sequence.time_buckets)
         self.batch_size = per_rank_batch_size(cfg, env.world_size)
         self.retries = {"retry_seconds": cfg.data.retry_seconds, "retry_attempts": cfg.data.retry_attempts}
         time_order = cfg.data.order == "time"

@@ -22,6 +22,12 @@ class Batch(Pipelineable):
     weights: [B] float32, 0 for rows that only pad a rank's last evaluation batch.
     managed_ids: KeyedJaggedTensor of the features with managed tables (hashing = "managed"),
             or None: a second argument, so that TorchRec's pipeline can send each collection its own.
+    sequence_ids: KeyedJaggedTensor of the features on attended sequences' tables (looked up
+            unpooled, embeddings/tables.py `build_sequence_tables`), or None.
+    sequence_max: per key of `sequence_ids`, its longest bag in this batch, a Python int
+            computed by the reader on the host: sequences pad to it without reading the device.
+    sequence_gaps: per attended sequence with timestamps (schema order), [N_f] int64 time-gap
+            buckets aligned with its ids in `sequence_ids` (trainer/data/timestamps.py).
     """
 
     sparse: KeyedJaggedTensor
@@ -30,6 +36,9 @@ class Batch(Pipelineable):
     users: torch.Tensor
     weights: torch.Tensor
     managed_ids: KeyedJaggedTensor | None = None
+    sequence_ids: KeyedJaggedTensor | None = None
+    sequence_max: tuple[int, ...] = ()
+    sequence_gaps: tuple[torch.Tensor, ...] = ()
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -43,19 +52,26 @@ class Batch(Pipelineable):
             weights=self.weights.to(device=device, non_blocking=non_blocking),
             managed_ids=None if self.managed_ids is None else self.managed_ids.to(device=device,
                                                                                   non_blocking=non_blocking),
+            sequence_ids=None if self.sequence_ids is None else self.sequence_ids.to(device=device,
+                                                                                    non_blocking=non_blocking),
+            sequence_max=self.sequence_max,
+            sequence_gaps=tuple(g.to(device=device, non_blocking=non_blocking) for g in self.sequence_gaps),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.sparse.record_stream(stream)
-        if self.managed_ids is not None:
-            self.managed_ids.record_stream(stream)
-        for t in (self.dense, self.labels, self.users, self.weights):
+        for kjt in (self.managed_ids, self.sequence_ids):
+            if kjt is not None:
+                kjt.record_stream(stream)
+        for t in (self.dense, self.labels, self.users, self.weights, *self.sequence_gaps):
             t.record_stream(stream)
 
     def pin_memory(self) -> "Batch":
         return Batch(self.sparse.pin_memory(), self.dense.pin_memory(), self.labels.pin_memory(),
                      self.users.pin_memory(), self.weights.pin_memory(),
-                     None if self.managed_ids is None else self.managed_ids.pin_memory())
+                     None if self.managed_ids is None else self.managed_ids.pin_memory(),
+                     None if self.sequence_ids is None else self.sequence_ids.pin_memory(), self.sequence_max,
+                     tuple(g.pin_memory() for g in self.sequence_gaps))
 
 
 @dataclass
@@ -70,7 +86,9 @@ class Rows:
     `values[s]` is sliced like the other columns: no offsets to compute or gather.
 
     keys:    sparse feature names (the KeyedJaggedTensor keys); the last `num_managed` of them
-             have managed tables and go into the batch's second KeyedJaggedTensor.
+             have managed tables and go into the batch's `managed_ids`, the `num_sequence` before
+             those are on attended sequences' tables and go into its `sequence_ids`; after all
+             of them `num_gaps` columns of time-gap buckets (`sequence_gaps`), jagged like their ids.
     offsets: S arrays of N + 1 int64, or None for one id per row.
     values:  S arrays of int64 ids.
     dense:   [N, F] float32.   labels: [N, K] float32.   users: [N] int64, or None.
@@ -83,13 +101,20 @@ class Rows:
     labels: np.ndarray
     users: np.ndarray | None
     num_managed: int = 0
+    num_sequence: int = 0
+    num_gaps: int = 0
 
     @classmethod
     def build(cls, keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray | None],
-              dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, num_managed: int = 0) -> "Rows":
+              dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, num_managed: int = 0,
+              num_sequence: int = 0, num_gaps: int = 0) -> "Rows":
         """Rows from per-feature ids and bag sizes (None: one id per row)."""
         return cls(keys, [None if n is None else _offsets(n) for n in lengths], list(values), dense, labels, users,
-                   num_managed)
+                   num_managed, num_sequence, num_gaps)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(num_managed, num_sequence, num_gaps), which every copy keeps."""
+        return self.num_managed, self.num_sequence, self.num_gaps
 
     @property
     def num_rows(self) -> int:
@@ -102,7 +127,7 @@ class Rows:
         values = [v[start:stop] if o is None else v for v, o in zip(self.values, self.offsets)]
         offsets = [None if o is None else o[start:stop + 1] for o in self.offsets]
         return Rows(self.keys, offsets, values, self.dense[start:stop], self.labels[start:stop],
-                    None if self.users is None else self.users[start:stop], self.num_managed)
+                    None if self.users is None else self.users[start:stop], *self.counts())
 
     def take(self, index: np.ndarray) -> "Rows":
         """Rows `index` (any order, repeats allowed), copied."""
@@ -117,7 +142,7 @@ class Rows:
                 values.append(v[flat])
                 offsets.append(_offsets(lengths))
         return Rows(self.keys, offsets, values, self.dense[index], self.labels[index],
-                    None if self.users is None else self.users[index], self.num_managed)
+                    None if self.users is None else self.users[index], *self.counts())
 
     @staticmethod
     def concat(parts: list["Rows"]) -> "Rows":
@@ -133,7 +158,7 @@ class Rows:
                            if jagged else None)
         return Rows(first.keys, offsets, values, np.concatenate([p.dense for p in parts]),
                     np.concatenate([p.labels for p in parts]),
-                    None if first.users is None else np.concatenate([p.users for p in parts]), first.num_managed)
+                    None if first.users is None else np.concatenate([p.users for p in parts]), *first.counts())
 
     def own_values(self, s: int) -> np.ndarray:
         """The ids of sparse feature `s` in these rows (a view)."""
@@ -201,10 +226,15 @@ def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
     copied or gathered straight into the batch's arrays, the one copy a batch needs."""
     first = parts[0].rows
     n = sum(p.num_rows for p in parts)
-    plain = len(first.keys) - first.num_managed
+    gaps = len(first.keys) - first.num_gaps
+    managed = gaps - first.num_managed
+    plain = managed - first.num_sequence
+    sequence_ids, sequence_max = _jagged(parts, range(plain, managed)) if first.num_sequence else (None, ())
     return Batch(
-        sparse=_jagged(parts, range(plain)),
-        managed_ids=_jagged(parts, range(plain, len(first.keys))) if first.num_managed else None,
+        sparse=_jagged(parts, range(plain))[0],
+        managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
+        sequence_ids=sequence_ids, sequence_max=sequence_max,
+        sequence_gaps=tuple(_jagged(parts, range(s, s + 1))[0].values() for s in range(gaps, len(first.keys))),
         dense=torch.from_numpy(_column(parts, lambda r: r.dense)) if first.dense.shape[1] else torch.zeros(n, 0),
         labels=torch.from_numpy(_column(parts, lambda r: r.labels)) if first.labels.shape[1] else torch.zeros(n, 0),
         users=torch.from_numpy(_column(parts, lambda r: r.users)) if first.users is not None
@@ -224,8 +254,9 @@ def _column(parts: list[Part], column: Callable[[Rows], np.ndarray]) -> np.ndarr
     return out
 
 
-def _jagged(parts: list[Part], features: range) -> KeyedJaggedTensor:
-    """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies)."""
+def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, tuple[int, ...]]:
+    """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and each
+    feature's longest bag."""
     lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
     fills = []  # (part, feature, Part.lengths_into's positions, ids) in the order of the values
     for row, s in zip(lengths, features):
@@ -242,8 +273,9 @@ def _jagged(parts: list[Part], features: range) -> KeyedJaggedTensor:
     for p, s, flat, k in fills:
         p.ids_into(s, flat, values[start:start + k])
         start += k
+    longest = tuple(int(m) for m in lengths.max(axis=1)) if lengths.shape[1] else (0,) * len(features)
     return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
-                             lengths=torch.from_numpy(lengths.reshape(-1)))
+                             lengths=torch.from_numpy(lengths.reshape(-1))), longest
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from embeddings.features import FeatureSpec
 from trainer.config import Config, SynthTeacherName
-from trainer.offline import capacity as capacity_data, synth as synth_data
+from trainer.offline import capacity as capacity_data, sequence_log, synth as synth_data
 from trainer.offline.movielens import convert_movielens
 from trainer.dist import side_group
 from embeddings.registry import Registry
@@ -90,6 +90,7 @@ class SynthTeacher(NamedTuple):
 SYNTH_TEACHERS: dict[str, SynthTeacher] = {
     "default": SynthTeacher(synth_data.write_synthetic, lambda: synth_features(), "synth-v1"),  # defined below
     "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
+    "sequence": SynthTeacher(sequence_log.write_sequence_log, sequence_log.sequence_features, "synth-sequence-v2"),
 }
 assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher per data.synth_teacher choice"
 
@@ -113,7 +114,7 @@ def movielens(cfg: Config) -> DatasetFiles:
     if not cfg.features:
         raise ValueError("features is empty: the movielens dataset needs a [[features]] schema "
                          "(see configs/movielens.toml)")
-    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k",
+    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k-v2",  # v2: with hist_timestamps
                        lambda out: convert_movielens(cfg.data.source_dir, out))
     return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features)
 

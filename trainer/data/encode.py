@@ -11,18 +11,25 @@ import pyarrow as pa
 
 from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
+from embeddings.features import FeatureSpec, attended_tables
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
+from trainer.data.timestamps import TimeGaps
 
 
 class RowEncoder:
     """Checks schemas, encodes row groups and assembles batches for one feature schema."""
 
-    def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = ""):
-        # Managed tables' features last: the batch carries them in a KeyedJaggedTensor of their own.
+    def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = "",
+                 time_column: str = "", time_buckets: int = 32):
+        # Attended sequences' tables' features, then managed tables' features last: the batch
+        # carries each kind in a KeyedJaggedTensor of its own.
         sparse = [f for f in features if f.kind != "numeric"]
-        self.sparse = [f for f in sparse if f.hashing != "managed"] + [f for f in sparse if f.hashing == "managed"]
+        unpooled = set(attended_tables(features))
+        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.table not in unpooled]
+                       + [f for f in sparse if f.table in unpooled] + [f for f in sparse if f.hashing == "managed"])
+        self.num_sequence = sum(f.table in unpooled for f in sparse)
+        self.gaps = TimeGaps(features, time_column, time_buckets)  # model.sequence.time_buckets
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
         self.user_column = user_column
@@ -30,7 +37,7 @@ class RowEncoder:
     @property
     def columns(self) -> list[str]:
         """Source columns read from each file, without duplicates."""
-        cols = [f.column for f in self.sparse + self.numeric] + [t.label for t in self.tasks]
+        cols = [f.column for f in self.sparse + self.numeric] + [t.label for t in self.tasks] + self.gaps.columns
         if self.user_column:
             cols.append(self.user_column)
         return list(dict.fromkeys(cols))
@@ -56,6 +63,7 @@ class RowEncoder:
             yield t.label, f"0/1 labels for task {t.name!r}", lambda typ: _is_number(typ) or pa.types.is_boolean(typ)
         if self.user_column:
             yield self.user_column, "integer user ids (data.user_column)", pa.types.is_integer
+        yield from self.gaps.expected_types()
 
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
@@ -76,8 +84,13 @@ class RowEncoder:
             # User ids only group rows for UAUC: a uint64 one past int64 keeps its bit
             # pattern, which keeps ids distinct (a cast would overflow).
             users = column.to_numpy().astype(np.int64, copy=False)
-        return Rows.build([f.name for f in self.sparse], ids, lengths, dense, labels, users,
-                          num_managed=sum(f.hashing == "managed" for f in self.sparse))
+        keys = [f.name for f in self.sparse]
+        gaps = self.gaps.encode(table, where)
+        timed = [keys.index(f.name) for f in self.gaps.features]
+        return Rows.build(keys + [f"{f.name}@gaps" for f in self.gaps.features], ids + gaps,
+                          lengths + [lengths[i] for i in timed], dense, labels, users,
+                          num_managed=sum(f.hashing == "managed" for f in self.sparse), num_sequence=self.num_sequence,
+                          num_gaps=len(gaps))
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:

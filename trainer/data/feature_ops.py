@@ -113,3 +113,27 @@ HASHINGS: dict[Hashing, IdHashing] = {
     "none": IdHashing(lambda v, n: v.astype(np.int64, copy=False), lambda ids, n: ids, in_range=True),
     "managed": IdHashing(lambda v, n: spread(v), lambda ids, n: spread_ids(ids)),
 }
+
+
+def gap_buckets_numpy(gaps: np.ndarray, buckets: int) -> np.ndarray:
+    """Time gaps (seconds, >= 0, int64) -> log-scale buckets (model.sequence.time_buckets):
+    1 + floor(log2(gap + 1)), at most buckets - 1; bucket 0 is left for padding. Computed on the
+    bit length, exact for every int64 (floating log2 rounds near powers of two)."""
+    g = gaps.astype(np.uint64) + np.uint64(1)
+    bits = np.zeros(g.shape, np.int64)
+    for shift in (32, 16, 8, 4, 2, 1):  # binary search of the highest set bit
+        high = g >= (np.uint64(1) << np.uint64(shift))
+        g = np.where(high, g >> np.uint64(shift), g)
+        bits += high * shift
+    return np.minimum(bits + 1, buckets - 1)
+
+
+def gap_buckets_torch(gaps: torch.Tensor, buckets: int) -> torch.Tensor:
+    """`gap_buckets_numpy` for the serving artifact: [N] int64 gaps >= 0 -> [N] int64 buckets."""
+    g = gaps + 1
+    bits = torch.zeros_like(g)
+    for shift in (32, 16, 8, 4, 2, 1):
+        high = g >= (1 << shift)
+        g = torch.where(high, g >> shift, g)
+        bits = bits + high.long() * shift
+    return torch.clamp(bits + 1, max=buckets - 1)

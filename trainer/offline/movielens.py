@@ -31,6 +31,7 @@ SCHEMA = pa.schema(
         ("hour", pa.int64()),
         ("weekday", pa.int64()),
         ("hist_items", pa.list_(pa.int64())),
+        ("hist_timestamps", pa.list_(pa.int64())),
         ("hist_len", pa.float64()),
         ("rating", pa.float64()),
         ("timestamp", pa.int64()),
@@ -267,8 +268,9 @@ def _rows_of(ids: np.ndarray, known: np.ndarray, name: str, path: Path) -> np.nd
     return rows
 
 
-def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, np.ndarray]:
-    """Per rating: the user's strictly earlier items (most recent last, truncated) and their full count.
+def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, pa.ListArray, np.ndarray]:
+    """Per rating: the user's strictly earlier items (most recent last, truncated), their
+    timestamps (aligned with them) and their full count.
 
     Within a user's time-sorted ratings, the history of a row is a contiguous slice ending where its
     timestamp run starts, so it can be gathered without a Python loop.
@@ -286,17 +288,18 @@ def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, np.ndarray]
     offsets = np.r_[0, np.cumsum(lengths)]
     gather = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])
     hist_sorted = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(inter.item[order][gather]))
+    times_sorted = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(ts[gather]))
     inverse = np.empty(n, np.int64)
     inverse[order] = pos
     full = np.empty(n, np.float64)
     full[order] = run_start - user_start
-    return hist_sorted.take(pa.array(inverse)), full
+    return hist_sorted.take(pa.array(inverse)), times_sorted.take(pa.array(inverse)), full
 
 
 def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndarray, item_rows: np.ndarray,
                  history_len: int) -> pa.Table:
     """All output columns, in input row order; `user_rows` and `item_rows` are each rating's feature rows."""
-    hist_items, hist_len = _history(inter, history_len)
+    hist_items, hist_timestamps, hist_len = _history(inter, history_len)
     days, seconds = np.divmod(inter.ts, 86_400)
     columns = {
         "user_id": inter.user,
@@ -310,6 +313,7 @@ def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndar
         "hour": seconds // 3_600,
         "weekday": (days + 3) % 7,  # 1970-01-01 was a Thursday
         "hist_items": hist_items,
+        "hist_timestamps": hist_timestamps,
         "hist_len": hist_len,
         "rating": inter.rating,
         "timestamp": inter.ts,

@@ -33,6 +33,8 @@ from torchrec.inference.modules import quantize_embeddings
 
 from dense.tower_registry import serving_form
 from dense.heads import build_dense
+from dense.sequence import build_sequences
+from embeddings.features import attended
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs
 from trainer.checkpoint.manager import model_tensors, resolve_load_path, trained_step
@@ -40,7 +42,7 @@ from trainer.config import Config
 from trainer.config_loader import dump_toml
 from trainer.checkpoint.safe_load import UnsafeFileError, inside
 from trainer.serving.safe_pt2 import load_pt2
-from trainer.serving.served_model import ManagedRows, ServingModel
+from trainer.serving.served_model import ManagedRows, ServingModel, TimedServingModel
 from trainer.serving.readme import write_readme
 from trainer.checkpoint.state import apply_trained_step
 
@@ -48,6 +50,7 @@ FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
 MOE = ("sparse", "dense")
 EXAMPLE_ROWS = 8
+INPUTS = ("ids", "lengths", "numeric", "timestamps", "now")  # the last two only where a sequence has timestamps
 PUBLISHED = ("tables.pt", "delta.pt")  # what a published artifact adds (trainer/serving/publish.py)
 
 
@@ -87,7 +90,7 @@ def artifact_files(cfg: Config, model: ServingModel, fmt: str, tables: str) -> t
         outputs = model(*inputs)
         program = trace_model(model, inputs, fmt)
     files = {FORMATS[fmt]: saved(lambda f: save_model(program, f, fmt)),
-             "example_inputs.pt": saved(lambda f: torch.save(dict(zip(("ids", "lengths", "numeric"), inputs)), f)),
+             "example_inputs.pt": saved(lambda f: torch.save(dict(zip(INPUTS, inputs)), f)),
              "example_outputs.pt": saved(lambda f: torch.save(outputs, f))}
     manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": cfg.model.moe.inference,
                 "tower": cfg.model.tower, "table_bytes": tables_size, "needs_fbgemm": needs_fbgemm(program, fmt),
@@ -163,10 +166,12 @@ def serving_model(cfg: Config, state: dict[str, torch.Tensor], step: int, tables
 def served_model(cfg: Config, state: dict[str, torch.Tensor], id_maps: dict[str, tuple], step: int,
                  tables: str = "fp32", source: Path | str = "the checkpoint") -> ServingModel:
     """`serving_model` of weights whose managed tables are already served (`served_tables`)."""
-    ebc = EmbeddingBagCollection(tables=table_configs(cfg.features), device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(tables=table_configs(cfg.features, serving=True), device=torch.device("meta"))
     ebc = ebc.to_empty(device="cpu")
     layout, tower, heads = build_dense(cfg.model, cfg.features)
-    for name, module in (("ebc", ebc), ("tower", tower), ("heads", heads)):
+    sequences = build_sequences(cfg.features, cfg.model.sequence)
+    parts = (("ebc", ebc), ("tower", tower), ("heads", heads)) + ((("sequences", sequences),) if sequences else ())
+    for name, module in parts:
         prefix = name + "."
         part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         try:
@@ -179,7 +184,10 @@ def served_model(cfg: Config, state: dict[str, torch.Tensor], id_maps: dict[str,
                              f"unexpected {unexpected[:3]}")
     apply_trained_step(tower, step)
     managed = {t: ManagedRows(*id_map) for t, id_map in id_maps.items()}
-    model = ServingModel(cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed)
+    timed = any(attended(f) and f.timestamps for f in cfg.features)
+    model = (TimedServingModel if timed else ServingModel)(
+        cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed,
+        sequences.eval() if sequences else None, cfg.model.sequence.time_buckets)
     model = model.eval().requires_grad_(False)
     if TABLES[tables] is not None:
         # quantize_embeddings swaps the children of the module it is given, so give it the parent.
@@ -209,7 +217,13 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
     for i, f in enumerate(model.numeric):  # within every transform's domain, nulls where they are filled
         if f.fill_null is not None:
             numeric[0, i] = float("nan")
-    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric
+    inputs = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric)
+    if not isinstance(model, TimedServingModel):
+        return inputs
+    now = torch.full((rows,), 10**9, dtype=torch.int64)
+    stamps = [now.repeat_interleave(lengths[s]) - torch.randint(0, 10**6, (int(lengths[s].sum()),), generator=g)
+              for s, _ in model.timed]
+    return (*inputs, torch.cat(stamps), now)
 
 
 def managed_tables(model: ServingModel) -> dict[str, dict[str, int]]:
@@ -231,7 +245,9 @@ def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str)
     if fmt == "torchscript":
         return torch.jit.script(torchrec.fx.symbolic_trace(model))
     batch, ids = Dim("batch", min=1), Dim("ids", min=0)
-    return torch.export.export(model, inputs, dynamic_shapes=({0: ids}, {1: batch}, {0: batch}), strict=False)
+    timed = ({0: Dim("timestamps", min=0)}, {0: batch}) if len(inputs) > 3 else ()  # TimedServingModel's
+    shapes = ({0: ids}, {1: batch}, {0: batch}) + timed
+    return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
 
 
 def save_model(program, f, fmt: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from embeddings.features import attended
 from trainer.config import Config
 
 # What loading each format means for trust (README.md, Trust).
@@ -27,6 +28,8 @@ _LOAD = {
 def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
     sparse = [f for f in cfg.features if f.kind != "numeric"]
     numeric = [f for f in cfg.features if f.kind == "numeric"]
+    timed = [f for f in sparse if attended(f) and f.timestamps]
+    any_attended = any(attended(f) for f in sparse)
     fbgemm = "import fbgemm_gpu  # registers FBGEMM's operators" if manifest["needs_fbgemm"] else ""
     lines = [
         f"# rankmix serving artifact: {manifest['tower']}, step {manifest['step']}",
@@ -48,13 +51,14 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         fbgemm or None,
         _LOAD[manifest["format"]].format(file=manifest["file"]),
         'example = torch.load("example_inputs.pt")',
-        'probs = model(example["ids"], example["lengths"], example["numeric"])',
+        'probs = model(example["ids"], example["lengths"], example["numeric"]' +
+        (', example["timestamps"], example["now"])' if timed else ")"),
         'assert torch.allclose(probs, torch.load("example_outputs.pt"), atol=1e-6)',
         "```",
         "",
         "## Inputs",
         "",
-        "`model(ids, lengths, numeric)`, all on the CPU, B rows:",
+        f"`model(ids, lengths, numeric{', timestamps, now' if timed else ''})`, all on the CPU, B rows:",
         "",
         f"- `ids`: int64 `[N]`, the raw ids of the {len(sparse)} sparse features below, feature after "
         "feature in this order, and within a feature row after row (the values of a KeyedJaggedTensor). "
@@ -67,6 +71,16 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "(0 for a null or empty one).",
         f"- `numeric`: float64 `[B, {len(numeric)}]`, the numeric features below before their transforms, "
         "NaN for a null; nulls are filled and the transforms applied inside.",
+        *([f"- `timestamps`: int64 `[T]`, the behaviours' times (seconds) of the sequences with a timestamps "
+           f"column below ({', '.join(f'`{f.name}`' for f in timed)}), feature after feature in this order, each "
+           "row's whole list, one per id and aligned with them (most recent last). The model keeps the times "
+           "of the ids it keeps.",
+           f"- `now`: int64 `[B]`, each row's request time (`{cfg.data.time_column}`); a timestamp after it counts "
+           "as a gap of 0."] if timed else []),
+        *(["",
+           "A sequence read by a sequence module (`sequence module` below) keeps its last `max_len` ids (the most "
+           "recent: lists are most recent last), looks each one up, and attends over them against its "
+           "candidate; send the whole history, the model truncates it."] if any_attended else []),
         "",
         "A value the model refuses (an id out of range, a null that is not filled, a value outside a "
         "transform's domain) stops the call with an error that names it (RuntimeError; "
@@ -76,9 +90,10 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "numerics); TorchScript converts other dtypes to them. With quantized tables a pt2 program "
         "needs at least one id in the batch.",
         "",
-        "| # | sparse feature | column | kind | table rows | hashing | max_len |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {i} | {f.name} | {f.column} | {f.kind} | {f.num_embeddings} | {f.hashing} | {f.max_len or '-'} |"
+        "| # | sparse feature | column | kind | table rows | hashing | max_len | sequence module | timestamps |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {i} | {f.name} | {f.column} | {f.kind} | {f.num_embeddings} | {f.hashing} | {f.max_len or '-'} | "
+          f"{f.sequence_module if f.kind == 'sequence' else '-'} | {(attended(f) and f.timestamps) or '-'} |"
           for i, f in enumerate(sparse)),
         "",
         "| # | numeric feature | column | null | transforms |",

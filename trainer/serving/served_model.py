@@ -8,7 +8,15 @@ It repeats at serving time what the data pipeline does at training time
                             64-bit ids are passed as their bit pattern
     lengths  [S, B] int64   ids per row of each sparse feature (0: a null or empty bag)
     numeric  [B, F] float64 numeric features before their transforms, NaN for null
+    and, only where an attended sequence has timestamps (`TimedServingModel`):
+    timestamps [T] int64    those sequences' raw timestamps (seconds), feature after feature in
+                            schema order, each row's whole list, aligned with its ids in `ids`
+    now      [B] int64      each row's request time (data.time_column)
     ->       [B, K] float32 probabilities, one column per task
+
+An attended sequence (features.<name>.sequence_module not pool) is cut to its last max_len ids
+like every list, then padded to max_len: its rows come from the one bag collection, one id per
+bag (its table is there whole, beside the others), and the sequence module reads them.
 
 The per-feature settings are Python values read while the module is traced (torch.export, or
 torch.fx for TorchScript), so they end up as constants of the exported graph.
@@ -21,8 +29,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
-from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, managed_tables
-from trainer.data.feature_ops import HASHINGS, TRANSFORMS
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, attended, managed_tables
+from trainer.data.feature_ops import HASHINGS, TRANSFORMS, gap_buckets_torch
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
 
@@ -41,25 +49,78 @@ class ServingModel(nn.Module):
     """(ids, lengths, numeric) -> probabilities [B, K]; see the module docstring."""
 
     def __init__(self, features: list[FeatureSpec], ebc: nn.Module, layout: InputLayout, tower: nn.Module,
-                 heads: nn.Module, managed: dict[str, "ManagedRows"] | None = None):
+                 heads: nn.Module, managed: dict[str, "ManagedRows"] | None = None, sequences: nn.Module | None = None,
+                 time_buckets: int = 0):
         super().__init__()
         self.sparse = [f for f in features if f.kind != "numeric"]
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.ebc, self.layout, self.tower, self.heads = ebc, layout, tower, heads
         self.id_maps = nn.ModuleDict(managed or {})  # table -> its id map (hashing = "managed")
         assert sorted(self.id_maps) == managed_tables(features)
+        self.sequences = sequences  # dense/sequence.py SequenceInputs, or None: no attended sequence
+        self.attended = [(s, f) for s, f in enumerate(self.sparse) if attended(f)]
+        self.timed = [(s, f) for s, f in self.attended if f.timestamps]
+        self.time_buckets = time_buckets
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
+        return self.predict(ids, lengths, numeric, None, None)
+
+    def predict(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor,
+                timestamps: torch.Tensor | None, now: torch.Tensor | None) -> torch.Tensor:
         # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
         ids, lengths, numeric = ids.long(), lengths.long(), numeric.double()
         dense = self.transform_numeric(numeric)
         pooled = {}
         if self.sparse:
-            values, lengths = self.hash_ids(ids, lengths)
-            kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=lengths.flatten())
+            values, cut = self.hash_ids(ids, lengths)
+            kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=cut.flatten())
             pooled = self.ebc(kjt).to_dict()
+            if self.sequences is not None:
+                padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.attended}
+                gaps = {} if timestamps is None else self.gaps(timestamps.long(), now.long(), lengths, cut)
+                pooled.update(self.sequences.attend({}, pooled, padded, gaps))  # the candidates are bags here
         e_input = self.layout.assemble(pooled, dense)
         return torch.sigmoid(self.heads(self.tower(e_input)))
+
+    def behaviours(self, rows: torch.Tensor, cut: torch.Tensor, s: int,
+                   f: FeatureSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attended sequence `f` (sparse feature `s`) padded to max_len: (x [B, L, D], mask [B, L]).
+        Its table rows [B, L] (0 past a row's end) go through the bag collection as B x L bags of
+        one id each, every other feature's bags empty: static shapes, one table, any table type."""
+        length = f.max_len
+        flat = cut.flatten()
+        starts = (torch.cumsum(flat, 0) - flat).view_as(cut)[s]
+        steps = torch.arange(length, device=rows.device)
+        mask = steps < cut[s].unsqueeze(1)
+        positions = torch.where(mask, starts.unsqueeze(1) + steps, rows.shape[0])
+        table_rows = torch.cat([rows, rows.new_zeros(1)])[positions.flatten()]
+        slots = table_rows.shape[0]
+        ones = torch.ones(slots, dtype=torch.int64, device=rows.device)
+        bags = torch.cat([ones if i == s else ones * 0 for i in range(len(self.sparse))])
+        kjt = KeyedJaggedTensor(keys=[g.name for g in self.sparse], values=table_rows, lengths=bags)
+        x = self.ebc(kjt)[f.name].view(-1, length, f.embedding_dim)
+        return x * mask.unsqueeze(-1).to(x.dtype), mask
+
+    def gaps(self, timestamps: torch.Tensor, now: torch.Tensor, lengths: torch.Tensor,
+             cut: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each timed sequence's gap buckets [B, L] (0 past a row's end): its raw timestamps cut to
+        the last max_len as its ids are, the gap to `now` clamped at 0 (a timestamp after the request
+        time is clamped, as the reader does: trainer/data/timestamps.py), bucketed."""
+        counts = [lengths[s] for s, _ in self.timed]
+        _require(torch.stack([c.sum() for c in counts]).sum() == timestamps.shape[0],
+                 "timestamps must hold one value per id of each sequence with timestamps")
+        out = {}
+        block = torch.zeros((), dtype=torch.int64, device=timestamps.device)
+        extended = torch.cat([timestamps, timestamps.new_zeros(1)])
+        for (s, f), count in zip(self.timed, counts):
+            ends = block + torch.cumsum(count, 0)
+            steps = torch.arange(f.max_len, device=timestamps.device)
+            mask = steps < cut[s].unsqueeze(1)
+            positions = torch.where(mask, (ends - cut[s]).unsqueeze(1) + steps, timestamps.shape[0])
+            gap = torch.clamp(now.unsqueeze(1) - extended[positions], min=0)
+            out[f.name] = torch.where(mask, gap_buckets_torch(gap, self.time_buckets), 0)
+            block = block + count.sum()
+        return out
 
     def hash_ids(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw ids [N], lengths [S, B] -> table rows, lengths: ids checked (hashing 'none'),
@@ -122,6 +183,15 @@ class ServingModel(nn.Module):
         if not columns:
             return numeric.new_zeros(numeric.shape[0], 0, dtype=torch.float32)
         return torch.stack(columns, dim=1).to(torch.float32)
+
+
+class TimedServingModel(ServingModel):
+    """A ServingModel whose attended sequences have timestamps: (ids, lengths, numeric, timestamps,
+    now) -> probabilities [B, K]; see the module docstring."""
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor, timestamps: torch.Tensor,
+                now: torch.Tensor) -> torch.Tensor:
+        return self.predict(ids, lengths, numeric, timestamps, now)
 
 
 class ManagedRows(nn.Module):

@@ -1,0 +1,196 @@
+"""Sequence modules: a user's behaviours, looked up unpooled, read against the candidate.
+
+    target_attention  a_m = MLP([b_m, v, b_m * v, b_m - v, t_m]),  alpha = softmax_m(a)  (masked, fp32),
+                      e_s = sum_m alpha_m b_m                       (RankMixer's seeds §2.3; DIN)
+    transformer       self-attention blocks over b_m + position + time, then target attention (BST, LONGER)
+
+`SequenceInputs` turns the EmbeddingCollection's jagged output into the dict that
+dense/layout.py assembles: each attended sequence's k vectors, and the pooled vector of every
+other feature on its table (the candidate id among them). Sequences are padded to a length the
+caller gives as a Python int (the batch's longest, counted by the reader on the host; an
+artifact's max_len), so nothing is read back from the device. docs/models.md, "Sequence module".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dense.sequence_modules import SEQUENCE_MODULES, token_slots
+from embeddings.features import FeatureSpec, attended, attended_tables, default_candidate
+
+_MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
+
+
+def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged rows -> padded. values [N, ...], offsets [B + 1] -> ([B, L, ...] with zeros past
+    each row's end, mask [B, L] True at real positions); L = `length` >= every row's length.
+    One gather from the values with a zero row appended: no size read from the device."""
+    steps = torch.arange(length, device=values.device)
+    starts, ends = offsets[:-1].unsqueeze(1), offsets[1:].unsqueeze(1)
+    positions = starts + steps
+    mask = positions < ends
+    positions = torch.where(mask, positions, values.shape[0])  # the appended zero row
+    extended = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
+    return extended.index_select(0, positions.flatten()).unflatten(0, (-1, length)), mask
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax over `dim` of the real positions, in fp32 (also under bf16 autocast); a row with
+    none gives zeros, not NaN. `mask` broadcasts against `scores`."""
+    weights = torch.softmax(scores.float().masked_fill(~mask, _MIN), dim=dim)
+    return weights * mask  # an empty row's uniform weights over padding -> 0
+
+
+class TargetAttention(nn.Module):
+    """behaviours [B, L, D], mask [B, L], candidate [B, D], gap buckets [B, L] int64 (or None)
+    -> [B, k, D]: k attention distributions, one score column each, over the real behaviours."""
+
+    def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None):
+        super().__init__()
+        self.time = nn.Embedding(*time) if time else None
+        width = 4 * dim + (time[1] if time else 0)
+        layers = []
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, tokens))
+        self.first, self.rest = layers[0], nn.Sequential(*layers[1:])  # the first is applied by parts
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        """The scoring MLP on a whole input [..., 4D + Dt] (what `first_layer` computes by parts)."""
+        return self.rest(self.first(x))
+
+    def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
+                gaps: torch.Tensor | None = None) -> torch.Tensor:
+        scores = self.rest(self.first_layer(behaviours, candidate, gaps))  # [B, L, k]
+        weights = masked_softmax(scores, mask.unsqueeze(-1), dim=1)
+        return torch.einsum("blk,bld->bkd", weights.to(behaviours.dtype), behaviours)
+
+    def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
+        """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
+        with W = [W1 W2 W3 W4 Wt], it is (W1 + W4) b + W3 (b * v) + Wt t per behaviour, plus
+        (W2 - W4) v + bias once per row (the step's cost at long sequences; bench/sequence.py)."""
+        linear = self.first
+        dim = b.shape[-1]
+        w1, w2, w3, w4, wt = torch.split(linear.weight, [dim, dim, dim, dim, linear.in_features - 4 * dim], dim=1)
+        per_row = nn.functional.linear(v, w2 - w4, linear.bias).unsqueeze(1)  # [B, 1, H]
+        out = torch.matmul(torch.cat([b, b * v.unsqueeze(1)], dim=-1), torch.cat([w1 + w4, w3], dim=1).t()) + per_row
+        if self.time is not None:  # the time embedding through Wt once per bucket, then looked up
+            out = out + nn.functional.embedding(gaps, self.time.weight @ wt.t())
+        return out
+
+
+class SelfAttentionBlock(nn.Module):
+    """Pre-norm multi-head self-attention and FFN over [B, L, W]; padded keys are masked, so a
+    real position's output does not depend on the padding."""
+
+    def __init__(self, width: int, heads: int, ffn_ratio: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.ffn = nn.Sequential(nn.Linear(width, ffn_ratio * width), nn.GELU(), nn.Linear(ffn_ratio * width, width))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, L, W], mask [B, L] -> [B, L, W]. torch's fused attention (flash on the CPU and on
+        CUDA: memory O(B L W), not O(B L^2)). Position 0 stays a key even in an empty row, so no
+        row is all masked (which would give NaN); an empty row's outputs are never attended."""
+        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        keys = mask | (torch.arange(mask.shape[1], device=mask.device) == 0)
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+        x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
+        return x + self.ffn(self.norm2(x))
+
+
+class SequenceTransformer(nn.Module):
+    """behaviours [B, L, D], mask, candidate [B, D], gap buckets -> [B, k, D]: the behaviours
+    at width W with their recency position (0 = the most recent) and time gap added, `layers`
+    self-attention blocks, back to D, then target attention against the candidate."""
+
+    def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
+                 hidden: list[int], time: tuple[int, int] | None = None):
+        super().__init__()
+        self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
+        self.position = nn.Embedding(max_len, width)
+        self.time = nn.Embedding(time[0], width) if time else None
+        self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio) for _ in range(layers))
+        self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
+        self.target = TargetAttention(dim, tokens, hidden, time)
+        self.max_len = max_len
+
+    def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
+                gaps: torch.Tensor | None = None) -> torch.Tensor:
+        steps = torch.arange(mask.shape[1], device=mask.device)
+        recency = (mask.sum(dim=1, keepdim=True) - 1 - steps).clamp(0, self.max_len - 1)  # padding: masked anyway
+        h = self.inp(behaviours) + self.position(recency)
+        if self.time is not None:
+            h = h + self.time(gaps)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.target(self.out(h), mask, candidate, gaps)
+
+
+class SequenceInputs(nn.Module):
+    """The features on attended sequences' tables, looked up unpooled -> their entries of the
+    dict that dense/layout.py assembles into e_input:
+
+        looked_up  name -> JaggedTensor of [N_f, D] rows (TorchRec's EmbeddingCollection output)
+        longest    per key of `keys`: L_f >= its longest row, a Python int
+        gaps       per attended sequence with timestamps (`timed`, schema order): [N_f] int64 time-gap
+                   buckets aligned with its rows
+        pooled     the bags' vectors by name [B, D_f]: a candidate on another table comes from there
+        ->         name -> [B, D]: the pooled vector (pooling sum or mean) of every plain feature on
+                   these tables, and each attended sequence's token slots (dense/sequence_modules.py)
+    """
+
+    def __init__(self, features: list[FeatureSpec], cfg):
+        super().__init__()
+        unpooled = set(attended_tables(features))
+        on = [f for f in features if f.kind != "numeric" and f.table in unpooled]
+        self.keys = [f.name for f in on]  # the reader's order of Batch.sequence_ids (trainer/data/encode.py)
+        self.mean = {f.name for f in on if not attended(f) and f.kind != "id" and f.pooling == "mean"}
+        self.attention = nn.ModuleDict({f.name: SEQUENCE_MODULES.get(f.sequence_module)(cfg, f)
+                                        for f in on if attended(f)})
+        self.candidates = {f.name: default_candidate(f, features) for f in on if attended(f)}
+        self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
+        self.timed = [f.name for f in on if attended(f) and f.timestamps]
+
+    def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
+                gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        padded, padded_gaps = {}, {}
+        for i, name in enumerate(self.keys):
+            rows = looked_up[name]
+            x, mask = pad(rows.values(), rows.offsets(), longest[i])
+            if name in self.attention:
+                padded[name] = (x, mask)
+                if name in self.timed:
+                    padded_gaps[name] = pad(gaps[self.timed.index(name)], rows.offsets(), longest[i])[0]
+                continue
+            total = x.sum(dim=1)
+            out[name] = total / rows.lengths().clamp(min=1).unsqueeze(1).to(total.dtype) if name in self.mean else total
+        out.update(self.attend(out, pooled, padded, padded_gaps))
+        return out
+
+    def attend(self, own: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor],
+               padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               gaps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each attended sequence's token slots [B, D] from its padded rows (x [B, L, D], mask
+        [B, L]) and gap buckets [B, L]; its candidate's vector from `own` (the features on these
+        tables) or else `pooled` (the bags). A served model pads by its own means and calls this."""
+        out = {}
+        for name, module in self.attention.items():
+            candidate = self.candidates[name]
+            v = own[candidate] if candidate in own else pooled[candidate]
+            x, mask = padded[name]
+            vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
+            for j, slot in enumerate(self.slots[name]):
+                out[slot] = vectors[:, j]
+        return out
+
+
+def build_sequences(features: list[FeatureSpec], cfg) -> SequenceInputs | None:
+    """The SequenceInputs of `features` under [model.sequence] `cfg`, or None when no sequence is
+    attended (every sequence pooled by TorchRec, as before sequence modules)."""
+    return SequenceInputs(features, cfg) if attended_tables(features) else None

@@ -1,0 +1,130 @@
+"""What a sequence module is to the rest of the code (`features.<name>.sequence_module`), declared
+next to the module's own config: `[model.sequence.<key>]`. Standard library only, like the towers'
+declarations (dense/tower_registry.py): the config loads without torch. The modules themselves are
+in dense/sequence.py; docs/models.md, "Sequence module", has their equations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from embeddings.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from embeddings.features import FeatureSpec
+
+Builder = Callable[["SequenceConfig", "FeatureSpec"], "nn.Module"]
+SEQUENCE_MODULES: Registry[Builder | None] = Registry("features.<name>.sequence_module")
+"""Name -> builder of the module that reads a sequence position by position; None for `pool`,
+which TorchRec's EmbeddingBagCollection pools before the dense side sees the sequence."""
+SEQUENCE_TABLES: dict[str, type] = {}
+
+
+def register_sequence(name: str, table: type | None = None) -> Callable[[Builder | None], Builder | None]:
+    """Decorator: make `build` the sequence module `name`, reading [model.sequence.<table.key>]."""
+    def wrap(build):
+        if table is not None:
+            assert SEQUENCE_TABLES.setdefault(table.key, table) is table
+        SEQUENCE_MODULES.register(name)(build)
+        return build
+    return wrap
+
+
+def _positive(obj: Any, where: str, *names: str) -> None:
+    for name in names:
+        values = getattr(obj, name)
+        for v in values if isinstance(values, list) else [values]:
+            if v <= 0:
+                raise ValueError(f"model.sequence.{where}.{name} must be positive, got {getattr(obj, name)}")
+
+
+@dataclass
+class TargetAttentionConfig:
+    """The behaviour scorer of target attention (DIN)."""
+
+    key: ClassVar[str] = "target_attention"
+    hidden: list[int] = field(default_factory=lambda: [32])
+    """Hidden widths of the MLP that scores each behaviour from [b, v, b*v, b-v, time]."""
+
+    def validate(self) -> None:
+        _positive(self, self.key, "hidden")
+
+
+@dataclass
+class TransformerConfig:
+    """Self-attention over the behaviours (BST / LONGER), before the target attention."""
+
+    key: ClassVar[str] = "transformer"
+    layers: int = 1
+    """Self-attention blocks."""
+    heads: int = 2
+    """Attention heads per block (width must be divisible by it)."""
+    width: int = 0
+    """Model width of the blocks (0: the sequence table's embedding_dim)."""
+    ffn_ratio: int = 2
+    """Each block's FFN hidden width is ffn_ratio x width."""
+
+    def validate(self) -> None:
+        _positive(self, self.key, "layers", "heads", "ffn_ratio")
+        if self.width < 0 or self.width % self.heads:
+            raise ValueError(f"model.sequence.transformer.width={self.width} must be >= 0 and divisible by "
+                             f"model.sequence.transformer.heads={self.heads}")
+
+
+register_sequence("pool")(None)  # no dense module: TorchRec's bag pools the sequence
+
+
+@register_sequence("target_attention", TargetAttentionConfig)
+def _build_target_attention(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
+    from dense.sequence import TargetAttention  # on use: torch
+
+    return TargetAttention(f.embedding_dim, f.sequence_tokens, cfg.target_attention.hidden,
+                           (cfg.time_buckets, cfg.time_dim) if f.timestamps else None)
+
+
+@register_sequence("transformer", TransformerConfig)
+def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
+    from dense.sequence import SequenceTransformer  # on use: torch
+
+    t = cfg.transformer
+    return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
+                               t.width or f.embedding_dim, t.ffn_ratio, cfg.target_attention.hidden,
+                               (cfg.time_buckets, cfg.time_dim) if f.timestamps else None)
+
+
+@dataclass
+class SequenceFields:
+    """The fields every sequence module reads: how the time gap is embedded."""
+
+    time_buckets: int = 32
+    """Buckets of the time gap (request time - behaviour time, seconds): 0 holds no timestamp, bucket k >= 1 gaps in [2^(k-1) - 1, 2^k - 1), the last one everything beyond."""
+    time_dim: int = 8
+    """Width of the time-gap embedding."""
+
+    def validate(self) -> None:
+        _positive(self, "", "time_dim")
+        if self.time_buckets < 2:
+            raise ValueError(f"model.sequence.time_buckets must be at least 2, got {self.time_buckets}")
+        for table in SEQUENCE_TABLES:
+            getattr(self, table).validate()
+
+
+SequenceConfig = dataclasses.make_dataclass(
+    "SequenceConfig",
+    [(key, table, field(default_factory=table, metadata={"doc": table.__doc__.strip()}))
+     for key, table in SEQUENCE_TABLES.items()],
+    bases=(SequenceFields,),
+    namespace={"__module__": __name__,
+               "__doc__": "Sequence modules (features.<name>.sequence_module): the time gap and each module's table."})
+
+
+def token_slots(f: FeatureSpec) -> list[tuple[str, str]]:
+    """(slot name, semantic group) of each vector an attended sequence outputs: one in its own
+    group, or `sequence_tokens` = k in k groups of their own (<group>.0, ...)."""
+    if f.sequence_tokens == 1:
+        return [(f.name, f.group)]
+    return [(f"{f.name}.{j}", f"{f.group}.{j}") for j in range(f.sequence_tokens)]

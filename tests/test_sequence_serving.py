@@ -1,0 +1,96 @@
+"""Attended sequences in the serving artifact (trainer/serving/served_model.py), both formats,
+against the training code's evaluation: the same rows through RowEncoder + RankingModel (an
+EmbeddingCollection, padded to the batch's longest) and through the artifact (the sequence cut to
+its last max_len and padded to max_len inside it, its time gaps bucketed there)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from dense.heads import build_dense
+from dense.sequence import build_sequences
+from dense.model_config import TaskSpec
+from embeddings.tables import sequence_table_configs, table_configs
+from test_serving_model import ROWS, features, table
+from trainer.config_loader import load_config
+from trainer.data.encode import RowEncoder
+from trainer.ranking_model import RankingModel
+from trainer.serving.export import FORMATS, drop_state_dict_views, example_inputs, serving_model, trace_model
+from trainer.serving.predict import raw_inputs
+
+
+def timed_table(seed: int = 0) -> pa.Table:
+    """test_serving_model's rows with the history's timestamps (some after the request time) and `now`."""
+    rows = table(seed)
+    rng = np.random.default_rng(seed + 1)
+    now = rng.integers(10**6, 2 * 10**6, ROWS)
+    stamps = [list(now[i] - rng.integers(-3, 10**5, len(h))) for i, h in enumerate(rows.column("history").to_pylist())]
+    return rows.append_column("history_ts", pa.array(stamps, pa.list_(pa.int64()))).append_column("now", pa.array(now))
+
+
+def reference(module: str, tower: str, timestamps: bool):
+    sizes = ["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer" else ["--model.mlp.hidden=[16, 8]"]
+    cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
+    cfg.features = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2,
+                                        timestamps="history_ts" if timestamps else "")
+                    if f.name == "history" else f for f in features()]
+    cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
+    torch.manual_seed(0)
+    layout, tower_module, heads = build_dense(cfg.model, cfg.features)
+    model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, tower_module, heads,
+                         sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features)),
+                         sequences=build_sequences(cfg.features, cfg.model.sequence))
+    return cfg, model.eval()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("module,tower,timestamps", [("target_attention", "rankmixer", True),
+                                                     ("transformer", "mlp", False), ("target_attention", "dcnv2", False)])
+def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower, timestamps, fmt):
+    cfg, model = reference(module, tower, timestamps)
+    rows = timed_table()
+    encoder = RowEncoder(cfg.features, cfg.model.tasks, "", cfg.data.time_column, cfg.model.sequence.time_buckets)
+    time_column = cfg.data.time_column
+    with torch.no_grad():
+        batch = encoder.encode(rows, "test").to_batch()
+        assert batch.sequence_max[-1] == 4  # the history, cut to max_len 4, padded to no more
+        expected = torch.sigmoid(model(batch))
+        served = serving_model(cfg, model.state_dict(), step=7)
+        program = trace_model(served, example_inputs(served), fmt)
+        artifact = program if fmt == "torchscript" else program.module()
+        probs = artifact(*raw_inputs(rows, cfg.features, "test", time_column))
+        one_row = artifact(*raw_inputs(rows.slice(3, 1), cfg.features, "test", time_column))
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(one_row, expected[3:4], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int8_tables_serve_attended_sequences_near_fp32(fmt):
+    cfg, model = reference("target_attention", "rankmixer", True)
+    inputs = raw_inputs(timed_table(), cfg.features, "test", cfg.data.time_column)
+    with torch.no_grad():
+        expected = serving_model(cfg, model.state_dict(), step=7)(*inputs)
+        served = serving_model(cfg, model.state_dict(), step=7, tables="int8")
+        assert type(served.ebc).__module__ == "torchrec.quant.embedding_modules"
+        drop_state_dict_views(served)
+        program = trace_model(served, example_inputs(served), fmt)
+        probs = (program if fmt == "torchscript" else program.module())(*inputs)
+    assert 0 < (probs - expected).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("module,tables", [("target_attention", "int8"), ("transformer", "fp32")])
+def test_an_attended_sequences_export_is_within_the_pt2_allow_lists(module, tables):
+    """Every op of the padding, the time buckets and both modules is in PT2_OPS, so that
+    `rankmix score --model` loads the artifact (trainer/serving/safe_pt2.py)."""
+    import fbgemm_gpu  # noqa: F401  registers the ops of TorchRec's quantized tables
+    from test_trust_pt2 import check_export
+
+    cfg, model = reference(module, "rankmixer", True)
+    with torch.no_grad():
+        check_export(cfg, serving_model(cfg, model.state_dict(), step=7, tables=tables), tables)
