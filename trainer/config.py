@@ -206,7 +206,7 @@ class CheckpointConfig:
     load_mode: LoadMode = "full"
     """load_path: full (weights, optimizer, schedule, data position) | weights."""
     data_position: DataPosition = "exact"
-    """On a world-size change mid-epoch: exact (refuse) | next_epoch (start the next epoch)."""
+    """On a world-size change mid-epoch: exact (the epoch's rows left, over the new ranks) | next_epoch (start the next)."""
     signal_grace_steps: int = 0
     """On SIGTERM/SIGINT: train on to a scheduled save due within this many steps, else save at once."""
 

@@ -126,6 +126,8 @@ class Trainer:
                                                     "scheduler": LRScheduleState(self.scheduler, self.optimizer)}),
             **{c.checkpoint_part: c for c in (self.selection, continuous, calibration) if c and c.checkpoint_part}}
         self.restore()
+        if not (cfg.train.steps or time_order):
+            self._count_epoch_steps(cfg.train.epochs)
         # In the order the loop calls them; the publisher tracks lookups from the restored state on.
         self.components: list[LoopComponent] = [c for c in (self.selection, continuous, Publisher(
             cfg, self.model, self.run_dir), calibration) if c]
@@ -134,6 +136,15 @@ class Trainer:
         if env.is_main:
             dump_toml(cfg, self.run_dir / "config.toml")
             self.report.describe(self.run_dir, self.model.plan, self.batch_size)
+
+    def _count_epoch_steps(self, epochs: int) -> None:
+        """train.epochs' steps from the restored position: a resume at another world size splits
+        the rest of its epoch into another number of steps (trainer/data/elastic.py)."""
+        position, reader = self.position, self.train_reader
+        self.total_steps = self.step - position.step + sum(reader.steps_in_epoch(e)
+                                                           for e in range(position.epoch, epochs))
+        if self.logger.bar is not None:
+            self.logger.bar.total = self.total_steps
 
     def _reader(self, paths: str, seed: int, epochs: int = 0) -> ParquetReader:
         """A training reader of this rank's share of `paths`."""
@@ -337,7 +348,8 @@ class Trainer:
 
     def finish(self, metrics: dict[str, float], examples_per_sec: float) -> dict:
         """The run's summary: final metrics and throughput, also saved as summary.json."""
-        trained = {"steps": self.step, "epochs": self.epochs_trained(), **self.selection.summary()}
+        trained = {"steps": self.step, "epochs": self.epochs_trained(), **self.selection.summary(),
+                   "data/rows_reread": self.position.rows_reread}
         return self.report.summary(metrics, examples_per_sec, trained, self.run_dir, self.env.is_main)
 
     # ------------------------------------------------------------------ state

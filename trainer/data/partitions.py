@@ -248,6 +248,11 @@ class PartitionedReader:
                 "consumed": self._consumed(current) if done else self.consumed,
                 "reader": current.state_dict() if step and not done else None}
 
+    def with_units_left(self, state: dict) -> dict:
+        """`state` as it is: inside a partition, a position resumes at its own world size only
+        (or at the next partition: checkpoint.data_position = next_epoch)."""
+        return state
+
     def load_state_dict(self, state: dict) -> None:
         """Continue after the saved partitions: refuse a trained partition whose files changed
         or a new one that sorts before the last trained one; resume inside the saved current one."""

@@ -1,0 +1,140 @@
+"""Elastic resume inside an epoch (trainer/data/elastic.py): a position saved by 4 ranks in the
+middle of an epoch resumes on 2, whose position resumes on 3, and every row id of the epoch is
+trained once, apart from the half-read shuffle windows the checkpoints declare; unshuffled, the
+global batches stay those of file order. The ranks are real gloo processes, and their positions
+go through the checkpoint's own per-rank part (PerRankState: gathered, JSON, taken up)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli import rendezvous_port, spawn
+from test_reader import make_encoder, write_files
+from trainer.data.elastic import resumed_epoch, shared_units, units_left
+
+SIZES = [700, 1300, 500]  # 2500 rows, ids 0..2499 in file order
+GLOBAL_BATCH = 96          # 24 rows per rank at 4 ranks, 48 at 2, 32 at 3
+BUFFER = 150               # windows of two 90-row row groups
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+
+def test_rows_read_in_order_are_cut_at_the_exact_row():
+    slices = [(0, 4, 0, 10), (10, 7, 30, 35), (15, 2, 0, 8)]
+    assert units_left(slices, None, 0) == (slices, 0)
+    assert units_left(slices, None, 12) == ([(12, 7, 32, 35), (15, 2, 0, 8)], 0)
+    assert units_left(slices, None, 15) == ([(15, 2, 0, 8)], 0)
+    assert units_left(slices, None, 22) == ([(22, 2, 7, 8)], 0)
+    assert units_left(slices, None, 23) == ([], 0)
+
+
+def test_a_half_read_window_is_left_whole_and_its_read_rows_counted():
+    slices = [(0, 4, 0, 10), (10, 7, 30, 35), (15, 2, 0, 8)]  # windows of 15 and 8 rows
+    windows = [2, 1]
+    assert units_left(slices, windows, 0) == (slices, 0)
+    assert units_left(slices, windows, 14) == (slices, 14)
+    assert units_left(slices, windows, 15) == (slices[2:], 0)
+    assert units_left(slices, windows, 16) == (slices[2:], 1)
+    assert units_left(slices, windows, 23) == ([], 0)
+
+
+def test_units_of_all_ranks_join_in_the_epochs_order_and_adjacent_ranges_merge():
+    rank0 = [(40, 3, 5, 9), (44, 1, 0, 6)]
+    rank1 = [(2, 3, 0, 5), (100, 1, 6, 20)]
+    # sorted by position: 3[0:5], 3[5:9] (merged), 1[0:6], 1[6:20] (merged)
+    assert shared_units([rank0, rank1]) == ([[3, 0, 9], [1, 0, 20]], 29)
+    assert shared_units([[(0, 2, 0, 4)], [(9, 2, 5, 7)]]) == ([[2, 0, 4], [2, 5, 7]], 6)  # a gap stays
+
+
+def test_units_from_a_checkpoint_are_checked():
+    saved = [{"epoch": 1, "left": [[0, 2, 0, 4]], "half_read": 3}, {"epoch": 1, "left": [[9, 2, "5", 7]],
+                                                                     "half_read": 0}]
+    with pytest.raises(ValueError, match="^data reader state: the units its ranks had left are not row ranges"):
+        resumed_epoch(saved)
+    assert resumed_epoch([{"epoch": 1, "step": 3}]) is None  # an older rankmix recorded none
+    saved[1]["left"] = [[9, 2, 5, 7]]
+    assert resumed_epoch(saved) == ({"epoch": 1, "units": [[2, 0, 4], [2, 5, 7]], "rows": 6}, 3)
+
+
+# ----------------------------------------------------------------------------- 4 -> 2 -> 3 ranks
+
+def _phase(rank: int, port: int, world: int, data: str, shuffle: bool, steps: int | None, load: str, save: str,
+           out: str) -> None:
+    """One job of `world` ranks: take up the position in `load` (if any), train on `steps` batches
+    (None: to the epoch's end), save the position to `save`, write what each rank trained to `out`."""
+    import torch.distributed as dist
+
+    from trainer.checkpoint.state import PerRankState, TrainedPosition
+    from trainer.data.reader import ParquetReader
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    reader = ParquetReader(data, make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle=shuffle,
+                           shuffle_buffer=BUFFER, seed=5, rank=rank, world_size=world, num_epochs=1)
+    position = TrainedPosition(reader, "exact")
+    ranks = PerRankState({"reader": position})
+    if load:
+        ranks.load_state_dict(Path(load).read_text())
+    epoch, trained = position.epoch, []
+    for batch in itertools.islice(position.track(iter(reader)), steps):
+        trained.append(batch.users.tolist())
+        position.advance()
+    text = ranks.state_dict()  # collective
+    if rank == 0 and save:
+        Path(save).write_text(text)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "trained": trained, "rows_reread": position.rows_reread, "steps": reader.steps_in_epoch(epoch),
+        "dropped": reader.epoch_rows(epoch).dropped}))
+    dist.destroy_process_group()
+
+
+def run_phase(tmp: Path, name: str, world: int, data: Path, shuffle: bool, steps: int | None,
+              load: str = "") -> tuple[list[dict], str]:
+    out = tmp / name
+    out.mkdir()
+    save = str(tmp / f"{name}.state")
+    spawn(_phase, (rendezvous_port(), world, str(data), shuffle, steps, load, save, str(out)), world)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)], save
+
+
+def global_batches(ranks: list[dict]) -> list[list[int]]:
+    """Step k's rows over all ranks."""
+    return [sum(batch, []) for batch in zip(*(r["trained"] for r in ranks), strict=True)]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_four_ranks_stopped_mid_epoch_resume_on_two_then_three_and_train_every_row_once(tmp_path, shuffle):
+    data = tmp_path / "data"
+    write_files(data, SIZES, 90)
+    four, saved4 = run_phase(tmp_path, "four", 4, data, shuffle, 9)
+    assert [r["steps"] for r in four] == [26] * 4  # 625 rows a rank
+    two, saved2 = run_phase(tmp_path, "two", 2, data, shuffle, 7, load=saved4)
+    three, _ = run_phase(tmp_path, "three", 3, data, shuffle, None, load=saved2)
+    batches = [*global_batches(four), *global_batches(two), *global_batches(three)]
+    assert all(len(b) == GLOBAL_BATCH for b in batches)
+    counts = Counter(itertools.chain.from_iterable(batches))
+    reread = three[0]["rows_reread"]
+    assert {r["rows_reread"] for r in three} == {reread}
+    if shuffle:
+        # 9 x 24 rows = 216 a rank stop inside a window of 150-270 rows (cut row groups of 90), and
+        # 7 x 48 = 336 a rank at 2 ranks again: both resumes read rows twice
+        assert 0 < two[0]["rows_reread"] < reread
+    else:  # read in order: cut at the row, and each step is the next GLOBAL_BATCH rows of file order
+        assert reread == 0
+        assert [sorted(b) for b in batches] == [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH))
+                                                for k in range(len(batches))]
+    # Every row once, the declared re-reads twice, except the rows of the resumed epoch's drop_last
+    # share (fewer than a global batch): rows never trained, or declared re-reads trained once.
+    twice = sum(c == 2 for c in counts.values())
+    missing = set(range(sum(SIZES))) - counts.keys()
+    dropped = three[0]["dropped"]
+    assert set(counts.values()) <= {1, 2} and twice + (dropped - len(missing)) == reread
+    assert len(missing) <= dropped < GLOBAL_BATCH
+    assert len(batches) * GLOBAL_BATCH == sum(SIZES) - len(missing) + twice
