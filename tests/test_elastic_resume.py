@@ -138,3 +138,69 @@ def test_four_ranks_stopped_mid_epoch_resume_on_two_then_three_and_train_every_r
     assert set(counts.values()) <= {1, 2} and twice + (dropped - len(missing)) == reread
     assert len(missing) <= dropped < GLOBAL_BATCH
     assert len(batches) * GLOBAL_BATCH == sum(SIZES) - len(missing) + twice
+
+
+# ----------------------------------------------------------------------------- a partition (data.order=time)
+
+PARTITIONS = {"hour=1": (0, 1100), "hour=2": (1100, 700)}  # first row id, rows
+
+
+def _partitions_phase(rank: int, port: int, world: int, root: str, steps: int | None, load: str, save: str,
+                      out: str) -> None:
+    """`_phase` over the partitions under `root`, read one after the other (PartitionedReader)."""
+    import torch.distributed as dist
+
+    from trainer.checkpoint.state import PerRankState, TrainedPosition
+    from trainer.data.partitions import PartitionedReader
+    from trainer.data.reader import ParquetReader
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    reader = PartitionedReader(root, lambda uri, name: ParquetReader(
+        uri, make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle_buffer=BUFFER, seed=5, rank=rank,
+        world_size=world, num_epochs=1), marker="_SUCCESS")
+    position = TrainedPosition(reader, "exact")
+    ranks = PerRankState({"reader": position})
+    if load:
+        ranks.load_state_dict(Path(load).read_text())
+    dropped = {position.epoch: reader.epoch_rows(position.epoch).dropped}
+    trained = []
+    for batch in itertools.islice(position.track(iter(reader)), steps):
+        trained.append(batch.users.tolist())
+        position.advance()
+        dropped[position.epoch] = reader.epoch_rows(position.epoch).dropped
+    text = ranks.state_dict()
+    if rank == 0 and save:
+        Path(save).write_text(text)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "trained": trained, "rows_reread": position.rows_reread, "dropped": sum(dropped.values())}))
+    dist.destroy_process_group()
+
+
+def test_a_partition_stopped_at_four_ranks_resumes_on_two_and_the_next_follows(tmp_path):
+    import pyarrow.parquet as pq
+
+    from test_reader import make_table
+
+    root = tmp_path / "log"
+    for name, (first, rows) in PARTITIONS.items():
+        (root / name).mkdir(parents=True)
+        pq.write_table(make_table(first, rows), root / name / "part-0.parquet", row_group_size=90)
+        (root / name / "_SUCCESS").write_text("")
+    runs = []
+    for name, world, steps, load in (("four", 4, 5, ""), ("two", 2, None, str(tmp_path / "four.state"))):
+        (tmp_path / name).mkdir()
+        spawn(_partitions_phase, (rendezvous_port(), world, str(root), steps, load, str(tmp_path / f"{name}.state"),
+                                  str(tmp_path / name)), world)
+        runs.append([json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(world)])
+    four, two = runs
+    batches = [*global_batches(four), *global_batches(two)]
+    counts = Counter(itertools.chain.from_iterable(batches))
+    reread, dropped = two[0]["rows_reread"], two[0]["dropped"]
+    twice = sum(c == 2 for c in counts.values())
+    missing = set(range(1800)) - counts.keys()
+    assert reread > 0 and set(counts.values()) <= {1, 2} and twice + (dropped - len(missing)) == reread
+    assert len(missing) <= dropped < 2 * GLOBAL_BATCH  # each partition's drop_last share
+    # time order: each global batch of one partition, every one of hour=1 before any of hour=2
+    later = [min(b) >= 1100 for b in batches]
+    assert later == [max(b) >= 1100 for b in batches] and later == sorted(later) and any(later)

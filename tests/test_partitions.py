@@ -27,6 +27,7 @@ class OnePass:
     """A partition's stand-in for its ParquetReader: `steps` batches, each the partition's name."""
 
     steps = 1
+    resumed = None  # a ParquetReader's epoch resumed at another world size
 
     def __init__(self, uri: str, name: str):
         self.name, self.step, self.loaded = name, 0, None

@@ -258,36 +258,37 @@ class TrainedPosition:
         self._ahead.clear()
 
     def load_resized(self, saved: list[dict]) -> None:
-        """An epoch boundary means the same thing in any world size. Inside an epoch, the units
-        the saved ranks had left become the rest of the epoch, split over this world size
-        (trainer/data/elastic.py), unless checkpoint.data_position = next_epoch."""
+        """An epoch boundary means the same thing in any world size. Inside an epoch (a partition
+        in time order), the units the saved ranks had left become the rest of it, split over this
+        world size (trainer/data/elastic.py), unless checkpoint.data_position = next_epoch."""
         first = saved[0]
         epoch, step = first["epoch"], first["step"]
+        partitioned = isinstance(self.reader, PartitionedReader)
+        readers = [s.get("reader") or {} for s in saved] if partitioned else saved
         # a partition's last step is its epoch's end; a resumed epoch is inside before its first step
-        inside = (step or "resumed" in first) and not first.get("done")
+        inside = (step or "resumed" in readers[0]) and not first.get("done")
         # This rank's fresh position, with what the saved one records of the input read so far
         # (files; partitions consumed), so that its checks run and no partition is trained again.
         position = self.reader.state_dict()
         position.update({key: first[key] for key in INPUT_RECORD if key in first})
         position["rows_reread"] = int(first.get("rows_reread", 0))
         if inside and self.data_position != "next_epoch":
-            taken = resumed_epoch(saved) if isinstance(self.reader, ParquetReader) else None
+            taken = resumed_epoch(readers)
             if taken is None:
                 raise ValueError(
-                    f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}) "
-                    f"{'of a partition (data.order=time)' if 'partition' in first else 'by an older rankmix'}, "
-                    f"without the rows each rank had left; at world size {dist.get_world_size()} that position would "
-                    f"replay or skip rows. Resume at the saved world size, or set "
+                    f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}) by an older "
+                    f"rankmix, without the rows each rank had left; at world size {dist.get_world_size()} that "
+                    "position would replay or skip rows. Resume at the saved world size, or set "
                     f"checkpoint.data_position=next_epoch to continue from the start of epoch {epoch + 1}")
             resumed, half_read = taken
-            position.update(epoch=epoch, step=0, resumed=resumed)
-            position["rows_reread"] += half_read
+            position.update(epoch=epoch, step=0, resumed=resumed, rows_reread=position["rows_reread"] + half_read)
             self.load_state_dict(position)
+            self.current = self.reader.state_dict()  # the reader's own form of the resumed position
             steps = self.reader.steps_in_epoch(epoch)
             log.warning("data: epoch %d resumed at world size %d from %d: its %d rows left in %d steps per rank; "
                         "%d rows of half-read shuffle windows are read again", epoch, dist.get_world_size(),
                         len(saved), resumed["rows"], steps, half_read)
-            if steps:
+            if steps or partitioned:  # a partition without a step is skipped, and consumed, as any
                 return
             # fewer rows left than one batch per rank: drop_last's share, and nothing is read again
             position.update(epoch=epoch + 1, rows_reread=position["rows_reread"] - half_read)

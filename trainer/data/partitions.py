@@ -16,7 +16,8 @@ partition as they split a fixed file list: disjoint rows, equal steps. To the tr
 "epoch" is one partition: `epoch` counts the partitions this run folder has trained.
 
 State. A checkpoint holds the partitions consumed, each with its files (path, bytes, rows of
-each row group), and the partition being trained with its ParquetReader position. On resume a
+each row group), and the partition being trained with its ParquetReader position, which at
+another world size resumes through the units each rank had left (trainer/data/elastic.py). On resume a
 consumed partition whose files changed (compared by path and bytes, from the listing alone)
 is an error naming the file, as is a new partition that sorts before the last consumed one, or
 level with it (`hour=010` after `hour=10`); a consumed partition that is gone (retention) is
@@ -244,14 +245,18 @@ class PartitionedReader:
         current = self.readers.get(self.epoch)
         step = current.step if current is not None else 0
         done = current is not None and step == current.steps_in_epoch(0)
+        inside = current is not None and (step or current.resumed) and not done
         return {"epoch": self.epoch, "step": step, "partition": self.partition, "done": done,
                 "consumed": self._consumed(current) if done else self.consumed,
-                "reader": current.state_dict() if step and not done else None}
+                "reader": current.state_dict() if inside else None}
 
     def with_units_left(self, state: dict) -> dict:
-        """`state` as it is: inside a partition, a position resumes at its own world size only
-        (or at the next partition: checkpoint.data_position = next_epoch)."""
-        return state
+        """`state` with what its partition has left on this rank (its ParquetReader's units), for a
+        resume at another world size (trainer/data/elastic.py)."""
+        current = self.readers.get(state["epoch"])
+        if not state.get("reader") or current is None:
+            return state
+        return {**state, "reader": current.with_units_left(state["reader"])}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the saved partitions: refuse a trained partition whose files changed
@@ -278,8 +283,10 @@ class PartitionedReader:
         # Trained partitions keep their epoch numbers and are never read again (their files may be gone).
         trained = [Partition(c["partition"], tuple(c["key"]), ()) for c in consumed]
         self.sequence, self.consumed, self.readers, self.epoch = trained + after, consumed, {}, len(consumed)
-        if state.get("reader"):
+        if state.get("reader") or state.get("resumed"):
             if self.partition != state["partition"]:
                 raise ValueError(f"data reader state: partition {state['partition']} was being trained, but it is "
                                  "no longer complete under data.train_path")
-            self.reader(self.epoch).load_state_dict(state["reader"])
+            reader = self.reader(self.epoch)
+            # `resumed`: the rows the partition had left at another world size (TrainedPosition.load_resized)
+            reader.load_state_dict(state.get("reader") or {**reader.state_dict(), "resumed": state["resumed"]})
