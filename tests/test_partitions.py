@@ -516,3 +516,29 @@ def partition_figures(rng: np.random.Generator, model: nn.Module, progressive: P
     model(Rows(*rows(rng, 50)))  # not a training row
     model.train()
     return logits, labels, progressive.compute()
+
+
+# ----------------------------------------------------------------------------- shuffled order
+
+def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
+    from test_reader import make_encoder, make_table
+    from trainer.data.partitions import complete_partitions
+    from trainer.data.reader import ParquetReader
+
+    for i, (name, complete) in enumerate([("day=1", True), ("day=2", False), ("day=10", True)]):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(100 * i, 100), tmp_path / name / "part-0.parquet")
+        if complete:
+            (tmp_path / name / "_SUCCESS").write_text("")
+    spec = complete_partitions(str(tmp_path), "_SUCCESS")
+    assert spec == f"{tmp_path}/day=1,{tmp_path}/day=10"
+    reader = ParquetReader(spec, make_encoder(), batch_size=10, num_epochs=1)
+    rows = sorted(int(u) for batch in reader for u in batch.users)
+    assert rows == [*range(0, 100), *range(200, 300)]  # not day=2's 100..199
+    assert complete_partitions(str(tmp_path), "").count(",") == 2  # every folder complete
+    assert complete_partitions(str(tmp_path / "day=1"), "_SUCCESS") == str(tmp_path / "day=1")  # files only
+    assert complete_partitions(f"{tmp_path}/day=1,{tmp_path}/day=2", "_SUCCESS") == f"{tmp_path}/day=1,{tmp_path}/day=2"
+    (tmp_path / "day=10" / "_SUCCESS").unlink()
+    (tmp_path / "day=1" / "_SUCCESS").unlink()
+    assert refused(complete_partitions, str(tmp_path), "_SUCCESS") == (
+        f"{tmp_path}: none of its KEY=VALUE partitions is complete (holds _SUCCESS)")

@@ -84,7 +84,7 @@ class DataConfig:
     order: DataOrder = "shuffled"
     """shuffled (one file list, reshuffled every epoch) | time (train_path's KEY=VALUE partitions in key order, each once; docs/continuous.md)."""
     success_marker: str = "_SUCCESS"
-    """data.order=time: the file that marks a partition complete ('' : every partition folder is complete)."""
+    """The file that marks a KEY=VALUE partition folder complete, in either order ('' : every one is complete)."""
     follow: bool = False
     """data.order=time: once the complete partitions are trained, wait for new ones (until SIGTERM)."""
     poll_seconds: float = 30.0
@@ -109,7 +109,7 @@ def per_rank_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.data.global_batch_size // world_size
 
 
-TIME_ORDER_FIELDS = ("success_marker", "follow", "poll_seconds")
+TIME_ORDER_FIELDS = ("follow", "poll_seconds")
 """DataConfig fields that only data.order = "time" reads."""
 
 

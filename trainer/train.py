@@ -32,7 +32,7 @@ from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
-from trainer.data.partitions import PartitionedReader
+from trainer.data.partitions import PartitionedReader, complete_partitions
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
 from trainer.errors import Interrupted
@@ -86,9 +86,12 @@ class Trainer:
         self.batch_size = per_rank_batch_size(cfg, env.world_size)
         self.retries = {"retry_seconds": cfg.data.retry_seconds, "retry_attempts": cfg.data.retry_attempts}
         time_order = cfg.data.order == "time"
-        self.train_reader = (partitioned_reader(cfg, files.train_path, self.retries, self._reader) if time_order
-                             else self._reader(files.train_path, cfg.train.seed))
-        self.selection = ModelSelection(cfg, self.run_dir, files.train_path)
+        # shuffled order over KEY=VALUE folders reads the complete partitions only, as time order does
+        train_path = files.train_path if time_order else complete_partitions(
+            files.train_path, cfg.data.success_marker, **self.retries)
+        self.train_reader = (partitioned_reader(cfg, train_path, self.retries, self._reader) if time_order
+                             else self._reader(train_path, cfg.train.seed))
+        self.selection = ModelSelection(cfg, self.run_dir, train_path)
         if self.selection.split:  # its files' schema and its rows checked now, not after an epoch
             path, split = self.selection.split
             ParquetReader(path, self.encoder, batch_size=1, drop_last=False, **split, **self.retries)
