@@ -89,13 +89,16 @@ MODULES = {
     "config": Target("trainer/config_loader.py", ("tests/test_config.py", "tests/test_config_coercion.py"), (
         "apply_override", "_child", "_parse_scalar", "_build", "_coerce", "_entry", "_join")),
     "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
-                                                  "tests/test_reader_assignment.py"), (
+                                                  "tests/test_reader_assignment.py", "tests/test_elastic_resume.py"), (
         "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
         "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
-        "ParquetReader._windows")),
+        "ParquetReader._windows", "ParquetReader._order", "ParquetReader._epoch_size", "ParquetReader._placed",
+        "ParquetReader.with_units_left", "ParquetReader._checked_resumed")),
+    # the ranks' own exchange of their units (PerRankState) is the spawned tests' to check
+    "elastic": Target("trainer/data/elastic.py", ("tests/test_elastic_resume.py",)),
     # the listing's agreement over ranks (_agreed_listing) is the two-rank tests' to check
     "partitions": Target("trainer/data/partitions.py", ("tests/test_partitions.py",), (
-        "list_partitions", "_is_partition", "_key_names", "_same_keys", "_keys", "_is_int", "_child",
+        "list_partitions", "complete_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys", "_keys", "_is_int", "_child",
         "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
         "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",
         "PartitionedReader.epoch_rows", "PartitionedReader.steps_left", "PartitionedReader.__iter__",
@@ -111,7 +114,7 @@ MODULES = {
     "streaming": Target("trainer/metrics/streaming.py", ("tests/test_streaming_metrics_unit.py",), (
         "_codes", "_sums", "histogram_auc", "_task_figures", "_first_task", "SplitMetrics.__init__",
         "SplitMetrics.add", "SplitMetrics.compute", "_bucket_of", "UserBuckets.__init__", "UserBuckets.add",
-        "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close",
+        "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close", "_allow_open_files",
         "TrainingWindow.__init__", "TrainingWindow._record", "TrainingWindow.compute")),
     "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py",), (
         "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node")),

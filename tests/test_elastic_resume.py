@@ -1,7 +1,8 @@
 """Elastic resume inside an epoch (trainer/data/elastic.py): a position saved by 4 ranks in the
 middle of an epoch resumes on 2, whose position resumes on 3, and every row id of the epoch is
 trained once, apart from the half-read shuffle windows the checkpoints declare; unshuffled, the
-global batches stay those of file order. The ranks are real gloo processes, and their positions
+global batches stay those of file order; inside the resumed epoch a resume at the same world
+size is exact. The ranks are real gloo processes, and their positions
 go through the checkpoint's own per-rank part (PerRankState: gathered, JSON, taken up)."""
 
 from __future__ import annotations
@@ -63,12 +64,69 @@ def test_units_from_a_checkpoint_are_checked():
     assert resumed_epoch(saved) == ({"epoch": 1, "units": [[2, 0, 4], [2, 5, 7]], "rows": 6}, 3)
 
 
+# ----------------------------------------------------------------------------- one process, every rank
+
+def rank_readers(data: Path, world: int, shuffle: bool = True) -> list:
+    from trainer.data.reader import ParquetReader
+
+    return [ParquetReader(str(data), make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle=shuffle,
+                          shuffle_buffer=BUFFER, seed=5, rank=r, world_size=world, num_epochs=1)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_units_left_by_four_readers_are_read_once_by_three(tmp_path, shuffle):
+    """What TrainedPosition does across a checkpoint, on readers of every rank in one process."""
+    data = tmp_path / "data"
+    write_files(data, SIZES, 90)
+    four, trained = rank_readers(data, 4, shuffle), []
+    states = []
+    for reader in four:
+        it = iter(reader)
+        trained += [u for batch in itertools.islice(it, 11) for u in batch.users.tolist()]
+        states.append(reader.with_units_left(json.loads(json.dumps(reader.state_dict()))))
+        it.close()
+    assert [s["step"] for s in states] == [11] * 4
+    resumed, reread = resumed_epoch(states)
+    assert resumed["rows"] == sum(SIZES) - 4 * 11 * 24 + reread and resumed["epoch"] == 0
+    assert (reread > 0) == shuffle
+    three = rank_readers(data, 3, shuffle)
+    for reader in three:
+        reader.load_state_dict({**reader.state_dict(), "resumed": resumed})
+        # the resumed epoch goes into the state, so that a resume at the same world size reads it again
+        assert reader.epoch_rows(0).rows == resumed["rows"] and reader.state_dict()["resumed"] == resumed
+        trained += [u for batch in reader for u in batch.users.tolist()]
+    counts = Counter(trained)
+    twice = sum(c == 2 for c in counts.values())
+    missing = set(range(sum(SIZES))) - counts.keys()
+    dropped = three[0].epoch_rows(0).dropped
+    assert set(counts.values()) <= {1, 2} and twice + (dropped - len(missing)) == reread
+    assert len(missing) <= dropped < GLOBAL_BATCH
+    assert "resumed" not in three[0].state_dict()  # the next epoch is the whole split again
+
+
+def test_a_resumed_epoch_whose_units_are_not_of_this_input_is_refused(tmp_path):
+    data = tmp_path / "data"
+    write_files(data, SIZES, 90)
+    reader = rank_readers(data, 2)[0]
+    groups = len(reader.row_groups)
+    message = f"data reader state: its resumed epoch's units are not row ranges of this input's {groups} row groups"
+    for units, rows in (([[groups, 0, 10]], 10), ([[0, 5, 91]], 86), ([[0, 5, 5]], 0), ([[0, 0, 10]], 11),
+                        ([[0, 0, "9"]], 9), ([[0, 0]], 0)):
+        with pytest.raises(ValueError) as e:
+            reader.load_state_dict({**reader.state_dict(), "resumed": {"epoch": 0, "units": units, "rows": rows}})
+        assert str(e.value) == message
+    reader.load_state_dict({**reader.state_dict(), "resumed": {"epoch": 0, "units": [[0, 5, 90]], "rows": 85}})
+    assert reader.steps_in_epoch(0) == 85 // 2 // 48 == 0 and reader.steps_in_epoch(1) == 2500 // 2 // 48
+
+
 # ----------------------------------------------------------------------------- 4 -> 2 -> 3 ranks
 
 def _phase(rank: int, port: int, world: int, data: str, shuffle: bool, steps: int | None, load: str, save: str,
-           out: str) -> None:
+           out: str, more: int) -> None:
     """One job of `world` ranks: take up the position in `load` (if any), train on `steps` batches
-    (None: to the epoch's end), save the position to `save`, write what each rank trained to `out`."""
+    (None: to the epoch's end), save the position to `save`, write what each rank trained to `out`,
+    and the `more` batches that come after the save (`after`)."""
     import torch.distributed as dist
 
     from trainer.checkpoint.state import PerRankState, TrainedPosition
@@ -89,18 +147,19 @@ def _phase(rank: int, port: int, world: int, data: str, shuffle: bool, steps: in
     text = ranks.state_dict()  # collective
     if rank == 0 and save:
         Path(save).write_text(text)
+    after = [batch.users.tolist() for batch in itertools.islice(position.track(iter(reader)), more)]
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "trained": trained, "rows_reread": position.rows_reread, "steps": reader.steps_in_epoch(epoch),
-        "dropped": reader.epoch_rows(epoch).dropped}))
+        "dropped": reader.epoch_rows(epoch).dropped, "after": after}))
     dist.destroy_process_group()
 
 
 def run_phase(tmp: Path, name: str, world: int, data: Path, shuffle: bool, steps: int | None,
-              load: str = "") -> tuple[list[dict], str]:
+              load: str = "", more: int = 0) -> tuple[list[dict], str]:
     out = tmp / name
     out.mkdir()
     save = str(tmp / f"{name}.state")
-    spawn(_phase, (rendezvous_port(), world, str(data), shuffle, steps, load, save, str(out)), world)
+    spawn(_phase, (rendezvous_port(), world, str(data), shuffle, steps, load, save, str(out), more), world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)], save
 
 
@@ -115,7 +174,10 @@ def test_four_ranks_stopped_mid_epoch_resume_on_two_then_three_and_train_every_r
     write_files(data, SIZES, 90)
     four, saved4 = run_phase(tmp_path, "four", 4, data, shuffle, 9)
     assert [r["steps"] for r in four] == [26] * 4  # 625 rows a rank
-    two, saved2 = run_phase(tmp_path, "two", 2, data, shuffle, 7, load=saved4)
+    two, saved2 = run_phase(tmp_path, "two", 2, data, shuffle, 7, load=saved4, more=3)
+    # inside the resumed epoch, a resume at its own world size is exact, as any
+    again, _ = run_phase(tmp_path, "two_again", 2, data, shuffle, 3, load=saved2)
+    assert [r["trained"] for r in again] == [r["after"] for r in two]
     three, _ = run_phase(tmp_path, "three", 3, data, shuffle, None, load=saved2)
     batches = [*global_batches(four), *global_batches(two), *global_batches(three)]
     assert all(len(b) == GLOBAL_BATCH for b in batches)
