@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import CheckpointException, Metadata, TensorSt
 from embeddings.features import FeatureSpec, managed_tables
 from trainer.checkpoint.files import check_swap, swap_folder
 from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, first_line, read_metadata
+from trainer.checkpoint.views import ViewSavePlanner
 from trainer.config import CheckpointConfig
 from trainer.dist import gloo_group, raise_on_every_rank, side_group
 
@@ -118,10 +119,11 @@ class CheckpointManager:
         dist.barrier(group=side_group())
         self._last_save_time = time.monotonic()
         if self.cfg.async_save:  # stages a CPU copy now, writes it while training goes on
-            future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group)
+            future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group,
+                                    planner=ViewSavePlanner())
             self._pending = (path, future, on_done)
         else:
-            dcp.save(parts, checkpoint_id=str(path), process_group=side_group())
+            dcp.save(parts, checkpoint_id=str(path), process_group=side_group(), planner=ViewSavePlanner())
             self._finish(path, on_done)
 
     def wait(self) -> None:
@@ -180,7 +182,7 @@ def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") ->
         except ValueError as e:
             error = str(e)
     raise_on_every_rank(error)  # the barrier too: rank 0 cleared `new`
-    dcp.save(parts, checkpoint_id=str(new), process_group=side_group())
+    dcp.save(parts, checkpoint_id=str(new), process_group=side_group(), planner=ViewSavePlanner())
     dist.barrier(group=side_group())
     if dist.get_rank() == 0:
         swap_folder(path, new)
