@@ -1,4 +1,4 @@
-"""Saving views of a larger buffer without DCP's copy of each (docs/design.md §2.10).
+"""Saving and loading table shards without DCP's whole copies of them (docs/design.md §2.10).
 
 FBGEMM keeps all the tables of a rank's fused kernel, and their optimizer state, in a few flat
 buffers; each table shard in the state dict is a view of one of them (as is each tensor of an
@@ -9,15 +9,26 @@ before writing it: a transient copy of the largest shard, on top of everything t
 `ViewSavePlanner` hands the writer each contiguous CPU view as a tensor over a slice of its
 storage, holding exactly its bytes and sharing them (`own_bytes`): the writer then sees nothing
 to clone, and the files hold the same bytes.
+
+A load, in DCP's FileSystemReader, reads each saved tensor whole (`torch.load`), then narrows it
+to the rows the rank needs and copies them into place: a transient copy of the largest saved
+shard, larger than the rank's own when the checkpoint came from fewer ranks. `read_rows` reads
+a saved tensor's pickle alone (on the meta device: no storage is read), then the bytes of the
+rows needed, straight into the target (through a buffer of those rows for a target off the
+CPU). It serves what row-wise and table-wise shards need, a range of the first dimension of a
+contiguous tensor; anything else (a column-wise narrow, a transformed item) goes DCP's way.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import sys
+from typing import IO
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint import DefaultSavePlanner, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem
 
 
 def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,3 +48,41 @@ class ViewSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
         return own_bytes(data) if isinstance(data, torch.Tensor) else data
+
+
+def read_rows(item: IO[bytes], length: int, req: ReadItem, planner: LoadPlanner) -> bool:
+    """Read the rows `req` asks of the saved tensor in `item` (a view of its `length` bytes in the
+    storage file) straight into its target, and commit it; False, having read no data, where the
+    item is not a little-endian contiguous tensor narrowed along its first dimension alone."""
+    if req.type != LoadItemType.TENSOR or sys.byteorder != "little":
+        return False
+    item.seek(0)
+    saved = torch.load(item, map_location="meta", weights_only=True)  # the pickle alone: shape, dtype, record
+    # torch.load's offset of the storage's record in the item (torch/serialization.py, meta map_location)
+    record = getattr(saved.untyped_storage(), "_checkpoint_offset", None) if isinstance(saved, torch.Tensor) else None
+    target = planner.resolve_tensor(req).detach()
+    offsets, lengths = list(req.storage_offsets), list(req.lengths)
+    if (record is None or saved.dim() == 0 or not saved.is_contiguous() or saved.dtype != target.dtype
+            or list(target.shape) != lengths or offsets[0] + lengths[0] > saved.shape[0]
+            or any(o != 0 or n != full for o, n, full in zip(offsets[1:], lengths[1:], saved.shape[1:]))):
+        return False
+    row = math.prod(saved.shape[1:]) * saved.element_size()
+    start = record + saved.storage_offset() * saved.element_size() + offsets[0] * row
+    nbytes = lengths[0] * row
+    if start + nbytes > length:
+        return False  # DCP's own read reports what is wrong with the item
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    into = target if direct else torch.empty(target.shape, dtype=target.dtype)
+    if nbytes:
+        buffer = memoryview(into.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        item.seek(start)
+        done = 0
+        while done < nbytes:
+            got = item.readinto(buffer[done:])
+            if not got:
+                raise ValueError(f"storage item {req.storage_index.fqn!r} ends before its rows")
+            done += got
+    if not direct:
+        target.copy_(into)
+    planner.commit_tensor(req, target)
+    return True
