@@ -13,11 +13,12 @@ Host memory. Per rank it also counts what the host holds besides the planned sha
 (`host_memory`): the runtime (torch and TorchRec loaded), the init's row blocks
 (embeddings/init.py), the training reader's buffers (trainer/data/reader.py, Memory),
 evaluation's fixed state and its reader (trainer/metrics/streaming.py), with
-`checkpoint.async_save` DCP's staged copy of the rank's state, and a resume's load, which reads
-each saved tensor whole before copying it into place (the rank's largest shard or dense
-tensor). A save makes no copy of its own: DCP's writer would clone every table shard, all
-views of FBGEMM's fused buffers, but is handed them as tensors of their own bytes
-(trainer/checkpoint/views.py). On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
+`checkpoint.async_save` DCP's staged copy of the rank's state, and a resume's load: it reads
+rows straight into a CPU rank's tensors and through a buffer of up to 64 MiB into a GPU's
+(trainer/checkpoint/views.py `read_rows`; a checkpoint whose shards split the columns otherwise
+than this plan's is read a saved shard at a time, whole, which the plan does not count). A save makes no
+copy of its own: DCP's writer would clone every table shard, all views of FBGEMM's fused
+buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`). On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
 before the first read); a node fits when its ranks' sums fit in local_world_size x --ddr-gb.
 """
 
@@ -40,6 +41,7 @@ from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
+from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
@@ -71,7 +73,7 @@ class HostMemory:
     reader: int
     evaluation: int
     async_save: int
-    load: int = 0  # a resume's transient copy: the largest saved tensor, which DCP reads whole
+    load: int = 0  # a resume's transient copy: a GPU rank's load buffer
 
     @property
     def total(self) -> int:
@@ -180,9 +182,9 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
         resident = m.estimate + dense if device == "cpu" else 0
         # a checkpoint holds no gradients
         staged = m.tables + m.optimizer + m.id_maps + dense - dense_params * 4 if cfg.checkpoint.async_save else 0
-        # DCP's reader loads each saved tensor whole before copying it into place (at the saving
-        # world size; a checkpoint of fewer ranks has larger shards)
-        out.append(HostMemory(resident, init, reader, evaluation, staged, max(m.largest, largest_dense)))
+        # a load reads rows straight into a CPU rank's tensors; a GPU rank's go through a buffer
+        buffer = min(max(m.largest, largest_dense), LOAD_CHUNK_BYTES) if device == "cuda" else 0
+        out.append(HostMemory(resident, init, reader, evaluation, staged, buffer))
     return out
 
 

@@ -102,6 +102,13 @@ def test_a_load_reads_only_the_rows_each_target_needs(tmp_path, monkeypatch):
         assert torch.equal(half, table[lo:lo + rows // 2])
         # the pickle on the meta device (a few small reads), then its rows in one
         assert loads == ["meta"] and max(reads) == half_bytes and sum(reads) < half_bytes + (64 << 10)
+    # a target the rows cannot be read into (a GPU's; here one laid out column-major): through a
+    # buffer of LOAD_CHUNK_BYTES, 25,000 rows at a time
+    monkeypatch.setattr("trainer.checkpoint.views.LOAD_CHUNK_BYTES", 25_000 * 8 * 4)
+    reads.clear()
+    strided = torch.zeros(8, rows // 2).t()
+    read(tmp_path / "ck", "table", strided, [rows // 2, 0])
+    assert torch.equal(strided, table[rows // 2:]) and max(reads) == half_bytes // 2
     loads.clear(), reads.clear()
     right = torch.zeros(rows, 4)
     read(tmp_path / "ck", "table", right, [0, 4])

@@ -45,7 +45,7 @@ def test_plan_prints_each_ranks_host_memory():
         # the async save stages the tables, optimizer state, weights and RMSProp state
         assert h.resident == m.estimate + params * 4 * 3
         assert h.async_save == m.tables + m.optimizer + params * 4 * 2
-        assert h.load == max(m.largest, largest_dense(cfg))
+        assert h.load == 0  # rows go straight into a CPU rank's tensors
         total = RUNTIME + h.resident + sum(want.values()) + h.async_save + h.load
         assert h.total == total
         row = (f"{rank:>4} {h.resident / GB:>12.3f} {want['init'] / GB:>8.3f} {want['reader'] / GB:>10.3f} "
@@ -94,8 +94,8 @@ def shards_of(plan, rank: int) -> list[tuple[int, int]]:
 
 def test_plans_of_two_and_four_ranks_differ_as_their_shards_do():
     """The per-rank figures, checked against TorchRec's own sharding plan at each world size: a
-    rank's tables, Adagrad state and largest shard (what a resume's load reads whole) are those of
-    the shards the plan places on it, so 2 ranks hold twice what 4 do, and the largest shard too."""
+    rank's tables, Adagrad state and largest shard (a GPU rank's load buffer, up to 64 MiB) are
+    those of the shards the plan places on it, so 2 ranks hold twice what 4 do."""
     cfg = load_config(SYNTH, ["--embeddings.plan=row_wise", "--embeddings.optimizer=adagrad",
                               "--features.user_id.num_embeddings=400000"])
     plans = {world: plan_cluster(cfg, world, "cpu", 0.0, 24.0, world) for world in (2, 4)}
@@ -104,13 +104,15 @@ def test_plans_of_two_and_four_ranks_differ_as_their_shards_do():
             shards = shards_of(plan.plan, rank)
             assert m.tables == m.optimizer == sum(rows * cols * 4 for rows, cols in shards)
             assert m.largest == max(rows * cols * 4 for rows, cols in shards)
-            assert h.load == max(m.largest, largest_dense(cfg))
+            assert h.load == 0  # read straight into a CPU rank's tables
     two, four = plans[2], plans[4]
     assert sum(m.tables for m in two.memory) == sum(m.tables for m in four.memory)
     # user_id's 400,000 rows of dim 16: 200,000 a rank at 2 ranks, 100,000 at 4
     assert [m.largest for m in two.memory] == [200_000 * 16 * 4] * 2 and [m.largest for m in four.memory] == \
         [100_000 * 16 * 4] * 4
     assert min(h.total for h in two.host) > max(h.total for h in four.host)
+    gpu = plan_cluster(cfg, 2, "cuda", 80.0, 24.0, 2)
+    assert [h.load for h in gpu.host] == [min(max(m.largest, largest_dense(cfg)), 64 << 20) for m in gpu.memory]
 
 
 def test_an_explicit_row_wise_plan_on_cpu_is_sized_as_training_shards_it():

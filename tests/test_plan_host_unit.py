@@ -105,16 +105,20 @@ def test_each_ranks_host_memory(tmp_path, device, prefetched, async_save):
         resident = m.estimate + DENSE if device == "cpu" else 0
         # a checkpoint stages the tables, optimizer state, id maps and the dense state without gradients
         staged = m.tables + m.optimizer + m.id_maps + DENSE - 4 * DENSE_PARAMS if async_save else 0
-        want.append(HostMemory(resident, init, reader, evaluation, staged, load=m.largest))
+        # a load reads a CPU rank's rows into place, a GPU rank's through a buffer of its largest shard
+        load = m.largest if device == "cuda" else 0
+        want.append(HostMemory(resident, init, reader, evaluation, staged, load))
     assert host == want
-    assert sum(h.load for h in host) == 600 + 4000 and host[1].total == RUNTIME + sum(
-        (host[1].resident, init, reader, evaluation, host[1].async_save, 4000))
+    assert host[0].total == RUNTIME + sum((host[0].resident, init, reader, evaluation, host[0].async_save,
+                                           600 if device == "cuda" else 0))
 
 
-def test_a_load_reads_the_largest_saved_tensor_whole_a_shard_or_a_dense_one(tmp_path):
+def test_a_gpu_ranks_load_buffer_holds_its_largest_tensor_up_to_64_mib(tmp_path):
     cfg = _config(tmp_path)
     assert [h.load for h in host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, "cuda", 32, largest_dense=2000)] == \
         [2000, 4000]
+    rows_only = [RankMemory(1 << 40, 0, 1 << 40, largest=1 << 40)]
+    assert [host_memory(cfg, rows_only, DENSE, DENSE_PARAMS, d, 32)[0].load for d in ("cuda", "cpu")] == [64 << 20, 0]
 
 
 def test_a_user_column_of_its_own_is_read_too(tmp_path):

@@ -14,8 +14,8 @@ A load, in DCP's FileSystemReader, reads each saved tensor whole (`torch.load`),
 to the rows the rank needs and copies them into place: a transient copy of the largest saved
 shard, larger than the rank's own when the checkpoint came from fewer ranks. `read_rows` reads
 a saved tensor's pickle alone (on the meta device: no storage is read), then the bytes of the
-rows needed, straight into the target (through a buffer of those rows for a target off the
-CPU). It serves what row-wise and table-wise shards need, a range of the first dimension of a
+rows needed, straight into the target (a target off the CPU, a GPU's, through a buffer of
+LOAD_CHUNK_BYTES). It serves what row-wise and table-wise shards need, a range of the first dimension of a
 contiguous tensor; anything else (a column-wise narrow, a transformed item) goes DCP's way.
 """
 
@@ -29,6 +29,9 @@ from typing import IO
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, LoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem
+
+LOAD_CHUNK_BYTES = 64 << 20
+"""A load into a tensor off the CPU reads its rows through a host buffer of at most this size."""
 
 
 def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,18 +74,28 @@ def read_rows(item: IO[bytes], length: int, req: ReadItem, planner: LoadPlanner)
     nbytes = lengths[0] * row
     if start + nbytes > length:
         return False  # DCP's own read reports what is wrong with the item
-    direct = target.device.type == "cpu" and target.is_contiguous()
-    into = target if direct else torch.empty(target.shape, dtype=target.dtype)
-    if nbytes:
-        buffer = memoryview(into.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        item.seek(start)
-        done = 0
-        while done < nbytes:
-            got = item.readinto(buffer[done:])
-            if not got:
-                raise ValueError(f"storage item {req.storage_index.fqn!r} ends before its rows")
-            done += got
-    if not direct:
-        target.copy_(into)
+    item.seek(start)
+    if target.device.type == "cpu" and target.is_contiguous():
+        _read_into(item, target, req)
+    else:
+        step = max(1, LOAD_CHUNK_BYTES // max(row, 1))
+        buffer = torch.empty((min(step, lengths[0]), *target.shape[1:]), dtype=target.dtype)
+        for first in range(0, lengths[0], step):
+            part = buffer[:min(step, lengths[0] - first)]
+            _read_into(item, part, req)
+            target[first:first + len(part)].copy_(part)
     planner.commit_tensor(req, target)
     return True
+
+
+def _read_into(item: IO[bytes], into: torch.Tensor, req: ReadItem) -> None:
+    """Fill the contiguous CPU tensor `into` with the next bytes of `item`."""
+    if not into.numel():
+        return
+    buffer = memoryview(into.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(buffer):
+        got = item.readinto(buffer[done:])
+        if not got:
+            raise ValueError(f"storage item {req.storage_index.fqn!r} ends before its rows")
+        done += got
