@@ -11,8 +11,9 @@ Every figure comes with a ratio to its limit, measured in the same run (docs/sca
   peak RSS (VmHWM) at 10%, 50% and 100% of each pass.
 - training: `rankmix launch` on 4 gloo ranks for `--steps` steps, an async save halfway
   and at the end; then 2 ranks resume it (DCP reshards; the epoch's rows left are split over
-  the 2 ranks, trainer/data/elastic.py) for `--resume-steps` more and save synchronously. Each rank's peak RSS (VmHWM of the rank
-  processes, sampled from /proc) against `rankmix plan --device cpu` for the same config.
+  the 2 ranks, trainer/data/elastic.py) for `--resume-steps` more and save synchronously.
+  Each rank's peak RSS (VmHWM of the rank processes, sampled from /proc) against
+  `rankmix plan --device cpu` for the same config.
 - checkpoint: each save's GB/s (the step's log time to `.metadata`'s mtime, which DCP writes
   last) and a DCP load of the model (`trainer.checkpoint.manager.model_tensors`) against this disk's
   sequential write (fsync'd) and read of a file of the checkpoint's size. Before every timed

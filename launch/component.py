@@ -89,7 +89,8 @@ def train(
     device_option = [] if "--train.device" in options else [f"--train.device={device}"]
     app = ddp("train", "--config", config, *overrides, *device_option,
               m="launch.cli", image=image, name=name, cpu=cpu or 2 * nproc_per_node, gpu=gpu,
-              memMB=memMB or MEM_MB_PER_RANK[device] * nproc_per_node, j=f"{low}:{high}x{nproc_per_node}" if low < high else f"{low}x{nproc_per_node}", env=env,
+              memMB=memMB or MEM_MB_PER_RANK[device] * nproc_per_node,
+              j=f"{low}:{high}x{nproc_per_node}" if low < high else f"{low}x{nproc_per_node}", env=env,
               max_retries=max_retries, rdzv_port=rdzv_port, mounts=mounts)
     role = app.roles[0]
     # ddp's command line starts with a bare `torchrun`, looked up on the node's PATH.

@@ -15,11 +15,13 @@ Host memory. Per rank it also counts what the host holds besides the planned sha
 evaluation's fixed state and its reader (trainer/metrics/streaming.py), with
 `checkpoint.async_save` DCP's staged copy of the rank's state, and a resume's load: it reads
 rows straight into a CPU rank's tensors and through a buffer of up to 64 MiB into a GPU's
-(trainer/checkpoint/views.py `read_rows`; a checkpoint whose shards split the columns otherwise
-than this plan's is read a saved shard at a time, whole, which the plan does not count). A save makes no
-copy of its own: DCP's writer would clone every table shard, all views of FBGEMM's fused
-buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`). On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
-before the first read); a node fits when its ranks' sums fit in local_world_size x --ddr-gb.
+(trainer/checkpoint/views.py `read_rows`; a checkpoint whose shards split the columns
+otherwise than this plan's is read a saved shard at a time, whole, which is not counted). A
+save makes no copy of its own: DCP's writer would clone every table shard, all views of
+FBGEMM's fused buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`).
+On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound
+(the init's blocks are freed before the first read); a node fits when its ranks' sums fit in
+local_world_size x --ddr-gb.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ MODULES = {
     "elastic": Target("trainer/data/elastic.py", ("tests/test_elastic_resume.py",)),
     # the listing's agreement over ranks (_agreed_listing) is the two-rank tests' to check
     "partitions": Target("trainer/data/partitions.py", ("tests/test_partitions.py",), (
-        "list_partitions", "complete_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys", "_keys", "_is_int", "_child",
+        "list_partitions", "complete_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys",
+        "_keys", "_is_int", "_child",
         "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
         "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",
         "PartitionedReader.epoch_rows", "PartitionedReader.steps_left", "PartitionedReader.__iter__",

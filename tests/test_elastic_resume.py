@@ -13,7 +13,6 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cli import rendezvous_port, spawn
