@@ -265,3 +265,19 @@ def test_a_partition_stopped_at_four_ranks_resumes_on_two_and_the_next_follows(t
     # time order: each global batch of one partition, every one of hour=1 before any of hour=2
     later = [min(b) >= 1100 for b in batches]
     assert later == [max(b) >= 1100 for b in batches] and later == sorted(later) and any(later)
+
+
+def test_a_position_after_the_epochs_last_batch_leaves_nothing_to_read_again(tmp_path):
+    """Its last window was half read, but the epoch is over: the next world size starts the next."""
+    data = tmp_path / "data"
+    write_files(data, SIZES, 90)
+    states = []
+    for reader in rank_readers(data, 4):
+        steps, it = reader.steps_in_epoch(0), iter(reader)
+        assert len(list(itertools.islice(it, steps))) == steps == 26 and (reader.epoch, reader.step) == (0, steps)
+        states.append(reader.with_units_left(reader.state_dict()))
+        it.close()
+    assert resumed_epoch(states) == ({"epoch": 0, "units": [], "rows": 0}, 0)
+    two = rank_readers(data, 2)[0]
+    two.load_state_dict({**two.state_dict(), "resumed": resumed_epoch(states)[0]})
+    assert two.steps_in_epoch(0) == 0

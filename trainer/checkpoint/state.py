@@ -285,9 +285,10 @@ class TrainedPosition:
             self.load_state_dict(position)
             self.current = self.reader.state_dict()  # the reader's own form of the resumed position
             steps = self.reader.steps_in_epoch(epoch)
-            log.warning("data: epoch %d resumed at world size %d from %d: its %d rows left in %d steps per rank; "
-                        "%d rows of half-read shuffle windows are read again", epoch, dist.get_world_size(),
-                        len(saved), resumed["rows"], steps, half_read)
+            if resumed["rows"]:
+                log.warning("data: epoch %d resumed at world size %d from %d: its %d rows left in %d steps per rank; "
+                            "%d rows of half-read shuffle windows are read again", epoch, dist.get_world_size(),
+                            len(saved), resumed["rows"], steps, half_read)
             if steps or partitioned:  # a partition without a step is skipped, and consumed, as any
                 return
             # fewer rows left than one batch per rank: drop_last's share, and nothing is read again

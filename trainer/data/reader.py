@@ -293,7 +293,10 @@ class ParquetReader:
     def with_units_left(self, state: dict) -> dict:
         """`state`, a position this reader passed, with what its epoch has left on this rank
         (`left`: units, `half_read`: consumed rows of a half-read window), for a resume at another
-        world size (trainer/data/elastic.py)."""
+        world size (trainer/data/elastic.py). Once the epoch's batches are all out, nothing is left:
+        the rest is drop_last's share, left out in any world size."""
+        if state["step"] >= self.steps_in_epoch(state["epoch"]):
+            return {**state, "left": [], "half_read": 0}
         positions = {g: i for i, g in enumerate(self.row_groups)}
         slices = [(position + s.start - p.start, positions[s.group], s.start, s.stop)
                   for position, p in self._placed(state["epoch"], self.rank) for s in _sliced([p])]
