@@ -72,7 +72,8 @@ def read_rows(item: IO[bytes], length: int, req: ReadItem, planner: LoadPlanner)
     row = math.prod(saved.shape[1:]) * saved.element_size()
     start = record + saved.storage_offset() * saved.element_size() + offsets[0] * row
     nbytes = lengths[0] * row
-    if start + nbytes > length:
+    storage_end = record + saved.untyped_storage().nbytes()
+    if storage_end > length or start + nbytes > storage_end:
         return False  # DCP's own read reports what is wrong with the item
     item.seek(start)
     if target.device.type == "cpu" and target.is_contiguous():
