@@ -115,6 +115,8 @@ def test_a_resumed_epoch_whose_units_are_not_of_this_input_is_refused(tmp_path):
         with pytest.raises(ValueError) as e:
             reader.load_state_dict({**reader.state_dict(), "resumed": {"epoch": 0, "units": units, "rows": rows}})
         assert str(e.value) == message
+    with pytest.raises(ValueError, match="^data reader state: its resumed epoch's units are not row ranges"):
+        reader.load_state_dict({**reader.state_dict(), "resumed": [[0, 5, 90]]})
     reader.load_state_dict({**reader.state_dict(), "resumed": {"epoch": 0, "units": [[0, 5, 90]], "rows": 85}})
     assert reader.steps_in_epoch(0) == 85 // 2 // 48 == 0 and reader.steps_in_epoch(1) == 2500 // 2 // 48
 

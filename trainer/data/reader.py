@@ -499,7 +499,7 @@ class ParquetReader:
         this input, and their rows the sum recorded (a checkpoint is data, not trusted code)."""
         if resumed is None:
             return None
-        units, groups = resumed.get("units"), self.row_groups
+        units, groups = resumed.get("units") if isinstance(resumed, dict) else None, self.row_groups
         if not (isinstance(units, list) and all(
                 isinstance(u, list) and len(u) == 3 and all(type(x) is int for x in u)
                 and 0 <= u[0] < len(groups) and 0 <= u[1] < u[2] <= groups[u[0]].num_rows for u in units)
