@@ -139,14 +139,14 @@ _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list 
                  "holds plain strings (their items are Literals or ints)")
 _FIRST = "the key is the text before the first '=', however many splits follow"
 _RETRIES = "the trainer passes data.retry_seconds and data.retry_attempts: the defaults are never used"
-_EPOCH = ("a ParquetReader's steps_in_epoch and epoch_rows do not read their epoch (as the reader's entry says): "
-          "every epoch has the same steps")
 _TRAINED_FILES = "a trained partition's files are read from the listing and the state, never from this Partition"
 _NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
 _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (int64 for counts, which int(), "
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.data.elastic.x_shared_units", 'end = ""  # where the previous unit ended, as (row group, stop)',
+     "the sentinel is only compared with (row group, stop) tuples, which equal neither None nor ''"),
     ("trainer.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',
      _NEWTON),
     ("trainer.calibration.x_fit_affine", "step = np.linalg.solve(hess - 1e-12 * np.eye(len(theta)), grad)", _NEWTON),
@@ -258,9 +258,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _LITERAL_ITEM),
     ("trainer.config_loader.x_apply_override", "hint: Any = None",
      "the first hint is replaced before use: only a path of two or more parts reaches a table"),
-    ("trainer.data.reader.x\u01c1ParquetReader\u01c1epoch_rows",
-     "return EpochRows(self.num_rows, self.steps_in_epoch(None) * self.batch_size * self.world_size)",
-     "every epoch has the same row counts: steps_in_epoch does not read its epoch"),
     ("trainer.data.partitions.x__is_partition",
      'return folder != "XX.XX" and all("=" in part.strip("=") for part in folder.split("/"))',
      'the folder "." has no "=" either: not a partition all the same'),
@@ -274,20 +271,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "retry_seconds: float = 301.0, retry_attempts: int = 3):", _RETRIES),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
      "retry_seconds: float = 300.0, retry_attempts: int = 4):", _RETRIES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(None):", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(1):", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows",
-     "return self.reader(epoch).epoch_rows(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows", "return self.reader(epoch).epoch_rows(1)",
-     _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
-     "return self.reader(epoch).steps_in_epoch(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
-     "return self.reader(epoch).steps_in_epoch(1)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
-     "done = current is not None and step == current.steps_in_epoch(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
-     "done = current is not None and step == current.steps_in_epoch(1)", _EPOCH),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
      'Partition(last["partition"], tuple(last["key"]), None))', _TRAINED_FILES),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",

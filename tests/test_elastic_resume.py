@@ -56,9 +56,16 @@ def test_units_of_all_ranks_join_in_the_epochs_order_and_adjacent_ranges_merge()
 def test_units_from_a_checkpoint_are_checked():
     saved = [{"epoch": 1, "left": [[0, 2, 0, 4]], "half_read": 3}, {"epoch": 1, "left": [[9, 2, "5", 7]],
                                                                      "half_read": 0}]
-    with pytest.raises(ValueError, match="^data reader state: the units its ranks had left are not row ranges"):
-        resumed_epoch(saved)
+    for bad in ([9, 2, "5", 7], [9, 2, 5]):
+        saved[1]["left"] = [bad]
+        with pytest.raises(ValueError) as e:
+            resumed_epoch(saved)
+        assert str(e.value) == ("data reader state: the units its ranks had left are not row ranges "
+                                "(a unit is not 4 integers)")
     assert resumed_epoch([{"epoch": 1, "step": 3}]) is None  # an older rankmix recorded none
+    assert resumed_epoch([{"epoch": 1, "left": []}]) is None and resumed_epoch([{"epoch": 1, "half_read": 0}]) is None
+    assert resumed_epoch([{"epoch": 2, "left": [[0, 1, 0, 3]], "half_read": 1}]) == (
+        {"epoch": 2, "units": [[1, 0, 3]], "rows": 3}, 1)  # one saved rank
     saved[1]["left"] = [[9, 2, 5, 7]]
     assert resumed_epoch(saved) == ({"epoch": 1, "units": [[2, 0, 4], [2, 5, 7]], "rows": 6}, 3)
 

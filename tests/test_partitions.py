@@ -34,10 +34,12 @@ class OnePass:
         self.input_files = [[str(p), p.stat().st_size, [1]] for p in sorted(Path(uri).glob("*.parquet"))]
 
     def steps_in_epoch(self, epoch: int) -> int:
-        return self.steps
+        # a partition's reader has one epoch, 0 (which a resume at another world size may have cut
+        # short), so any other is nonsense here
+        return self.steps if epoch == 0 else 10**9
 
     def epoch_rows(self, epoch: int) -> EpochRows:
-        return EpochRows(10 * len(self.input_files), self.steps)
+        return EpochRows(10 * len(self.input_files), self.steps) if epoch == 0 else EpochRows(0, 0)
 
     def __iter__(self):
         while self.step < self.steps:
@@ -382,6 +384,26 @@ def test_a_resume_inside_a_partition_reads_the_rest_of_it_then_the_new_ones(tmp_
     assert again.epoch == 1 and again.partition == "hour=10" and again.reader(1).loaded == {"step": 1}
     assert again.steps_left() == 3
     assert list(again) == ["hour=10", "hour=11", "hour=11"]
+
+
+def test_a_partitions_rows_left_at_another_world_size_go_to_its_reader_and_into_the_next_state(tmp_path):
+    """TrainedPosition.load_resized hands the rows a partition had left (`resumed`) over: its
+    reader takes them up at step 0, and the state keeps them until the first step is out."""
+    for name in ("hour=9", "hour=10"):
+        land(tmp_path, name)
+    rows = {"epoch": 0, "units": [[0, 3, 9]], "rows": 6}
+    state = {"epoch": 0, "step": 0, "partition": "hour=9", "done": False, "consumed": (), "reader": None,
+             "resumed": rows}
+    reader = PartitionedReader(str(tmp_path), TwoSteps, marker="_SUCCESS")
+    reader.load_state_dict(state)
+    assert reader.epoch == 0 and reader.reader(0).loaded == {"step": 0, "resumed": rows}
+    reader.reader(0).resumed = rows  # as a ParquetReader's load_state_dict sets it
+    assert reader.state_dict()["reader"] == {"step": 0}  # inside the partition, before its first step
+    assert list(reader) == ["hour=9", "hour=9", "hour=10", "hour=10"]
+    with pytest.raises(ValueError) as e:
+        PartitionedReader(str(tmp_path), TwoSteps, marker="_SUCCESS").load_state_dict({**state, "partition": "hour=8"})
+    assert str(e.value) == ("data reader state: partition hour=8 was being trained, but it is no longer complete "
+                            "under data.train_path")
 
 
 def test_a_resume_after_the_last_batch_of_a_partition_starts_the_next(tmp_path):
