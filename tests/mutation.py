@@ -96,9 +96,9 @@ MODULES = {
         "ParquetReader.with_units_left", "ParquetReader._checked_resumed")),
     # the ranks' own exchange of their units (PerRankState) is the spawned tests' to check
     "elastic": Target("trainer/data/elastic.py", ("tests/test_elastic_resume.py",)),
-    # the listing's agreement over ranks (_agreed_listing) is the two-rank tests' to check
+    # the listing's agreement over ranks (_agreed_listing, complete_partitions) is the two-rank tests' to check
     "partitions": Target("trainer/data/partitions.py", ("tests/test_partitions.py",), (
-        "list_partitions", "complete_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys",
+        "list_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys",
         "_keys", "_is_int", "_child",
         "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
         "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",

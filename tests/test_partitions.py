@@ -542,6 +542,16 @@ def partition_figures(rng: np.random.Generator, model: nn.Module, progressive: P
 
 # ----------------------------------------------------------------------------- shuffled order
 
+def test_shuffled_orders_listing_names_an_unreachable_store_once_its_retries_are_spent():
+    from trainer.data.partitions import complete_partitions
+
+    with pytest.raises(DataUnavailableError) as error:
+        complete_partitions("s3://key:secret@bucket/logs?endpoint_override=127.0.0.1:1&scheme=http", "_SUCCESS",
+                            retry_seconds=0, retry_attempts=1)
+    assert re.fullmatch(r"s3 endpoint 127\.0\.0\.1:1, bucket/logs: unreachable for 0\.\d s \(retry budget 0 s\): "
+                        r"AWS Error NETWORK_CONNECTION during .*", str(error.value)), error.value
+
+
 def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
     from test_reader import make_encoder, make_table
     from trainer.data.partitions import complete_partitions
@@ -560,6 +570,14 @@ def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
     assert complete_partitions(str(tmp_path), "").count(",") == 2  # every folder complete
     assert complete_partitions(str(tmp_path / "day=1"), "_SUCCESS") == str(tmp_path / "day=1")  # files only
     assert complete_partitions(f"{tmp_path}/day=1,{tmp_path}/day=2", "_SUCCESS") == f"{tmp_path}/day=1,{tmp_path}/day=2"
+    for spec in (f"{tmp_path}/day=*", f"{tmp_path}/day=[12]", f"{tmp_path}/day=1/part-0.parquet"):
+        assert complete_partitions(spec, "_SUCCESS") == spec  # a glob, and a file, name their own files
+    (tmp_path / "plain").mkdir()
+    assert complete_partitions(str(tmp_path / "plain"), "_SUCCESS") == str(tmp_path / "plain")
+    (tmp_path / "plain" / "sub").mkdir()  # a folder below, but no KEY=VALUE one
+    (tmp_path / "plain" / "a=b.parquet").write_bytes(b"")  # nor is a file named like one
+    assert complete_partitions(str(tmp_path / "plain"), "_SUCCESS") == str(tmp_path / "plain")
+    shutil.rmtree(tmp_path / "plain")  # out of the way of the listing below
     (tmp_path / "day=10" / "_SUCCESS").unlink()
     (tmp_path / "day=1" / "_SUCCESS").unlink()
     assert refused(complete_partitions, str(tmp_path), "_SUCCESS") == (

@@ -92,12 +92,10 @@ def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, re
     KEY=VALUE partition folders, the folders of its complete partitions only (comma-separated,
     in time order; a shuffled reader deals their row groups anew every epoch), else `root`
     itself. Collective where a process group is up: rank 0 lists, so every rank reads the same."""
-    if "," in root or any(c in root.partition("?")[0] for c in "*?["):
-        return root  # a list or a glob names its own files
     box: list = [root, None]  # the folders to read, or None and the error
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            box[0] = _complete_folders(root, marker, retry_seconds, retry_attempts)
+            box[0] = _complete_folders(root, marker, (retry_seconds, retry_attempts))
         except ValueError as e:
             box = [None, str(e)]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -107,18 +105,20 @@ def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, re
     return box[0]
 
 
-def _complete_folders(root: str, marker: str, retry_seconds: float, retry_attempts: int) -> str:
-    store, path = open_store(root, retry_seconds, retry_attempts)
+def _complete_folders(root: str, marker: str, retries: tuple[float, int]) -> str:
+    """`complete_partitions` on this rank alone."""
+    if "," in root or any(c in root.partition("?")[0] for c in "*?["):
+        return root  # a list or a glob names its own files
+    store, path = open_store(root, *retries)
     info = store.call(lambda: store.fs.get_file_info(path), path)
     if info.type != pafs.FileType.Directory:
         return root
     below = store.call(lambda: store.fs.get_file_info(pafs.FileSelector(path)), path)
     if not any(i.type == pafs.FileType.Directory and _is_partition(i.base_name) for i in below):
         return root
-    partitions = list_partitions(root, marker, retry_seconds, retry_attempts)
+    partitions = list_partitions(root, marker, *retries)
     if not partitions:
         raise ValueError(f"{redact_uri(root)}: none of its KEY=VALUE partitions is complete (holds {marker})")
-    log.info("%s: the %d complete partitions are read", redact_uri(root), len(partitions))
     return ",".join(_child(root, p.name) for p in partitions)
 
 
