@@ -139,12 +139,23 @@ _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list 
                  "holds plain strings (their items are Literals or ints)")
 _FIRST = "the key is the text before the first '=', however many splits follow"
 _RETRIES = "the trainer passes data.retry_seconds and data.retry_attempts: the defaults are never used"
+_LIST = ("a comma-separated list is no folder: the listing finds nothing at the whole string and returns it as it "
+         "is, the same answer")
 _TRAINED_FILES = "a trained partition's files are read from the listing and the state, never from this Partition"
 _NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
 _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (int64 for counts, which int(), "
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.data.partitions.x__complete_folders",
+     'if "," in root and any(c in root.partition("?")[0] for c in "*?["):', _LIST),
+    ("trainer.data.partitions.x__complete_folders",
+     'if "XX,XX" in root or any(c in root.partition("?")[0] for c in "*?["):', _LIST),
+    ("trainer.data.partitions.x__complete_folders",
+     'if "," in root or any(c in root.rpartition("?")[0] for c in "*?["):', "a URI has one '?' at most"),
+    ("trainer.data.partitions.x__complete_folders", "partitions = list_partitions(root, marker, )",
+     "the retries of a store that fails: the listing just made of the same store, with them, is where an "
+     "unreachable one fails (tested); only a store failing between two listings would spend the defaults"),
     ("trainer.data.elastic.x_shared_units", 'end = ""  # where the previous unit ended, as (row group, stop)',
      "the sentinel is only compared with (row group, stop) tuples, which equal neither None nor ''"),
     ("trainer.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',

@@ -555,6 +555,9 @@ def test_shuffled_orders_listing_names_an_unreachable_store_once_its_retries_are
 def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
     from test_reader import make_encoder, make_table
     from trainer.data.partitions import complete_partitions
+
+    tmp_path = tmp_path / "LogX"  # an X: not a glob character
+    tmp_path.mkdir()
     from trainer.data.reader import ParquetReader
 
     for i, (name, complete) in enumerate([("day=1", True), ("day=2", False), ("day=10", True)]):
@@ -569,7 +572,8 @@ def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
     assert rows == [*range(0, 100), *range(200, 300)]  # not day=2's 100..199
     assert complete_partitions(str(tmp_path), "").count(",") == 2  # every folder complete
     assert complete_partitions(str(tmp_path / "day=1"), "_SUCCESS") == str(tmp_path / "day=1")  # files only
-    assert complete_partitions(f"{tmp_path}/day=1,{tmp_path}/day=2", "_SUCCESS") == f"{tmp_path}/day=1,{tmp_path}/day=2"
+    listed = f"{tmp_path}/day=1,{tmp_path}/day=2"
+    assert complete_partitions(listed, "_SUCCESS") == listed
     for spec in (f"{tmp_path}/day=*", f"{tmp_path}/day=[12]", f"{tmp_path}/day=1/part-0.parquet"):
         assert complete_partitions(spec, "_SUCCESS") == spec  # a glob, and a file, name their own files
     (tmp_path / "plain").mkdir()

@@ -110,16 +110,20 @@ def _complete_folders(root: str, marker: str, retries: tuple[float, int]) -> str
     if "," in root or any(c in root.partition("?")[0] for c in "*?["):
         return root  # a list or a glob names its own files
     store, path = open_store(root, *retries)
-    info = store.call(lambda: store.fs.get_file_info(path), path)
-    if info.type != pafs.FileType.Directory:
-        return root
-    below = store.call(lambda: store.fs.get_file_info(pafs.FileSelector(path)), path)
-    if not any(i.type == pafs.FileType.Directory and _is_partition(i.base_name) for i in below):
+    below = store.call(lambda: _below(store.fs, path), path)
+    if below is None or not any(i.type == pafs.FileType.Directory and _is_partition(i.base_name) for i in below):
         return root
     partitions = list_partitions(root, marker, *retries)
     if not partitions:
         raise ValueError(f"{redact_uri(root)}: none of its KEY=VALUE partitions is complete (holds {marker})")
     return ",".join(_child(root, p.name) for p in partitions)
+
+
+def _below(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo] | None:
+    """What lies directly below the folder `path`; None where it is no folder."""
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return None
+    return fs.get_file_info(pafs.FileSelector(path))
 
 
 def _is_partition(folder: str) -> bool:
