@@ -147,6 +147,9 @@ _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.data.reader.x\u01c1ParquetReader\u01c1with_units_left",
+     "windows = [len(w) for w in self._windows([Piece(None, a, b) for _, g, a, b in slices])]",
+     "_windows reads only the pieces' row counts"),
     ("trainer.data.partitions.x__complete_folders",
      'if "," in root and any(c in root.partition("?")[0] for c in "*?["):', _LIST),
     ("trainer.data.partitions.x__complete_folders",

@@ -96,12 +96,20 @@ def test_the_units_left_by_four_readers_are_read_once_by_three(tmp_path, shuffle
     resumed, reread = resumed_epoch(states)
     assert resumed["rows"] == sum(SIZES) - 4 * 11 * 24 + reread and resumed["epoch"] == 0
     assert (reread > 0) == shuffle
+    if not shuffle:  # the units in the epoch's order, file order: the 11 x 96 rows consumed, then the rest
+        firsts = list(itertools.accumulate((g.num_rows for g in four[0].row_groups), initial=0))
+        assert [i for g, a, b in resumed["units"] for i in range(firsts[g] + a, firsts[g] + b)] == \
+            list(range(11 * GLOBAL_BATCH, sum(SIZES)))
     three = rank_readers(data, 3, shuffle)
     for reader in three:
         reader.load_state_dict({**reader.state_dict(), "resumed": resumed})
         # the resumed epoch goes into the state, so that a resume at the same world size reads it again
         assert reader.epoch_rows(0).rows == resumed["rows"] and reader.state_dict()["resumed"] == resumed
-        trained += [u for batch in reader for u in batch.users.tolist()]
+        it = iter(reader)
+        trained += [u for batch in itertools.islice(it, reader.steps_in_epoch(0)) for u in batch.users.tolist()]
+        # at the resumed epoch's end nothing is left of it, though the whole split has more steps
+        assert reader.with_units_left(reader.state_dict())["left"] == [] and reader.step < reader.steps_in_epoch(1)
+        trained += [u for batch in it for u in batch.users.tolist()]
     counts = Counter(trained)
     twice = sum(c == 2 for c in counts.values())
     missing = set(range(sum(SIZES))) - counts.keys()
@@ -289,4 +297,4 @@ def test_a_position_after_the_epochs_last_batch_leaves_nothing_to_read_again(tmp
     assert resumed_epoch(states) == ({"epoch": 0, "units": [], "rows": 0}, 0)
     two = rank_readers(data, 2)[0]
     two.load_state_dict({**two.state_dict(), "resumed": resumed_epoch(states)[0]})
-    assert two.steps_in_epoch(0) == 0
+    assert two.steps_in_epoch(0) == 0 and two._pieces(0, 0) == [] and len(two._pieces(1, 0)) > 1
