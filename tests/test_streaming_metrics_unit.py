@@ -408,8 +408,23 @@ def test_the_open_files_limit_is_raised_only_up_to_the_hard_one(monkeypatch):
     import resource
 
     limits = {"now": (1024, 4096)}
+    calls = []
+
+    def setrlimit(which, value):
+        calls.append(which)
+        if value[0] > 5000:
+            raise ValueError("not allowed")
+        limits.update(now=value)
     monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
-    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
-    assert sm._allow_open_files(1024 - sm.OPEN_FILES_MARGIN) and limits["now"] == (1024, 4096)
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert sm._allow_open_files(100) and sm._allow_open_files(1024 - sm.OPEN_FILES_MARGIN)
+    assert limits["now"] == (1024, 4096) and calls == []  # room enough: left alone
     assert sm._allow_open_files(2000) and limits["now"] == (2000 + sm.OPEN_FILES_MARGIN, 4096)
-    assert not sm._allow_open_files(4096) and limits["now"] == (2256, 4096)
+    assert calls == [resource.RLIMIT_NOFILE]
+    assert not sm._allow_open_files(4096 - sm.OPEN_FILES_MARGIN + 1) and limits["now"] == (2256, 4096)
+    assert sm._allow_open_files(4096 - sm.OPEN_FILES_MARGIN) and limits["now"] == (4096, 4096)  # the hard limit
+    limits["now"] = (1024, resource.RLIM_INFINITY)
+    assert not sm._allow_open_files(6000) and limits["now"] == (1024, resource.RLIM_INFINITY)  # refused
+    assert sm._allow_open_files(3000) and limits["now"] == (3256, resource.RLIM_INFINITY)
+    limits["now"] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    assert sm._allow_open_files(10**7) and limits["now"] == (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
