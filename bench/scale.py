@@ -10,9 +10,10 @@ Every figure comes with a ratio to its limit, measured in the same run (docs/sca
   in a fresh process, against pyarrow's bare `iter_batches` of the same files and columns;
   peak RSS (VmHWM) at 10%, 50% and 100% of each pass.
 - training: `rankmix launch` on 4 gloo ranks for `--steps` steps, an async save halfway
-  and at the end; then 2 ranks resume it (DCP reshards; `data_position=next_epoch`) for
-  `--resume-steps` more and save synchronously. Each rank's peak RSS (VmHWM of the rank
-  processes, sampled from /proc) against `rankmix plan --device cpu` for the same config.
+  and at the end; then 2 ranks resume it (DCP reshards; the epoch's rows left are split over
+  the 2 ranks, trainer/data/elastic.py) for `--resume-steps` more and save synchronously.
+  Each rank's peak RSS (VmHWM of the rank processes, sampled from /proc) against
+  `rankmix plan --device cpu` for the same config.
 - checkpoint: each save's GB/s (the step's log time to `.metadata`'s mtime, which DCP writes
   last) and a DCP load of the model (`trainer.checkpoint.manager.model_tensors`) against this disk's
   sequential write (fsync'd) and read of a file of the checkpoint's size. Before every timed
@@ -429,9 +430,10 @@ def rehearse(args: argparse.Namespace, tmp: Path, table: Table) -> None:
         table.add(f"async save at step {step} (4 ranks)", f"{size:.2f} GB at {gbs:.2f} GB/s",
                   f"disk write {write_gbs:.2f} GB/s", gbs / write_gbs)
 
-    out, seconds, rss2 = rankmix(*common, f"--train.steps={total}", "--checkpoint.data_position=next_epoch", ranks=2)
-    table.add("resumed on 2 ranks (resharded)", f"{args.resume_steps} more steps from the next epoch, "
-              f"{seconds:.0f} s", f"{steps} steps before", args.resume_steps / steps)
+    out, seconds, rss2 = rankmix(*common, f"--train.steps={total}", ranks=2)
+    reread = json.loads(out.strip().splitlines()[-1])["data/rows_reread"]
+    table.add("resumed on 2 ranks (resharded)", f"{args.resume_steps} more steps of the same epoch, "
+              f"{reread:,} rows read again, {seconds:.0f} s", f"{steps} steps before", args.resume_steps / steps)
     size, gbs = save_speed(run, total)
     table.add(f"sync save at step {total} (2 ranks)", f"{size:.2f} GB at {gbs:.2f} GB/s",
               f"disk write {write_gbs:.2f} GB/s", gbs / write_gbs)

@@ -1,7 +1,7 @@
 r"""`rankmix`: train, and convert or generate data.
 
     rankmix train [--config F.toml] [--section.key=value ...]
-    rankmix launch [--nproc-per-node N] [--nnodes N --node-rank I --master-addr H] [--max-restarts N] \
+    rankmix launch [--nproc-per-node N] [--nnodes N|MIN:MAX --node-rank I --master-addr H] [--max-restarts N] \
         [--config F.toml] [--section.key=value ...]
     rankmix export --checkpoint RUN_OR_STEP_DIR --out DIR [--format pt2|torchscript|weights] \
         [--tables fp32|fp16|int8|int4] [--moe sparse|dense] [--section.key=value ...]
@@ -136,27 +136,22 @@ def launch(argv: list[str]) -> int:
     """`rankmix train` on several processes of this node (or of several nodes) via torchrun."""
     parser = argparse.ArgumentParser(prog="rankmix launch", description="the rest goes to `rankmix train`")
     parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nnodes", default="1", help="hosts, or an elastic range MIN:MAX (c10d rendezvous at "
+                        "--master-addr:--master-port; needs --max-restarts)")
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument("--max-restarts", type=int, default=0)
     args, train_args = parser.parse_known_args(argv)
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise ValueError("--nproc-per-node and --nnodes must be at least 1")
+    options = torchrun_args(args)
     from torch.distributed.run import main as torchrun  # on use: torch
 
-    rendezvous = (["--standalone"] if args.nnodes == 1 else
-                  ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-                   "--master-port", str(args.master_port)])
     # on use: torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun(["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
-                  "--max-restarts", str(args.max_restarts), *rendezvous,
-                  "-m", "launch.cli", "train", *train_args])
+        torchrun([*options, "-m", "launch.cli", "train", *train_args])
     except ChildFailedError as e:  # the ranks' error files, summarised; the first rank's code passed on
         rank, failure = e.get_first_failure()
         print(f"{e}\nrankmix: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
@@ -165,6 +160,39 @@ def launch(argv: list[str]) -> int:
         print(f"rankmix: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + e.sigval
     return 0
+
+
+def nodes_range(nnodes: str, restarts: int, option: str = "--nnodes", restarts_option: str = "--max-restarts") \
+        -> tuple[int, int]:
+    """(min, max) hosts of `nnodes`, N or an elastic range MIN:MAX; ValueError naming `option`
+    where it is neither, or a range has no `restarts` (torchrun restarts the ranks on the hosts
+    left, and the run resumes from its newest checkpoint at the new world size)."""
+    low, sep, high = str(nnodes).partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"{option} {nnodes}: give a number of hosts N, or an elastic range MIN:MAX") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{option} {nnodes}: hosts must be at least 1, and MIN at most MAX")
+    if lo < hi and restarts < 1:
+        raise ValueError(f"{option} {nnodes} is elastic: give {restarts_option} N (at least 1), the times torchrun "
+                         "restarts the ranks when hosts leave or join")
+    return lo, hi
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's options for `rankmix launch`: standalone on one host, a static rendezvous at
+    --master-addr for a fixed number of hosts, c10d's there for an elastic range."""
+    if args.nproc_per_node < 1:
+        raise ValueError("--nproc-per-node must be at least 1")
+    low, high = nodes_range(args.nnodes, args.max_restarts)
+    endpoint = [f"{args.master_addr}:{args.master_port}"]
+    rendezvous = (["--standalone"] if high == 1 else
+                  ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                   "--master-port", str(args.master_port)] if low == high else
+                  ["--rdzv-backend", "c10d", "--rdzv-endpoint", *endpoint, "--rdzv-id", "rankmix"])
+    return ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+            "--max-restarts", str(args.max_restarts), *rendezvous]
 
 
 def export(argv: list[str]) -> int:

@@ -9,7 +9,10 @@
 Each node runs `PYTHON -m torch.distributed.run --nnodes N --nproc_per_node M -m launch.cli
 train ...` with c10d rendezvous (torchx's own dist.ddp); the scheduler chooses the hosts.
 PYTHON is the interpreter that holds rankmix, so the job never depends on a `torchrun` that
-the node's PATH may not have. The job states its device (`--gpu` > 0: CUDA, else CPU), so a
+the node's PATH may not have. An elastic `--nnodes MIN:MAX` (with `--max_restarts N`) runs on
+as many hosts as there are in the range: a job that loses one restarts its ranks on the rest,
+which resume the newest checkpoint at the smaller world size, inside its epoch too
+(trainer/data/elastic.py). The job states its device (`--gpu` > 0: CUDA, else CPU), so a
 node without a visible GPU fails instead of training on its CPU.
 """
 
@@ -23,7 +26,7 @@ from typing import Dict, List, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from launch.cli import config_args
+from launch.cli import config_args, nodes_range
 from trainer.credentials import has_credentials, is_secret_name, redact_uri, secret_kind
 
 # Host memory per rank by default: a CPU rank holds its tables and the tower; a GPU rank's
@@ -35,7 +38,7 @@ MEM_MB_PER_RANK = {"cpu": 8192, "cuda": 32768}
 def train(
     *overrides: str,
     config: str = "configs/debug.toml",
-    nnodes: int = 1,
+    nnodes: str = "1",
     nproc_per_node: int = 1,
     cpu: int = 0,  # 0 for "derived": torchx parses an Optional[int] option as a string
     gpu: int = 0,
@@ -44,6 +47,7 @@ def train(
     python: str = sys.executable,
     name: str = "rankmix",
     max_retries: int = 0,
+    max_restarts: int = 0,
     env: Optional[Dict[str, str]] = None,
     allow_env: Optional[List[str]] = None,
     rdzv_port: int = 29500,
@@ -55,7 +59,7 @@ def train(
     Args:
         overrides: `--section.key=value` options passed to `rankmix train`
         config: TOML run config, relative to the image's working directory
-        nnodes: number of hosts
+        nnodes: number of hosts, or an elastic range MIN:MAX: when a host is lost or joins, torchrun restarts the ranks on the hosts there are (max_restarts) and the run resumes from its newest checkpoint at the new world size, mid-epoch included
         nproc_per_node: processes (one per GPU on GPU hosts) per host
         cpu: CPUs per host (0: 2 per process)
         gpu: GPUs per host; more than 0 trains on CUDA (--train.device=cuda), 0 on CPU
@@ -64,6 +68,7 @@ def train(
         python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a container image, its own, e.g. python3)
         name: job name
         max_retries: times the scheduler restarts a failed job
+        max_restarts: times torchrun restarts the ranks inside the job, each resuming from the newest checkpoint (an elastic nnodes range needs at least 1)
         env: extra environment variables (no secrets: the job spec shows them; see check_env)
         allow_env: names of env variables refused as secrets that are none (NAME,NAME2): they go into the job spec as given
         rdzv_port: c10d rendezvous port on the first host
@@ -77,19 +82,22 @@ def train(
     check_env(env or {}, allow_env or [])
     options = dict(o.split("=", 1) for o in config_args(list(overrides), environment=False)[1] if "=" in o)
     device = check_device(options.get("--train.device"), gpu, nproc_per_node)
-    if nnodes > 1 and not data_on_every_node:
+    low, high = nodes_range(nnodes, max_restarts, "--nnodes", "--max_restarts")
+    if high > 1 and not data_on_every_node:
         check_shared_cache(options.get("--data.cache_dir"), mounts or [])
     # stated even where it is the default, so that a node never silently trains elsewhere
     device_option = [] if "--train.device" in options else [f"--train.device={device}"]
     app = ddp("train", "--config", config, *overrides, *device_option,
               m="launch.cli", image=image, name=name, cpu=cpu or 2 * nproc_per_node, gpu=gpu,
-              memMB=memMB or MEM_MB_PER_RANK[device] * nproc_per_node, j=f"{nnodes}x{nproc_per_node}", env=env,
+              memMB=memMB or MEM_MB_PER_RANK[device] * nproc_per_node,
+              j=f"{low}:{high}x{nproc_per_node}" if low < high else f"{low}x{nproc_per_node}", env=env,
               max_retries=max_retries, rdzv_port=rdzv_port, mounts=mounts)
     role = app.roles[0]
     # ddp's command line starts with a bare `torchrun`, looked up on the node's PATH.
     flag, command = role.args
     assert flag == "-c" and command.startswith("torchrun "), role.args
-    role.args = [flag, f"{shlex.quote(python)} -m torch.distributed.run {command[len('torchrun '):]}"]
+    restarts = f"--max_restarts {max_restarts} " if max_restarts else ""
+    role.args = [flag, f"{shlex.quote(python)} -m torch.distributed.run {restarts}{command[len('torchrun '):]}"]
     return app
 
 

@@ -12,10 +12,16 @@ RMSProp state, and the all-to-all bytes of one step.
 Host memory. Per rank it also counts what the host holds besides the planned shards
 (`host_memory`): the runtime (torch and TorchRec loaded), the init's row blocks
 (embeddings/init.py), the training reader's buffers (trainer/data/reader.py, Memory),
-evaluation's fixed state and its reader (trainer/metrics/streaming.py), and with
-`checkpoint.async_save` DCP's staged copy of the rank's state. On a CPU rank the shards and
-the dense state live on the host too. The sum is an upper bound (the init's blocks are freed
-before the first read); a node fits when its ranks' sums fit in local_world_size x --ddr-gb.
+evaluation's fixed state and its reader (trainer/metrics/streaming.py), with
+`checkpoint.async_save` DCP's staged copy of the rank's state, and a resume's load: it reads
+rows straight into a CPU rank's tensors and through a buffer of up to 64 MiB into a GPU's
+(trainer/checkpoint/views.py `read_rows`; a checkpoint whose shards split the columns
+otherwise than this plan's is read a saved shard at a time, whole, which is not counted). A
+save makes no copy of its own: DCP's writer would clone every table shard, all views of
+FBGEMM's fused buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`).
+On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound
+(the init's blocks are freed before the first read); a node fits when its ranks' sums fit in
+local_world_size x --ddr-gb.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, build_sequence_tables, sequence_table_configs, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
+from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
@@ -56,6 +63,7 @@ class RankMemory:
     optimizer: int
     estimate: int  # TorchRec's storage estimate of the rank's planned shards (HBM + DDR), plus managed shards
     id_maps: int = 0  # managed tables' MCH buffers (sorted ids, rows, eviction metadata)
+    largest: int = 0  # the rank's largest shard tensor: a table shard's weights or its optimizer state
 
 
 @dataclass
@@ -67,10 +75,11 @@ class HostMemory:
     reader: int
     evaluation: int
     async_save: int
+    load: int = 0  # a resume's transient copy: a GPU rank's load buffer
 
     @property
     def total(self) -> int:
-        return RUNTIME_BYTES + self.resident + self.init + self.reader + self.evaluation + self.async_save
+        return RUNTIME_BYTES + self.resident + self.init + self.reader + self.evaluation + self.async_save + self.load
 
 
 @dataclass
@@ -143,7 +152,8 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
               f"{pooled / 2**20:.1f} MB backward; ids at least {ids / 2**20:.2f} MB"
               + (f"; attended sequences' rows at most {unpooled / 2**20:.1f} MB each way" if unpooled else ""),
               f"dense tower and heads: {dense_params:,} parameters, replicated"]
-    host = host_memory(cfg, memory, dense, dense_params, device, batch)
+    largest_dense = max((p.numel() * 4 for m in (tower, heads) for p in m.parameters()), default=0)
+    host = host_memory(cfg, memory, dense, dense_params, device, batch, largest_dense)
     lines += ["", *_host_lines(host)]
     worst = max(m.estimate for m in memory) + dense
     node, node_bytes = _fullest_node(host, local_world_size)
@@ -161,9 +171,9 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
 
 
 def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params: int, device: str,
-                batch: int) -> list[HostMemory]:
+                batch: int, largest_dense: int = 0) -> list[HostMemory]:
     """Each rank's host bytes besides the runtime (module docstring, Host memory); `dense`: the
-    dense state's bytes, gradients included."""
+    dense state's bytes, gradients included; `largest_dense`: the largest dense parameter's."""
     row = row_bytes(cfg)
     widest = max((f.embedding_dim for f in cfg.features if f.kind != "numeric"), default=0)
     init = 2 * BLOCK_ROWS * widest * 4  # a block's fp32 draw and its scaled copy (embeddings/init.py `_block`)
@@ -179,7 +189,9 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
         resident = m.estimate + dense if device == "cpu" else 0
         # a checkpoint holds no gradients
         staged = m.tables + m.optimizer + m.id_maps + dense - dense_params * 4 if cfg.checkpoint.async_save else 0
-        out.append(HostMemory(resident, init, reader, evaluation, staged))
+        # a load reads rows straight into a CPU rank's tensors; a GPU rank's go through a buffer
+        buffer = min(max(m.largest, largest_dense), LOAD_CHUNK_BYTES) if device == "cuda" else 0
+        out.append(HostMemory(resident, init, reader, evaluation, staged, buffer))
     return out
 
 
@@ -208,10 +220,10 @@ def _host_lines(host: list[HostMemory]) -> list[str]:
     lines = [f"host memory per rank (host GB: the sum, with the runtime's {RUNTIME_BYTES / GB:.3f} GB of torch "
              "and TorchRec)",
              f"{'rank':>4} {'resident GB':>12} {'init GB':>8} {'reader GB':>10} {'eval GB':>8} "
-             f"{'async save GB':>14} {'host GB':>8}"]
+             f"{'async save GB':>14} {'load GB':>8} {'host GB':>8}"]
     for rank, h in enumerate(host):
         lines.append(f"{rank:>4} {h.resident / GB:>12.3f} {h.init / GB:>8.3f} {h.reader / GB:>10.3f} "
-                     f"{h.evaluation / GB:>8.3f} {h.async_save / GB:>14.3f} {h.total / GB:>8.3f}")
+                     f"{h.evaluation / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} {h.total / GB:>8.3f}")
     return lines
 
 
@@ -239,6 +251,7 @@ def _rank_memory(options: list, world_size: int, cfg: EmbeddingsConfig) -> list[
             m = memory[shard.rank]
             tables, optimizer = _shard_bytes(*shard.size, cfg)
             m.tables, m.optimizer = m.tables + tables, m.optimizer + optimizer
+            m.largest = max(m.largest, tables, optimizer)
             m.estimate += shard.storage.hbm + shard.storage.ddr
     return memory
 
@@ -278,6 +291,7 @@ def _add_shards(memory: list[RankMemory], shards: list, cfg: EmbeddingsConfig, i
         m = memory[shard.placement.rank()]
         tables, optimizer = _shard_bytes(rows, cols, cfg)
         m.tables, m.optimizer, m.id_maps = m.tables + tables, m.optimizer + optimizer, m.id_maps + rows * id_map_row
+        m.largest = max(m.largest, tables, optimizer)
         m.estimate += tables + optimizer + rows * id_map_row
 
 

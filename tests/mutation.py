@@ -89,13 +89,17 @@ MODULES = {
     "config": Target("trainer/config_loader.py", ("tests/test_config.py", "tests/test_config_coercion.py"), (
         "apply_override", "_child", "_parse_scalar", "_build", "_coerce", "_entry", "_join")),
     "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
-                                                  "tests/test_reader_assignment.py"), (
+                                                  "tests/test_reader_assignment.py", "tests/test_elastic_resume.py"), (
         "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
         "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
-        "ParquetReader._windows")),
-    # the listing's agreement over ranks (_agreed_listing) is the two-rank tests' to check
+        "ParquetReader._windows", "ParquetReader._order", "ParquetReader._epoch_size", "ParquetReader._placed",
+        "ParquetReader.with_units_left", "ParquetReader._checked_resumed")),
+    # the ranks' own exchange of their units (PerRankState) is the spawned tests' to check
+    "elastic": Target("trainer/data/elastic.py", ("tests/test_elastic_resume.py",)),
+    # the listing's agreement over ranks (_agreed_listing, complete_partitions) is the two-rank tests' to check
     "partitions": Target("trainer/data/partitions.py", ("tests/test_partitions.py",), (
-        "list_partitions", "_is_partition", "_key_names", "_same_keys", "_keys", "_is_int", "_child",
+        "list_partitions", "_complete_folders", "_is_partition", "_key_names", "_same_keys",
+        "_keys", "_is_int", "_child",
         "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
         "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",
         "PartitionedReader.epoch_rows", "PartitionedReader.steps_left", "PartitionedReader.__iter__",
@@ -111,7 +115,7 @@ MODULES = {
     "streaming": Target("trainer/metrics/streaming.py", ("tests/test_streaming_metrics_unit.py",), (
         "_codes", "_sums", "histogram_auc", "_task_figures", "_first_task", "SplitMetrics.__init__",
         "SplitMetrics.add", "SplitMetrics.compute", "_bucket_of", "UserBuckets.__init__", "UserBuckets.add",
-        "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close",
+        "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close", "_allow_open_files",
         "TrainingWindow.__init__", "TrainingWindow._record", "TrainingWindow.compute")),
     "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py",), (
         "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node")),
@@ -135,14 +139,35 @@ _LITERAL_ITEM = ("_parse_scalar treats only a `str` hint specially, and no list 
                  "holds plain strings (their items are Literals or ints)")
 _FIRST = "the key is the text before the first '=', however many splits follow"
 _RETRIES = "the trainer passes data.retry_seconds and data.retry_attempts: the defaults are never used"
-_EPOCH = ("a ParquetReader's steps_in_epoch and epoch_rows do not read their epoch (as the reader's entry says): "
-          "every epoch has the same steps")
+_LIST = ("a comma-separated list is no folder: the listing finds nothing at the whole string and returns it as it "
+         "is, the same answer")
 _TRAINED_FILES = "a trained partition's files are read from the listing and the state, never from this Partition"
 _NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
 _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (int64 for counts, which int(), "
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("trainer.metrics.streaming.x__allow_open_files", "if soft == resource.RLIM_INFINITY or need < soft:",
+     "at need == soft the limit would be set to what it is"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_read",
+     "rows = np.empty(f.seek(1, 2) // self.dtype.itemsize, self.dtype)",
+     "a file of whole rows and one byte more holds as many whole rows (the next seek(0) goes back)"),
+    ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_read", 'f.readinto(memoryview(rows).cast("b"))',
+     "signed or unsigned, the bytes read are the same"),
+    ("trainer.data.reader.x\u01c1ParquetReader\u01c1with_units_left",
+     "windows = [len(w) for w in self._windows([Piece(None, a, b) for _, g, a, b in slices])]",
+     "_windows reads only the pieces' row counts"),
+    ("trainer.data.partitions.x__complete_folders",
+     'if "," in root and any(c in root.partition("?")[0] for c in "*?["):', _LIST),
+    ("trainer.data.partitions.x__complete_folders",
+     'if "XX,XX" in root or any(c in root.partition("?")[0] for c in "*?["):', _LIST),
+    ("trainer.data.partitions.x__complete_folders",
+     'if "," in root or any(c in root.rpartition("?")[0] for c in "*?["):', "a URI has one '?' at most"),
+    ("trainer.data.partitions.x__complete_folders", "partitions = list_partitions(root, marker, )",
+     "the retries of a store that fails: the listing just made of the same store, with them, is where an "
+     "unreachable one fails (tested); only a store failing between two listings would spend the defaults"),
+    ("trainer.data.elastic.x_shared_units", 'end = ""  # where the previous unit ended, as (row group, stop)',
+     "the sentinel is only compared with (row group, stop) tuples, which equal neither None nor ''"),
     ("trainer.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',
      _NEWTON),
     ("trainer.calibration.x_fit_affine", "step = np.linalg.solve(hess - 1e-12 * np.eye(len(theta)), grad)", _NEWTON),
@@ -254,9 +279,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _LITERAL_ITEM),
     ("trainer.config_loader.x_apply_override", "hint: Any = None",
      "the first hint is replaced before use: only a path of two or more parts reaches a table"),
-    ("trainer.data.reader.x\u01c1ParquetReader\u01c1epoch_rows",
-     "return EpochRows(self.num_rows, self.steps_in_epoch(None) * self.batch_size * self.world_size)",
-     "every epoch has the same row counts: steps_in_epoch does not read its epoch"),
     ("trainer.data.partitions.x__is_partition",
      'return folder != "XX.XX" and all("=" in part.strip("=") for part in folder.split("/"))',
      'the folder "." has no "=" either: not a partition all the same'),
@@ -270,20 +292,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "retry_seconds: float = 301.0, retry_attempts: int = 3):", _RETRIES),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
      "retry_seconds: float = 300.0, retry_attempts: int = 4):", _RETRIES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(None):", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__iter__", "if reader.steps_in_epoch(1):", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows",
-     "return self.reader(epoch).epoch_rows(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1epoch_rows", "return self.reader(epoch).epoch_rows(1)",
-     _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
-     "return self.reader(epoch).steps_in_epoch(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1steps_in_epoch",
-     "return self.reader(epoch).steps_in_epoch(1)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
-     "done = current is not None and step == current.steps_in_epoch(None)", _EPOCH),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1state_dict",
-     "done = current is not None and step == current.steps_in_epoch(1)", _EPOCH),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
      'Partition(last["partition"], tuple(last["key"]), None))', _TRAINED_FILES),
     ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",

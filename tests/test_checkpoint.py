@@ -228,14 +228,20 @@ def test_row_wise_on_two_ranks_loads_into_table_wise_on_one(cache, tmp_path):
         assert torch.allclose(loaded[f"model.{key}"], value, atol=1e-20), key
 
 
-def test_world_size_change_mid_epoch_is_refused_unless_asked(reference, cache, tmp_path):
+def test_world_size_change_mid_epoch_trains_the_rest_of_the_epoch_or_the_next_when_asked(reference, cache, tmp_path):
+    # debug.toml: 20k rows, 14k training rows in windows of 8192; 2 ranks x 256 rows x 10 steps
+    # stop inside each rank's first window, so 1 rank reads those 5120 rows again.
     run = run_from(reference, tmp_path / "run", 10)
-    refused = train(1, *train_args(run, cache, 20))
-    assert refused.returncode == 2
-    assert (f"{run / 'checkpoints' / 'step-10'} was saved at world size 2 in the middle of epoch 0 (batch 10); "
-            "at world size 1 that position would replay or skip rows") in refused.stderr
-    moved = ok(train(1, *train_args(run, cache, 12, "--checkpoint.data_position=next_epoch")))
-    assert "at step 10" in moved.stdout and complete_steps(run / "checkpoints")[-1] == 12
+    resumed = ok(train(1, *train_args(run, cache, 20)))
+    assert "at step 10" in resumed.stdout
+    assert "epoch 0 resumed at world size 1 from 2: its" in resumed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data/rows_reread"] == 2 * 10 * 256 and summary["steps"] == 20
+    moved = run_from(reference, tmp_path / "moved", 10)
+    ok(train(1, *train_args(moved, cache, 12, "--checkpoint.data_position=next_epoch")))
+    assert json.loads((moved / "summary.json").read_text())["data/rows_reread"] == 0
+    states = decode_state(tensors(moved / "checkpoints" / "step-12", tmp_path)["ranks"], "ranks")
+    assert (states[0]["reader"]["epoch"], states[0]["reader"]["step"]) == (1, 2)
 
 
 def test_a_run_folder_of_another_model_is_a_one_line_error(reference, cache, tmp_path):

@@ -1,7 +1,9 @@
 """The torchx component's job specs: the device each node trains on, resources per rank,
 mounts, and the shared data a multi-node job needs (dry runs: nothing is submitted)."""
 
+import argparse
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import torchx.specs as specs
 
+from launch.cli import torchrun_args
 from launch.component import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,3 +106,55 @@ def test_torchx_takes_data_on_every_node_instead():
     proc = dryrun("-s", "slurm", "launch/component.py:train", "--nnodes", "2", "--data_on_every_node", "True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--nnodes 2 --nproc_per_node 1" in proc.stdout and "--train.device=cpu" in proc.stdout
+
+
+def torchrun_config(argv: list[str]):
+    """What torchrun itself makes of `argv` (its options, then the module and its arguments)."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    return config_from_args(get_args_parser().parse_args(argv))
+
+
+def test_an_elastic_range_of_hosts_is_one_torchrun_understands():
+    app = train("--data.cache_dir=/shared/cache", nnodes="2:4", max_restarts=3, mounts=MOUNT)
+    role = app.roles[0]
+    assert (role.min_replicas, role.num_replicas) == (2, 4)  # the scheduler may start 2 to 4 hosts
+    argv = shlex.split(command(app))
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    config, module, args = torchrun_config(argv[3:])
+    assert (config.min_nodes, config.max_nodes, config.max_restarts, config.rdzv_backend) == (2, 4, 3, "c10d")
+    assert args[:4] == ["-u", "-m", "launch.cli", "train"]
+    fixed, _, _ = torchrun_config(shlex.split(command(train(nnodes="2", data_on_every_node=True)))[3:])
+    assert (fixed.min_nodes, fixed.max_nodes, fixed.max_restarts) == (2, 2, 0)
+
+
+@pytest.mark.parametrize("nnodes,restarts,message", [
+    ("2:4", 0, "--nnodes 2:4 is elastic: give --max_restarts N (at least 1), the times torchrun restarts the ranks "
+               "when hosts leave or join"),
+    ("4:2", 1, "--nnodes 4:2: hosts must be at least 1, and MIN at most MAX"),
+    ("two", 1, "--nnodes two: give a number of hosts N, or an elastic range MIN:MAX"),
+])
+def test_a_range_that_cannot_run_is_refused(nnodes, restarts, message):
+    with pytest.raises(ValueError) as e:
+        train(nnodes=nnodes, max_restarts=restarts, data_on_every_node=True)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("nnodes,rendezvous", [
+    ("1", ["--standalone"]),
+    ("2", ["--node-rank", "1", "--master-addr", "h0", "--master-port", "29400"]),
+    ("1:3", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400", "--rdzv-id", "rankmix"]),
+])
+def test_rankmix_launch_gives_torchrun_an_elastic_range_over_c10d(nnodes, rendezvous):
+    args = argparse.Namespace(nnodes=nnodes, nproc_per_node=2, node_rank=1, master_addr="h0", master_port=29400,
+                              max_restarts=2)
+    options = torchrun_args(args)
+    assert options == ["--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", "2", *rendezvous]
+    config, _, _ = torchrun_config([*options, "-m", "launch.cli", "train"])
+    low, _, high = nnodes.partition(":")
+    assert (config.min_nodes, config.max_nodes, config.max_restarts) == (int(low), int(high or low), 2)
+    assert config.rdzv_backend == ("c10d" if high else "static")
+    args.max_restarts = 0
+    if high:
+        with pytest.raises(ValueError, match="^--nnodes 1:3 is elastic: give --max-restarts N"):
+            torchrun_args(args)

@@ -27,16 +27,19 @@ class OnePass:
     """A partition's stand-in for its ParquetReader: `steps` batches, each the partition's name."""
 
     steps = 1
+    resumed = None  # a ParquetReader's epoch resumed at another world size
 
     def __init__(self, uri: str, name: str):
         self.name, self.step, self.loaded = name, 0, None
         self.input_files = [[str(p), p.stat().st_size, [1]] for p in sorted(Path(uri).glob("*.parquet"))]
 
     def steps_in_epoch(self, epoch: int) -> int:
-        return self.steps
+        # a partition's reader has one epoch, 0 (which a resume at another world size may have cut
+        # short), so any other is nonsense here
+        return self.steps if epoch == 0 else 10**9
 
     def epoch_rows(self, epoch: int) -> EpochRows:
-        return EpochRows(10 * len(self.input_files), self.steps)
+        return EpochRows(10 * len(self.input_files), self.steps) if epoch == 0 else EpochRows(0, 0)
 
     def __iter__(self):
         while self.step < self.steps:
@@ -383,6 +386,26 @@ def test_a_resume_inside_a_partition_reads_the_rest_of_it_then_the_new_ones(tmp_
     assert list(again) == ["hour=10", "hour=11", "hour=11"]
 
 
+def test_a_partitions_rows_left_at_another_world_size_go_to_its_reader_and_into_the_next_state(tmp_path):
+    """TrainedPosition.load_resized hands the rows a partition had left (`resumed`) over: its
+    reader takes them up at step 0, and the state keeps them until the first step is out."""
+    for name in ("hour=9", "hour=10"):
+        land(tmp_path, name)
+    rows = {"epoch": 0, "units": [[0, 3, 9]], "rows": 6}
+    state = {"epoch": 0, "step": 0, "partition": "hour=9", "done": False, "consumed": (), "reader": None,
+             "resumed": rows}
+    reader = PartitionedReader(str(tmp_path), TwoSteps, marker="_SUCCESS")
+    reader.load_state_dict(state)
+    assert reader.epoch == 0 and reader.reader(0).loaded == {"step": 0, "resumed": rows}
+    reader.reader(0).resumed = rows  # as a ParquetReader's load_state_dict sets it
+    assert reader.state_dict()["reader"] == {"step": 0}  # inside the partition, before its first step
+    assert list(reader) == ["hour=9", "hour=9", "hour=10", "hour=10"]
+    with pytest.raises(ValueError) as e:
+        PartitionedReader(str(tmp_path), TwoSteps, marker="_SUCCESS").load_state_dict({**state, "partition": "hour=8"})
+    assert str(e.value) == ("data reader state: partition hour=8 was being trained, but it is no longer complete "
+                            "under data.train_path")
+
+
 def test_a_resume_after_the_last_batch_of_a_partition_starts_the_next(tmp_path):
     for name in ("hour=9", "hour=10"):
         land(tmp_path, name)
@@ -515,3 +538,51 @@ def partition_figures(rng: np.random.Generator, model: nn.Module, progressive: P
     model(Rows(*rows(rng, 50)))  # not a training row
     model.train()
     return logits, labels, progressive.compute()
+
+
+# ----------------------------------------------------------------------------- shuffled order
+
+def test_shuffled_orders_listing_names_an_unreachable_store_once_its_retries_are_spent():
+    from trainer.data.partitions import complete_partitions
+
+    with pytest.raises(DataUnavailableError) as error:
+        complete_partitions("s3://key:secret@bucket/logs?endpoint_override=127.0.0.1:1&scheme=http", "_SUCCESS",
+                            retry_seconds=0, retry_attempts=1)
+    assert re.fullmatch(r"s3 endpoint 127\.0\.0\.1:1, bucket/logs: unreachable for 0\.\d s \(retry budget 0 s\): "
+                        r"AWS Error NETWORK_CONNECTION during .*", str(error.value)), error.value
+
+
+def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
+    from test_reader import make_encoder, make_table
+    from trainer.data.partitions import complete_partitions
+
+    tmp_path = tmp_path / "LogX"  # an X: not a glob character
+    tmp_path.mkdir()
+    from trainer.data.reader import ParquetReader
+
+    for i, (name, complete) in enumerate([("day=1", True), ("day=2", False), ("day=10", True)]):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(100 * i, 100), tmp_path / name / "part-0.parquet")
+        if complete:
+            (tmp_path / name / "_SUCCESS").write_text("")
+    spec = complete_partitions(str(tmp_path), "_SUCCESS")
+    assert spec == f"{tmp_path}/day=1,{tmp_path}/day=10"
+    reader = ParquetReader(spec, make_encoder(), batch_size=10, num_epochs=1)
+    rows = sorted(int(u) for batch in reader for u in batch.users)
+    assert rows == [*range(0, 100), *range(200, 300)]  # not day=2's 100..199
+    assert complete_partitions(str(tmp_path), "").count(",") == 2  # every folder complete
+    assert complete_partitions(str(tmp_path / "day=1"), "_SUCCESS") == str(tmp_path / "day=1")  # files only
+    listed = f"{tmp_path}/day=1,{tmp_path}/day=2"
+    assert complete_partitions(listed, "_SUCCESS") == listed
+    for spec in (f"{tmp_path}/day=*", f"{tmp_path}/day=[12]", f"{tmp_path}/day=1/part-0.parquet"):
+        assert complete_partitions(spec, "_SUCCESS") == spec  # a glob, and a file, name their own files
+    (tmp_path / "plain").mkdir()
+    assert complete_partitions(str(tmp_path / "plain"), "_SUCCESS") == str(tmp_path / "plain")
+    (tmp_path / "plain" / "sub").mkdir()  # a folder below, but no KEY=VALUE one
+    (tmp_path / "plain" / "a=b.parquet").write_bytes(b"")  # nor is a file named like one
+    assert complete_partitions(str(tmp_path / "plain"), "_SUCCESS") == str(tmp_path / "plain")
+    shutil.rmtree(tmp_path / "plain")  # out of the way of the listing below
+    (tmp_path / "day=10" / "_SUCCESS").unlink()
+    (tmp_path / "day=1" / "_SUCCESS").unlink()
+    assert refused(complete_partitions, str(tmp_path), "_SUCCESS") == (
+        f"{tmp_path}: none of its KEY=VALUE partitions is complete (holds _SUCCESS)")

@@ -45,12 +45,13 @@ def test_plan_prints_each_ranks_host_memory():
         # the async save stages the tables, optimizer state, weights and RMSProp state
         assert h.resident == m.estimate + params * 4 * 3
         assert h.async_save == m.tables + m.optimizer + params * 4 * 2
-        total = RUNTIME + h.resident + sum(want.values()) + h.async_save
+        assert h.load == 0  # rows go straight into a CPU rank's tensors
+        total = RUNTIME + h.resident + sum(want.values()) + h.async_save + h.load
         assert h.total == total
         row = (f"{rank:>4} {h.resident / GB:>12.3f} {want['init'] / GB:>8.3f} {want['reader'] / GB:>10.3f} "
-               f"{want['evaluation'] / GB:>8.3f} {h.async_save / GB:>14.3f} {total / GB:>8.3f}")
+               f"{want['evaluation'] / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} {total / GB:>8.3f}")
         assert row in plan.text.splitlines(), plan.text
-    assert "rank  resident GB  init GB  reader GB  eval GB  async save GB  host GB" in plan.text
+    assert "rank  resident GB  init GB  reader GB  eval GB  async save GB  load GB  host GB" in plan.text
     assert plan.fits and plan.text.splitlines()[-1].endswith(
         f"host memory: fullest node {sum(h.total for h in plan.host) / GB:.2f} GB of 48 GB)")
 
@@ -75,6 +76,43 @@ def test_a_node_whose_ranks_need_more_host_memory_than_it_has_does_not_fit():
     assert proc.stdout.splitlines()[-1] == \
         f"fits: no (host memory: node {node}'s 2 ranks need {need:.2f} GB of 2 x 0.6 GB)"
     assert "Traceback" not in proc.stderr
+
+
+def largest_dense(cfg) -> int:
+    """The largest dense parameter's fp32 bytes."""
+    from dense.heads import build_dense
+
+    _, tower, heads = build_dense(cfg.model, cfg.features)
+    return max(p.numel() * 4 for m in (tower, heads) for p in m.parameters())
+
+
+def shards_of(plan, rank: int) -> list[tuple[int, int]]:
+    """(rows, cols) of every table shard TorchRec's sharding plan places on `rank`."""
+    return [tuple(s.shard_sizes) for module in plan.plan.values() for sharding in module.values()
+            for s in sharding.sharding_spec.shards if s.placement.rank() == rank]
+
+
+def test_plans_of_two_and_four_ranks_differ_as_their_shards_do():
+    """The per-rank figures, checked against TorchRec's own sharding plan at each world size: a
+    rank's tables, Adagrad state and largest shard (a GPU rank's load buffer, up to 64 MiB) are
+    those of the shards the plan places on it, so 2 ranks hold twice what 4 do."""
+    cfg = load_config(SYNTH, ["--embeddings.plan=row_wise", "--embeddings.optimizer=adagrad",
+                              "--features.user_id.num_embeddings=400000"])
+    plans = {world: plan_cluster(cfg, world, "cpu", 0.0, 24.0, world) for world in (2, 4)}
+    for world, plan in plans.items():
+        for rank, (m, h) in enumerate(zip(plan.memory, plan.host)):
+            shards = shards_of(plan.plan, rank)
+            assert m.tables == m.optimizer == sum(rows * cols * 4 for rows, cols in shards)
+            assert m.largest == max(rows * cols * 4 for rows, cols in shards)
+            assert h.load == 0  # read straight into a CPU rank's tables
+    two, four = plans[2], plans[4]
+    assert sum(m.tables for m in two.memory) == sum(m.tables for m in four.memory)
+    # user_id's 400,000 rows of dim 16: 200,000 a rank at 2 ranks, 100,000 at 4
+    assert [m.largest for m in two.memory] == [200_000 * 16 * 4] * 2 and [m.largest for m in four.memory] == \
+        [100_000 * 16 * 4] * 4
+    assert min(h.total for h in two.host) > max(h.total for h in four.host)
+    gpu = plan_cluster(cfg, 2, "cuda", 80.0, 24.0, 2)
+    assert [h.load for h in gpu.host] == [min(max(m.largest, largest_dense(cfg)), 64 << 20) for m in gpu.memory]
 
 
 def test_an_explicit_row_wise_plan_on_cpu_is_sized_as_training_shards_it():

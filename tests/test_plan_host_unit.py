@@ -85,8 +85,8 @@ def test_evaluation_holds_histograms_a_uauc_bucket_the_window_and_its_reader(tmp
         histograms + 7 * 48 * 2 * 8 + reader
 
 
-MEMORY = [RankMemory(tables=1000, optimizer=300, estimate=1500, id_maps=40),
-          RankMemory(tables=7000, optimizer=900, estimate=9000, id_maps=0)]
+MEMORY = [RankMemory(tables=1000, optimizer=300, estimate=1500, id_maps=40, largest=600),
+          RankMemory(tables=7000, optimizer=900, estimate=9000, id_maps=0, largest=4000)]
 DENSE, DENSE_PARAMS = 2400, 200  # weights, gradients and RMSProp state of 200 parameters
 
 
@@ -105,8 +105,20 @@ def test_each_ranks_host_memory(tmp_path, device, prefetched, async_save):
         resident = m.estimate + DENSE if device == "cpu" else 0
         # a checkpoint stages the tables, optimizer state, id maps and the dense state without gradients
         staged = m.tables + m.optimizer + m.id_maps + DENSE - 4 * DENSE_PARAMS if async_save else 0
-        want.append(HostMemory(resident, init, reader, evaluation, staged))
+        # a load reads a CPU rank's rows into place, a GPU rank's through a buffer of its largest shard
+        load = m.largest if device == "cuda" else 0
+        want.append(HostMemory(resident, init, reader, evaluation, staged, load))
     assert host == want
+    assert host[0].total == RUNTIME + sum((host[0].resident, init, reader, evaluation, host[0].async_save,
+                                           600 if device == "cuda" else 0))
+
+
+def test_a_gpu_ranks_load_buffer_holds_its_largest_tensor_up_to_64_mib(tmp_path):
+    cfg = _config(tmp_path)
+    assert [h.load for h in host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, "cuda", 32, largest_dense=2000)] == \
+        [2000, 4000]
+    rows_only = [RankMemory(1 << 40, 0, 1 << 40, largest=1 << 40)]
+    assert [host_memory(cfg, rows_only, DENSE, DENSE_PARAMS, d, 32)[0].load for d in ("cuda", "cpu")] == [64 << 20, 0]
 
 
 def test_a_user_column_of_its_own_is_read_too(tmp_path):

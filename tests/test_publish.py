@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from cli import rankmix
+from embeddings.managed import served_tables
+from trainer.checkpoint.manager import model_tensors
 from trainer.config_loader import dump_toml, load_config
+from trainer.serving.publish import split_tables
 from trainer.data.datasets import synth_features
 from trainer.serving.export import load
 from trainer.serving.predict import raw_inputs
@@ -87,6 +90,25 @@ def test_a_delta_applied_to_its_base_serves_the_full_artifacts_predictions(world
         for table, weight in theirs["tables"].items():
             assert torch.equal(ours["tables"][table], weight), table
         base = out  # the next delta applies to the artifact just built
+
+
+@pytest.mark.slow
+def test_on_two_ranks_the_publish_holds_the_model_of_its_checkpoint_bit_for_bit(made_once):
+    """Rank 0 alone reads the staged weights to publish them (DCP's load without a collective):
+    the 2-rank run's step-21 tables, dense weights and id maps are those of its step-21 checkpoint."""
+    publish, _ = published(made_once, 2)
+    state, maps = served_tables(model_tensors(publish.parent / "checkpoints" / "step-21"))
+    tables, dense = split_tables(state)
+    saved = torch.load(publish / "step-21" / "tables.pt", weights_only=True)
+    assert saved["tables"].keys() == tables.keys() and len(tables) > 5
+    for table, weight in tables.items():
+        assert torch.equal(saved["tables"][table], weight), table
+    for table, held in saved["id_maps"].items():
+        assert torch.equal(held["keys"], maps[table][0]), table
+    delta = torch.load(publish / "step-21" / "delta.pt", weights_only=True)
+    assert delta["dense"].keys() == dense.keys()
+    for name, weight in dense.items():
+        assert torch.equal(delta["dense"][name], weight), name
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ test-mutation` reaches it): the histogram's cells, the float64 sums, the figures
 independent references, the spilled buckets of users, and the training window."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -373,3 +374,57 @@ def test_a_window_of_no_batches_is_off():
     model(_batch(np.random.default_rng(8)))
     assert window.compute() == {}
     assert sm.TrainingWindow(model, TASKS, batches=3).compute() == {}  # on, before any batch
+
+
+@pytest.mark.parametrize("keep_open", [True, False])
+def test_each_buckets_file_is_opened_once_per_split(tmp_path, monkeypatch, keep_open):
+    """20 flushes into 8 buckets: opened per write, that was 20 x 8 opens (the split's rows over
+    BUCKET_ROWS, squared); held open, each file once, for its writes and its read."""
+    monkeypatch.setattr(sm, "BUCKET_ROWS", 25)
+    monkeypatch.setattr(sm, "_allow_open_files", lambda files: keep_open)
+    opened = []
+
+    def counting_open(path, mode):
+        opened.append(Path(path).name)
+        return open(path, mode)
+    monkeypatch.setattr(sm, "open", counting_open, raising=False)
+    logits, labels, ids = (t.numpy() for t in _rows(500, seed=7, users=90))
+    users = sm.UserBuckets(tmp_path, 2, rows=200)
+    assert users.buckets == 8
+    for start in range(0, 500, 25):
+        users.add(logits[start:start + 25], labels[start:start + 25], ids[start:start + 25])
+    got = users.uauc(torch.device("cpu"))
+    if keep_open:
+        assert sorted(opened) == [f"{b}.bin" for b in range(8)] and users.files == {}
+    else:
+        assert len(opened) > 8 * 15  # about every flush touched every bucket
+    for k in range(2):
+        total, weight = uauc_sums(logits[:, k].astype(np.float64), labels[:, k], ids)
+        assert got[k] == pytest.approx(total / weight, abs=1e-12)
+    users.close()
+
+
+def test_the_open_files_limit_is_raised_only_up_to_the_hard_one(monkeypatch):
+    import resource
+
+    limits = {"now": (1024, 4096)}
+    calls = []
+
+    def setrlimit(which, value):
+        calls.append(which)
+        if value[0] > 5000:
+            raise ValueError("not allowed")
+        limits.update(now=value)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert sm._allow_open_files(100) and sm._allow_open_files(1024 - sm.OPEN_FILES_MARGIN)
+    assert limits["now"] == (1024, 4096) and calls == []  # room enough: left alone
+    assert sm._allow_open_files(2000) and limits["now"] == (2000 + sm.OPEN_FILES_MARGIN, 4096)
+    assert calls == [resource.RLIMIT_NOFILE]
+    assert not sm._allow_open_files(4096 - sm.OPEN_FILES_MARGIN + 1) and limits["now"] == (2256, 4096)
+    assert sm._allow_open_files(4096 - sm.OPEN_FILES_MARGIN) and limits["now"] == (4096, 4096)  # the hard limit
+    limits["now"] = (1024, resource.RLIM_INFINITY)
+    assert not sm._allow_open_files(6000) and limits["now"] == (1024, resource.RLIM_INFINITY)  # refused
+    assert sm._allow_open_files(3000) and limits["now"] == (3256, resource.RLIM_INFINITY)
+    limits["now"] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    assert sm._allow_open_files(10**7) and limits["now"] == (resource.RLIM_INFINITY, resource.RLIM_INFINITY)

@@ -86,7 +86,7 @@ class DataConfig:
     order: DataOrder = "shuffled"
     """shuffled (one file list, reshuffled every epoch) | time (train_path's KEY=VALUE partitions in key order, each once; docs/continuous.md)."""
     success_marker: str = "_SUCCESS"
-    """data.order=time: the file that marks a partition complete ('' : every partition folder is complete)."""
+    """The file that marks a KEY=VALUE partition folder complete, in either order ('' : every one is complete)."""
     follow: bool = False
     """data.order=time: once the complete partitions are trained, wait for new ones (until SIGTERM)."""
     poll_seconds: float = 30.0
@@ -111,7 +111,7 @@ def per_rank_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.data.global_batch_size // world_size
 
 
-TIME_ORDER_FIELDS = ("success_marker", "follow", "poll_seconds")
+TIME_ORDER_FIELDS = ("follow", "poll_seconds")
 """DataConfig fields that only data.order = "time" reads."""
 
 
@@ -208,7 +208,7 @@ class CheckpointConfig:
     load_mode: LoadMode = "full"
     """load_path: full (weights, optimizer, schedule, data position) | weights."""
     data_position: DataPosition = "exact"
-    """On a world-size change mid-epoch: exact (refuse) | next_epoch (start the next epoch)."""
+    """On a world-size change mid-epoch: exact (the epoch's rows left, over the new ranks) | next_epoch (start the next)."""
     signal_grace_steps: int = 0
     """On SIGTERM/SIGINT: train on to a scheduled save due within this many steps, else save at once."""
 

@@ -32,7 +32,7 @@ from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
-from trainer.data.partitions import PartitionedReader
+from trainer.data.partitions import PartitionedReader, complete_partitions
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
 from trainer.errors import Interrupted
@@ -87,9 +87,12 @@ class Trainer:
         self.batch_size = per_rank_batch_size(cfg, env.world_size)
         self.retries = {"retry_seconds": cfg.data.retry_seconds, "retry_attempts": cfg.data.retry_attempts}
         time_order = cfg.data.order == "time"
-        self.train_reader = (partitioned_reader(cfg, files.train_path, self.retries, self._reader) if time_order
-                             else self._reader(files.train_path, cfg.train.seed))
-        self.selection = ModelSelection(cfg, self.run_dir, files.train_path)
+        # shuffled order over KEY=VALUE folders reads the complete partitions only, as time order does
+        train_path = files.train_path if time_order else complete_partitions(
+            files.train_path, cfg.data.success_marker, **self.retries)
+        self.train_reader = (partitioned_reader(cfg, train_path, self.retries, self._reader) if time_order
+                             else self._reader(train_path, cfg.train.seed))
+        self.selection = ModelSelection(cfg, self.run_dir, train_path)
         if self.selection.split:  # its files' schema and its rows checked now, not after an epoch
             path, split = self.selection.split
             ParquetReader(path, self.encoder, batch_size=1, drop_last=False, **split, **self.retries)
@@ -127,6 +130,8 @@ class Trainer:
                                                     "scheduler": LRScheduleState(self.scheduler, self.optimizer)}),
             **{c.checkpoint_part: c for c in (self.selection, continuous, calibration) if c and c.checkpoint_part}}
         self.restore()
+        if not (cfg.train.steps or time_order):
+            self._count_epoch_steps(cfg.train.epochs)
         # In the order the loop calls them; the publisher tracks lookups from the restored state on.
         self.components: list[LoopComponent] = [c for c in (self.selection, continuous, Publisher(
             cfg, self.model, self.run_dir), calibration) if c]
@@ -135,6 +140,15 @@ class Trainer:
         if env.is_main:
             dump_toml(cfg, self.run_dir / "config.toml")
             self.report.describe(self.run_dir, self.model.plan, self.batch_size)
+
+    def _count_epoch_steps(self, epochs: int) -> None:
+        """train.epochs' steps from the restored position: a resume at another world size splits
+        the rest of its epoch into another number of steps (trainer/data/elastic.py)."""
+        position, reader = self.position, self.train_reader
+        self.total_steps = self.step - position.step + sum(reader.steps_in_epoch(e)
+                                                           for e in range(position.epoch, epochs))
+        if self.logger.bar is not None:
+            self.logger.bar.total = self.total_steps
 
     def _reader(self, paths: str, seed: int, epochs: int = 0) -> ParquetReader:
         """A training reader of this rank's share of `paths`."""
@@ -338,7 +352,8 @@ class Trainer:
 
     def finish(self, metrics: dict[str, float], examples_per_sec: float) -> dict:
         """The run's summary: final metrics and throughput, also saved as summary.json."""
-        trained = {"steps": self.step, "epochs": self.epochs_trained(), **self.selection.summary()}
+        trained = {"steps": self.step, "epochs": self.epochs_trained(), **self.selection.summary(),
+                   "data/rows_reread": self.position.rows_reread}
         return self.report.summary(metrics, examples_per_sec, trained, self.run_dir, self.env.is_main)
 
     # ------------------------------------------------------------------ state

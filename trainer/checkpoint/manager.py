@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import CheckpointException, Metadata, TensorSt
 from embeddings.features import FeatureSpec, managed_tables
 from trainer.checkpoint.files import check_swap, swap_folder
 from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, first_line, read_metadata
+from trainer.checkpoint.views import ViewSavePlanner
 from trainer.config import CheckpointConfig
 from trainer.dist import gloo_group, raise_on_every_rank, side_group
 
@@ -118,10 +119,11 @@ class CheckpointManager:
         dist.barrier(group=side_group())
         self._last_save_time = time.monotonic()
         if self.cfg.async_save:  # stages a CPU copy now, writes it while training goes on
-            future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group)
+            future = dcp.async_save(parts, checkpoint_id=str(path), process_group=self._group,
+                                    planner=ViewSavePlanner())
             self._pending = (path, future, on_done)
         else:
-            dcp.save(parts, checkpoint_id=str(path), process_group=side_group())
+            dcp.save(parts, checkpoint_id=str(path), process_group=side_group(), planner=ViewSavePlanner())
             self._finish(path, on_done)
 
     def wait(self) -> None:
@@ -180,7 +182,7 @@ def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") ->
         except ValueError as e:
             error = str(e)
     raise_on_every_rank(error)  # the barrier too: rank 0 cleared `new`
-    dcp.save(parts, checkpoint_id=str(new), process_group=side_group())
+    dcp.save(parts, checkpoint_id=str(new), process_group=side_group(), planner=ViewSavePlanner())
     dist.barrier(group=side_group())
     if dist.get_rank() == 0:
         swap_folder(path, new)
@@ -189,7 +191,8 @@ def save_weights(path: Path, parts: dict[str, Any], step: int, tag: str = "") ->
 
 def model_tensors(path: Path) -> dict[str, Any]:
     """The `model` part of checkpoint `path` as whole tensors by name, whatever the plan and
-    world size that saved it, read without a process group and without the optimizer's state."""
+    world size that saved it, read by this process alone (no collective, even under a process
+    group) and without the optimizer's state."""
     metadata = read_metadata(path)  # checked: sizes, dtypes, and chunks that tile each tensor
     prefix = "model."
     wanted = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
@@ -197,7 +200,7 @@ def model_tensors(path: Path) -> dict[str, Any]:
     _fits_in_memory(path, wanted.values())
     # zeros, not empty: even if a read were missed, no memory of this process could leave in an export
     model = {name: torch.zeros(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
-    _read({"model": model}, path, metadata)
+    _read({"model": model}, path, metadata, no_dist=True)
     return model
 
 
@@ -247,23 +250,24 @@ def _trainer_value(path: Path, key: str) -> int:
     return progress[key]
 
 
-def _read(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
+def _read(parts: dict[str, Any], path: Path, metadata: Metadata, no_dist: bool = False) -> None:
     """`_dcp_load` for reads of a checkpoint as a file (no model to fit): a storage file DCP
     cannot read is one line naming `path`."""
     try:
-        _dcp_load(parts, path, metadata)
+        _dcp_load(parts, path, metadata, no_dist)
     except CheckpointException as e:
         first = next(iter(e.failures.values()))[0]
         raise ValueError(f"{path}: not a readable checkpoint ({type(first).__name__}: {first_line(first)[:200]})") \
             from None
 
 
-def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata) -> None:
+def _dcp_load(parts: dict[str, Any], path: Path, metadata: Metadata, no_dist: bool = False) -> None:
     """dcp.load through rankmix's safe reader and planner (trainer/checkpoint/safe_load.py): nothing
-    in `path` is unpickled unchecked. A refused file is reported as itself."""
+    in `path` is unpickled unchecked. A refused file is reported as itself. `no_dist`: this
+    process reads alone, whatever process group is up."""
     try:
         dcp.load(parts, storage_reader=SafeReader(str(path), metadata), planner=LoadPlanner(),
-                 process_group=side_group())
+                 process_group=side_group(), no_dist=no_dist)
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeFileError)]
         if refused:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import random
 from collections import deque
 from collections.abc import Iterator
@@ -29,8 +30,12 @@ from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from embeddings.hooks import TrainingHooks
+from trainer.data.elastic import resumed_epoch
+from trainer.data.partitions import PartitionedReader
 from trainer.data.reader import ParquetReader
 from trainer.dist import side_group
+
+log = logging.getLogger("rankmix.data")
 
 
 def apply_trained_step(model: nn.Module, step: int) -> None:
@@ -214,12 +219,15 @@ class LRScheduleState:
 class TrainedPosition:
     """The reader's position after the last *trained* batch. The pipeline reads ahead of
     the step being trained, so the position is recorded as each batch leaves the reader
-    (`track`) and taken up when its step is done (`advance`)."""
+    (`track`) and taken up when its step is done (`advance`). A saved position also records
+    what its epoch has left on this rank, for a resume at another world size, and the rows
+    that such resumes read twice (`rows_reread`, the run's total; trainer/data/elastic.py)."""
 
-    def __init__(self, reader: ParquetReader, data_position: str):
+    def __init__(self, reader: ParquetReader | PartitionedReader, data_position: str):
         self.reader = reader
         self.data_position = data_position  # checkpoint.data_position, for another world size
         self.current = reader.state_dict()
+        self.rows_reread = 0
         self._ahead: deque[dict] = deque()
 
     @property
@@ -241,28 +249,52 @@ class TrainedPosition:
         self.current = self._ahead.popleft()
 
     def state_dict(self) -> dict:
-        return self.current
+        return {**self.reader.with_units_left(self.current), "rows_reread": self.rows_reread}
 
     def load_state_dict(self, state: dict) -> None:
         self.reader.load_state_dict(state)
         self.current = state
+        self.rows_reread = int(state.get("rows_reread", 0))
         self._ahead.clear()
 
     def load_resized(self, saved: list[dict]) -> None:
-        """An epoch boundary means the same thing in any world size; a position inside an
-        epoch does not (each rank's rows change), so that is an error unless
-        checkpoint.data_position = next_epoch."""
-        epoch, step = saved[0]["epoch"], saved[0]["step"]
-        inside = step and not saved[0].get("done")  # a partition's last step is its epoch's end
-        if inside and self.data_position != "next_epoch":
-            raise ValueError(
-                f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}); at world "
-                f"size {dist.get_world_size()} that position would replay or skip rows. Resume at the saved "
-                f"world size, or set checkpoint.data_position=next_epoch to continue from the start of epoch "
-                f"{epoch + 1}")
+        """An epoch boundary means the same thing in any world size. Inside an epoch (a partition
+        in time order), the units the saved ranks had left become the rest of it, split over this
+        world size (trainer/data/elastic.py), unless checkpoint.data_position = next_epoch."""
+        first = saved[0]
+        epoch, step = first["epoch"], first["step"]
+        partitioned = isinstance(self.reader, PartitionedReader)
+        readers = [s.get("reader") or {} for s in saved] if partitioned else saved
+        # a partition's last step is its epoch's end; a resumed epoch is inside before its first step
+        inside = (step or "resumed" in readers[0]) and not first.get("done")
         # This rank's fresh position, with what the saved one records of the input read so far
         # (files; partitions consumed), so that its checks run and no partition is trained again.
         position = self.reader.state_dict()
-        position.update({key: saved[0][key] for key in INPUT_RECORD if key in saved[0]})
-        position.update(epoch=epoch + 1 if step else epoch, step=0)
+        position.update({key: first[key] for key in INPUT_RECORD if key in first})
+        position["rows_reread"] = int(first.get("rows_reread", 0))
+        if inside and self.data_position != "next_epoch":
+            taken = resumed_epoch(readers)
+            if taken is None:
+                raise ValueError(
+                    f"was saved at world size {len(saved)} in the middle of epoch {epoch} (batch {step}) by an older "
+                    f"rankmix, without the rows each rank had left; at world size {dist.get_world_size()} that "
+                    "position would replay or skip rows. Resume at the saved world size, or set "
+                    f"checkpoint.data_position=next_epoch to continue from the start of epoch {epoch + 1}")
+            resumed, half_read = taken
+            position.update(epoch=epoch, step=0, resumed=resumed, rows_reread=position["rows_reread"] + half_read)
+            self.load_state_dict(position)
+            self.current = self.reader.state_dict()  # the reader's own form of the resumed position
+            steps = self.reader.steps_in_epoch(epoch)
+            if resumed["rows"]:
+                log.warning("data: epoch %d resumed at world size %d from %d: its %d rows left in %d steps per rank; "
+                            "%d rows of half-read shuffle windows are read again", epoch, dist.get_world_size(),
+                            len(saved), resumed["rows"], steps, half_read)
+            if steps or partitioned:  # a partition without a step is skipped, and consumed, as any
+                return
+            # fewer rows left than one batch per rank: drop_last's share, and nothing is read again
+            position.update(epoch=epoch + 1, rows_reread=position["rows_reread"] - half_read)
+        else:
+            position.update(epoch=epoch + 1 if step or inside else epoch)
+        position.update(step=0)
+        position.pop("resumed", None)
         self.load_state_dict(position)

@@ -16,7 +16,8 @@ partition as they split a fixed file list: disjoint rows, equal steps. To the tr
 "epoch" is one partition: `epoch` counts the partitions this run folder has trained.
 
 State. A checkpoint holds the partitions consumed, each with its files (path, bytes, rows of
-each row group), and the partition being trained with its ParquetReader position. On resume a
+each row group), and the partition being trained with its ParquetReader position, which at
+another world size resumes through the units each rank had left (trainer/data/elastic.py). On resume a
 consumed partition whose files changed (compared by path and bytes, from the listing alone)
 is an error naming the file, as is a new partition that sorts before the last consumed one, or
 level with it (`hour=010` after `hour=10`); a consumed partition that is gone (retention) is
@@ -84,6 +85,45 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
     return sorted((Partition(name, keys[name], tuple(sorted((p, size) for p, size in files.items()
                                                             if p.endswith(".parquet"))))
                    for name, files in complete.items()), key=lambda p: p.key)
+
+
+def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3) -> str:
+    """`root` for a shuffled read (data.order = shuffled): where it is one folder holding
+    KEY=VALUE partition folders, the folders of its complete partitions only (comma-separated,
+    in time order; a shuffled reader deals their row groups anew every epoch), else `root`
+    itself. Collective where a process group is up: rank 0 lists, so every rank reads the same."""
+    box: list = [root, None]  # the folders to read, or None and the error
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = _complete_folders(root, marker, (retry_seconds, retry_attempts))
+        except ValueError as e:
+            box = [None, str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=side_group())
+    if box[1] is not None:
+        raise ValueError(box[1])
+    return box[0]
+
+
+def _complete_folders(root: str, marker: str, retries: tuple[float, int]) -> str:
+    """`complete_partitions` on this rank alone."""
+    if "," in root or any(c in root.partition("?")[0] for c in "*?["):
+        return root  # a list or a glob names its own files
+    store, path = open_store(root, *retries)
+    below = store.call(lambda: _below(store.fs, path), path)
+    if below is None or not any(i.type == pafs.FileType.Directory and _is_partition(i.base_name) for i in below):
+        return root
+    partitions = list_partitions(root, marker, *retries)
+    if not partitions:
+        raise ValueError(f"{redact_uri(root)}: none of its KEY=VALUE partitions is complete (holds {marker})")
+    return ",".join(_child(root, p.name) for p in partitions)
+
+
+def _below(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo] | None:
+    """What lies directly below the folder `path`; None where it is no folder."""
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return None
+    return fs.get_file_info(pafs.FileSelector(path))
 
 
 def _is_partition(folder: str) -> bool:
@@ -244,9 +284,18 @@ class PartitionedReader:
         current = self.readers.get(self.epoch)
         step = current.step if current is not None else 0
         done = current is not None and step == current.steps_in_epoch(0)
+        inside = current is not None and (step or current.resumed) and not done
         return {"epoch": self.epoch, "step": step, "partition": self.partition, "done": done,
                 "consumed": self._consumed(current) if done else self.consumed,
-                "reader": current.state_dict() if step and not done else None}
+                "reader": current.state_dict() if inside else None}
+
+    def with_units_left(self, state: dict) -> dict:
+        """`state` with what its partition has left on this rank (its ParquetReader's units), for a
+        resume at another world size (trainer/data/elastic.py)."""
+        current = self.readers.get(state["epoch"])
+        if not state.get("reader") or current is None:
+            return state
+        return {**state, "reader": current.with_units_left(state["reader"])}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the saved partitions: refuse a trained partition whose files changed
@@ -273,8 +322,10 @@ class PartitionedReader:
         # Trained partitions keep their epoch numbers and are never read again (their files may be gone).
         trained = [Partition(c["partition"], tuple(c["key"]), ()) for c in consumed]
         self.sequence, self.consumed, self.readers, self.epoch = trained + after, consumed, {}, len(consumed)
-        if state.get("reader"):
+        if state.get("reader") or state.get("resumed"):
             if self.partition != state["partition"]:
                 raise ValueError(f"data reader state: partition {state['partition']} was being trained, but it is "
                                  "no longer complete under data.train_path")
-            self.reader(self.epoch).load_state_dict(state["reader"])
+            reader = self.reader(self.epoch)
+            # `resumed`: the rows the partition had left at another world size (TrainedPosition.load_resized)
+            reader.load_state_dict(state.get("reader") or {**reader.state_dict(), "resumed": state["resumed"]})

@@ -25,6 +25,9 @@ rank raise. It is a collective: every rank builds such a reader at the same poin
 Resume. A training reader's position records every file's path, size, rows of each row group
 and a digest of its content (`content_digest`; the ranks share the hashing, each taking every
 world_size-th file); resuming over a file added, removed or rewritten is a ValueError naming it.
+At another world size a position inside an epoch resumes through the units each rank had left
+(trainer/data/elastic.py): they become the resumed epoch's sequence of rows (`resumed`), which
+the new ranks split as above.
 
 Data loss. A training epoch is steps_in_epoch = min over ranks of (rank rows // B) steps
 on every rank (all ranks compute it from the footers they agree on), so at most
@@ -79,6 +82,7 @@ import torch.distributed as dist
 
 from trainer.credentials import redact_uri
 from trainer.data.batch import Batch, Part, Rows, assemble
+from trainer.data.elastic import units_left
 from trainer.data.encode import RowEncoder
 from trainer.data.store import resolve
 from trainer.errors import DataUnavailableError
@@ -175,6 +179,7 @@ class ParquetReader:
         self.row_groups = self._split(self._agreed_input(paths, retry_seconds, retry_attempts))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self.epoch, self.step = 0, 0
+        self.resumed: dict | None = None  # {"epoch", "units", "rows"}: an epoch resumed at another world size
         self._filler: Part | None = None
         self.peak_buffered_rows = 0
 
@@ -259,50 +264,88 @@ class ParquetReader:
                              f"no {'held-out' if self.holdout else 'training'} rows")
         return out
 
-    def _spans(self, rank: int) -> Iterator[tuple[int, int]]:
-        """`rank`'s rows as [start, stop) positions in an epoch's sequence of rows."""
-        n, w, b = self.num_rows, self.world_size, self.batch_size
+    def _spans(self, rank: int, n: int) -> Iterator[tuple[int, int]]:
+        """`rank`'s rows as [start, stop) positions in an epoch's sequence of `n` rows."""
+        w, b = self.world_size, self.batch_size
         if self.interleaved:
             return ((k, min(k + b, n)) for k in range(rank * b, n, w * b))
         return iter([(rank * n // w, (rank + 1) * n // w)])
 
-    def _rank_rows(self, rank: int) -> int:
-        """Rows of `rank` in any epoch: the sum over `_spans`, in closed form."""
-        n, w, b = self.num_rows, self.world_size, self.batch_size
+    def _rank_rows(self, rank: int, n: int) -> int:
+        """Rows of `rank` in an epoch of `n` rows: the sum over `_spans`, in closed form."""
+        w, b = self.world_size, self.batch_size
         if self.interleaved:
             rounds, rest = divmod(n, w * b)
             return rounds * b + min(max(rest - rank * b, 0), b)
         return (rank + 1) * n // w - rank * n // w
 
-    def _pieces(self, epoch: int, rank: int) -> list[Piece]:
-        """`rank`'s rows in `epoch`, in reading order (the same answer on every rank)."""
+    def _order(self, epoch: int) -> list[Piece]:
+        """`epoch`'s sequence of rows: its row groups, shuffled with (seed, epoch) unless shuffle
+        is off; or, for the epoch a resume at another world size took up, the rows it had left
+        (trainer/data/elastic.py)."""
+        if self.resumed is not None and self.resumed["epoch"] == epoch:
+            return [Piece(self.row_groups[g], start, stop) for g, start, stop in self.resumed["units"]]
         order = self.row_groups
         if self.shuffle:
             order = [order[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(order))]
-        ends = list(itertools.accumulate(g.num_rows for g in order))
-        pieces = []
-        for start, stop in self._spans(rank):
+        return [Piece(g, 0, g.num_rows) for g in order]
+
+    def with_units_left(self, state: dict) -> dict:
+        """`state`, a position this reader passed, with what its epoch has left on this rank
+        (`left`: units, `half_read`: consumed rows of a half-read window), for a resume at another
+        world size (trainer/data/elastic.py). Once the epoch's batches are all out, nothing is left:
+        the rest is drop_last's share, left out in any world size."""
+        if state["step"] >= self.steps_in_epoch(state["epoch"]):
+            return {**state, "left": [], "half_read": 0}
+        positions = {g: i for i, g in enumerate(self.row_groups)}
+        slices = [(position + s.start - p.start, positions[s.group], s.start, s.stop)
+                  for position, p in self._placed(state["epoch"], self.rank) for s in _sliced([p])]
+        windows = None
+        if self.shuffle and self.shuffle_buffer:
+            windows = [len(w) for w in self._windows([Piece(self.row_groups[g], a, b) for _, g, a, b in slices])]
+        left, reread = units_left(slices, windows, state["step"] * self.batch_size)
+        return {**state, "left": [list(u) for u in left], "half_read": reread}
+
+    def _epoch_size(self, epoch: int) -> int:
+        """Rows in `epoch`'s sequence."""
+        if self.resumed is not None and self.resumed["epoch"] == epoch:
+            return self.resumed["rows"]
+        return self.num_rows
+
+    def _placed(self, epoch: int, rank: int) -> list[tuple[int, Piece]]:
+        """`rank`'s rows in `epoch`, in reading order, each piece with its first row's position
+        in the epoch's sequence (the same answer on every rank)."""
+        order = self._order(epoch)
+        ends = list(itertools.accumulate(p.num_rows for p in order))
+        placed = []
+        for start, stop in self._spans(rank, ends[-1] if ends else 0):
             i = bisect.bisect_right(ends, start)
             while start < stop:
-                g, base = order[i], ends[i] - order[i].num_rows
+                p, base = order[i], ends[i] - order[i].num_rows
                 end = min(stop, ends[i])
-                pieces.append(Piece(g, start - base, end - base))
+                placed.append((start, Piece(p.group, p.start + start - base, p.start + end - base)))
                 start, i = end, i + 1
-        return pieces
+        return placed
+
+    def _pieces(self, epoch: int, rank: int) -> list[Piece]:
+        """`rank`'s rows in `epoch`, in reading order (the same answer on every rank)."""
+        return [p for _, p in self._placed(epoch, rank)]
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Batches every rank yields in `epoch`."""
-        rows = [self._rank_rows(r) for r in range(self.world_size)]
+        n = self._epoch_size(epoch)
+        rows = [self._rank_rows(r, n) for r in range(self.world_size)]
         if self.drop_last:
             return min(rows) // self.batch_size
         return max(-(-r // self.batch_size) for r in rows)
 
     def epoch_rows(self, epoch: int) -> EpochRows:
-        """The split's rows and those `epoch` consumes on all ranks together; training
-        leaves out fewer than world_size * batch_size (module docstring)."""
+        """The split's rows (of an epoch resumed at another world size: the rows it had left) and
+        those `epoch` consumes on all ranks together; training leaves out fewer than
+        world_size * batch_size (module docstring)."""
         if not self.drop_last:
             return EpochRows(self.num_rows, self.num_rows)
-        return EpochRows(self.num_rows, self.steps_in_epoch(epoch) * self.batch_size * self.world_size)
+        return EpochRows(self._epoch_size(epoch), self.steps_in_epoch(epoch) * self.batch_size * self.world_size)
 
     def _windows(self, pieces: list[Piece]) -> list[list[Piece]]:
         windows: list[list[Piece]] = [[]]
@@ -325,7 +368,7 @@ class ParquetReader:
     def _epoch_batches(self) -> Iterator[Batch]:
         steps = self.steps_in_epoch(self.epoch)
         if steps == 0:
-            rows = min(self._rank_rows(r) for r in range(self.world_size))
+            rows = min(self._rank_rows(r, self._epoch_size(self.epoch)) for r in range(self.world_size))
             raise ValueError(f"{self.source}: a rank gets only {rows} rows in epoch {self.epoch}, fewer than "
                              f"one batch of {self.batch_size}; use a smaller batch or fewer ranks")
         batches = self._batches(self.epoch, self.step, steps)
@@ -423,8 +466,10 @@ class ParquetReader:
 
     def state_dict(self) -> dict:
         """Exact position: epoch and batches yielded in it, plus what gives them meaning, the
-        files (path, bytes, rows of each row group, and a training reader's content digest) included."""
-        return {"epoch": self.epoch, "step": self.step, "files": self.input_files, **self._identity()}
+        files (path, bytes, rows of each row group, and a training reader's content digest) included,
+        and in an epoch resumed at another world size, the rows it had left (`resumed`)."""
+        resumed = {"resumed": self.resumed} if self.resumed and self.resumed["epoch"] == self.epoch else {}
+        return {"epoch": self.epoch, "step": self.step, "files": self.input_files, **self._identity(), **resumed}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state`'s position; a position that means something else here is an error,
@@ -447,6 +492,22 @@ class ParquetReader:
                 raise ValueError(f"data reader state was saved with {key}={state.get(key)} but this run has "
                                  f"{key}={mine}: the saved position cannot be honoured")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.resumed = self._checked_resumed(state.get("resumed"))
+
+    def _checked_resumed(self, resumed: dict | None) -> dict | None:
+        """A resumed epoch's units as a checkpoint holds them: each a row range inside a row group of
+        this input, and their rows the sum recorded (a checkpoint is data, not trusted code)."""
+        if resumed is None:
+            return None
+        units, groups = resumed.get("units") if isinstance(resumed, dict) else None, self.row_groups
+        if not (isinstance(units, list) and all(
+                isinstance(u, list) and len(u) == 3 and all(type(x) is int for x in u)
+                and 0 <= u[0] < len(groups) and 0 <= u[1] < u[2] <= groups[u[0]].num_rows for u in units)
+                and type(resumed.get("epoch")) is int
+                and resumed.get("rows") == sum(stop - start for _, start, stop in units)):
+            raise ValueError("data reader state: its resumed epoch's units are not row ranges of this input's "
+                             f"{len(groups)} row groups")
+        return {"epoch": resumed["epoch"], "units": units, "rows": resumed["rows"]}
 
 
 def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tuple[str, int, list[int]]]:

@@ -19,10 +19,12 @@ lightning-utilities 0.15's `apply_to_collection`, which refuses frozen dataclass
 from __future__ import annotations
 
 import math
+import resource
 import shutil
 import tempfile
 from collections import deque
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -161,8 +163,11 @@ class UserBuckets:
     `rows` (the split's rows, all ranks) sets the buckets to about BUCKET_ROWS rows each, so
     a rank holds one bucket at a time: about BUCKET_ROWS x (8 + 8K) bytes of rows and the sort's
     few arrays of that length, plus one user's rows where a single user has more. Rows wait
-    in memory up to BUCKET_ROWS before they go to disk (each file is opened per write, so the
-    number of buckets is not limited by open files). The folder is removed by `close`."""
+    in memory up to BUCKET_ROWS before they go to disk. Each bucket's file is opened once per
+    split, for its writes and its read: opening it per write cost (rows / BUCKET_ROWS)^2 opens,
+    2M over 180M rows. That holds a file open per bucket (1,400 at 180M rows), so the soft limit
+    of open files is raised where it is lower, up to the hard limit; where even that is too
+    low, each write opens its file again. The folder is removed by `close`."""
 
     def __init__(self, folder: Path, num_tasks: int, rows: int):
         self.num_tasks = num_tasks
@@ -172,6 +177,8 @@ class UserBuckets:
         self.dtype = np.dtype([("user", "<i8"), ("logits", "<f4", (num_tasks,)), ("labels", "<f4", (num_tasks,))])
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
+        self.files: dict[int, BinaryIO] = {}  # bucket -> its file, open until it is read
+        self.keep_open = _allow_open_files(self.buckets)
 
     def add(self, logits: np.ndarray, labels: np.ndarray, users: np.ndarray) -> None:
         rows = np.empty(len(users), self.dtype)
@@ -191,11 +198,24 @@ class UserBuckets:
         order = np.argsort(bucket, kind="stable")
         rows, counts = rows[order], np.bincount(bucket, minlength=self.buckets)
         for b, (start, n) in enumerate(zip(np.cumsum(counts) - counts, counts)):
-            if n:
+            if not n:
+                continue
+            if not self.keep_open:
                 with open(self.folder / f"{b}.bin", "ab") as f:
-                    rows[start:start + n].tofile(f)
+                    f.write(rows[start:start + n].tobytes())
+                continue
+            if b not in self.files:
+                self.files[b] = open(self.folder / f"{b}.bin", "a+b")  # appends wherever it was read
+            self.files[b].write(rows[start:start + n].tobytes())
 
     def _read(self, b: int) -> np.ndarray:
+        """Bucket `b`'s rows on this rank, in the order added."""
+        f = self.files.get(b)
+        if f is not None:
+            rows = np.empty(f.seek(0, 2) // self.dtype.itemsize, self.dtype)
+            f.seek(0)
+            f.readinto(memoryview(rows).cast("B"))
+            return rows
         path = self.folder / f"{b}.bin"
         return np.fromfile(path, self.dtype) if path.exists() else np.empty(0, self.dtype)
 
@@ -205,6 +225,8 @@ class UserBuckets:
         totals = np.zeros((self.num_tasks, 2))
         for b in range(self.buckets):
             rows = _gather_rows(self._read(b), b % _world(), device, self.num_tasks)
+            if b in self.files:  # read once: its descriptor is not needed any more
+                self.files.pop(b).close()
             if rows is not None and len(rows):
                 for k in range(self.num_tasks):
                     totals[k] += uauc_sums(rows["logits"][:, k].astype(np.float64), rows["labels"][:, k],
@@ -213,7 +235,31 @@ class UserBuckets:
         return [total / weight if weight else float("nan") for total, weight in totals]
 
     def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+OPEN_FILES_MARGIN = 256
+"""Descriptors left for everything else (data files, sockets, checkpoints) when UAUC's buckets
+hold their files open."""
+
+
+def _allow_open_files(files: int) -> bool:
+    """Whether this process may hold `files` more files open, raising the soft limit up to the
+    hard one where that makes room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = files + OPEN_FILES_MARGIN
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return True
+    if hard != resource.RLIM_INFINITY and need > hard:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _world() -> int:

@@ -111,11 +111,11 @@ class Publisher(LoopComponent):
         dist.gather_object(rows, gathered, dst=0, group=side_group())
         staged = self.folder / ".weights"
         save_weights(staged, weights, step)
-        # Every rank reads the whole weights: under a process group, DCP's load is collective.
-        tensors = model_tensors(staged)
         error, digest = None, None
         if dist.get_rank() == 0:
             try:
+                # rank 0 alone reads the whole weights: one whole-model copy in the job, not one per rank
+                tensors = model_tensors(staged)
                 digest = self._write(name, step, partition, tensors, gathered, time.perf_counter() - started)
             except ValueError as e:
                 error = str(e)
