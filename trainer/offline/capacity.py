@@ -129,16 +129,21 @@ def _chunk(teacher: _Teacher, seed: int, index: int, n: int) -> tuple[pa.Table, 
     return pa.table(columns), logit, BIAS + ORDER_STD["first"] * terms["first"]
 
 
-def write_capacity(out_dir: str | os.PathLike, *, rows: int = 2_000_000, valid_fraction: float = 0.1,
-                   files: int = 8, row_group_size: int = 65_536, seed: int = 0) -> dict:
-    """Write train/ and valid/ Parquet parts under out_dir, streaming; return a summary with
-    the rows, the click rate and, on the valid split, the AUC of the teacher's own logit and
-    of its first-order part alone (the best any first-order model can do, in expectation)."""
+def check_split_sizes(rows: int, valid_fraction: float, files: int, row_group_size: int) -> None:
+    """A generated log's sizes: positive, and a split that leaves rows on both sides."""
     for name, value in (("rows", rows), ("files", files), ("row_group_size", row_group_size)):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
     if not 0 < valid_fraction < 1 or rows < 2:
         raise ValueError(f"valid_fraction={valid_fraction} of rows={rows} must leave rows in both splits")
+
+
+def write_capacity(out_dir: str | os.PathLike, *, rows: int = 2_000_000, valid_fraction: float = 0.1,
+                   files: int = 8, row_group_size: int = 65_536, seed: int = 0) -> dict:
+    """Write train/ and valid/ Parquet parts under out_dir, streaming; return a summary with
+    the rows, the click rate and, on the valid split, the AUC of the teacher's own logit and
+    of its first-order part alone (the best any first-order model can do, in expectation)."""
+    check_split_sizes(rows, valid_fraction, files, row_group_size)
     teacher = _teacher(seed)
     valid_rows = min(rows - 1, max(1, round(rows * valid_fraction)))
     splits = {"train": (0, rows - valid_rows, files), "valid": (rows - valid_rows, rows, max(1, files // 4))}

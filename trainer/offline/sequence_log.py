@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from embeddings.features import FeatureSpec
+from trainer.offline.capacity import check_split_sizes
 
 NUM_USERS, NUM_ITEMS, NUM_CATEGORIES = 500, 300, 10
 MIN_HIST, MAX_HIST = 10, 40
@@ -112,11 +113,7 @@ def write_sequence_log(out_dir: str | os.PathLike, *, rows: int = 200_000, valid
     """Write train/ and valid/ Parquet parts under out_dir; return a summary with the rows, the
     click rate and, on the valid split, the AUC of the teacher's logit and of the item bias plus
     the matches counted without their times (what the order-free sequence says)."""
-    for name, value in (("rows", rows), ("files", files), ("row_group_size", row_group_size)):
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-    if not 0 < valid_fraction < 1 or rows < 2:
-        raise ValueError(f"valid_fraction={valid_fraction} of rows={rows} must leave rows in both splits")
+    check_split_sizes(rows, valid_fraction, files, row_group_size)
     teacher = _teacher(seed)
     chunks = [_chunk(teacher, seed, i, min(CHUNK_ROWS, rows - i * CHUNK_ROWS)) for i in range(-(-rows // CHUNK_ROWS))]
     table = pa.concat_tables([c[0] for c in chunks])
