@@ -32,34 +32,50 @@ def sinkhorn(logits: torch.Tensor, tau: torch.Tensor | float, stages: int, steps
     potentials, whose system (diag(r) + M) df = -r log r (M the current matrix, r its row
     sums) is diagonally dominant and solved in one batched product; Newton converges fast
     only near the solution, so the temperature is lowered from 1 to tau in `stages` steps
-    (epsilon scaling: geometric, each stage warm-started from the last one's potentials)
-    with `steps` Newton steps each. A fixed number of steps: nothing is read back, and
-    backward differentiates through them (the implicit function's gradient, to the
-    solution's accuracy).
+    (epsilon scaling: geometric, each stage warm-started from the last one's potentials;
+    `scaling_stages` gives how many a temperature needs)
+    with `steps` Newton steps each, then one more that carries the gradient. A fixed number
+    of steps: nothing is read back.
 
     In log space and float32 even under autocast: at tau = 0.05 the logits are 20x the
     weights, and exp of that overflows bf16.
     """
     with torch.autocast(logits.device.type, enabled=False):
         w = logits.float()
-        n = w.shape[-1]
         tau = torch.as_tensor(tau, dtype=torch.float32, device=w.device)
-        damping = 1e-6 * torch.eye(n, device=w.device)  # M's eigenvalue -1 (two blocks swapped) makes it singular
-        f = prev = None
-        for k in range(stages):
-            temp = tau ** ((k + 1) / stages)
-            x = w / temp
-            f = -0.5 * x.logsumexp(-1, keepdim=True) if f is None else f * (prev / temp)
-            prev = temp
-            for _ in range(steps):
-                log_m = x + f + f.mT
-                log_r = log_m.logsumexp(-1, keepdim=True)
-                r = log_r.exp()
-                system = torch.diag_embed(r.squeeze(-1)) + log_m.exp() + damping
-                # solve_ex: no check of the result on the host (solve's would wait for the device)
-                step = torch.linalg.solve_ex(system, -r * log_r, check_errors=False)[0]
-                f = f + step.clamp(-1.0, 1.0)  # far from the solution a full step overshoots
+        with torch.no_grad():
+            f = prev = None
+            for k in range(stages):
+                temp = tau ** ((k + 1) / stages)
+                f = -0.5 * (w / temp).logsumexp(-1, keepdim=True) if f is None else f * (prev / temp)
+                prev = temp
+                for _ in range(steps):
+                    f = _newton_step(w / temp, f)
+        # One more step with autograd: at the solution Newton's step does not depend on where
+        # it starts to first order, so its gradient is the implicit function's, -J^-1 dF/dw,
+        # at one step's cost instead of differentiating through all of them.
+        f = _newton_step(w / tau, f)
         return (w / tau + f + f.mT).exp()
+
+
+def _newton_step(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """One Newton step towards rows of exp(x_ij + f_i + f_j) summing to 1: [..., n, n] logits,
+    [..., n, 1] potentials -> the potentials after it."""
+    log_m = x + f + f.mT
+    log_r = log_m.logsumexp(-1, keepdim=True)
+    r = log_r.exp()
+    # M's eigenvalue -1 (two blocks swapping) makes the system singular: a little damping
+    damping = 1e-6 * torch.eye(x.shape[-1], device=x.device)
+    system = torch.diag_embed(r.squeeze(-1)) + log_m.exp() + damping
+    # solve_ex: no check of the result on the host (solve's would wait for the device)
+    step = torch.linalg.solve_ex(system, -r * log_r, check_errors=False)[0]
+    return f + step.clamp(-1.0, 1.0)  # far from the solution a full step overshoots
+
+
+def scaling_stages(tau: float, per_halving: int) -> int:
+    """Temperature stages of `sinkhorn` at `tau`: `per_halving` for each halving of the
+    temperature below 1 (one at tau >= 1), so that each stage starts near its solution."""
+    return max(1, math.ceil(per_halving * math.log2(1 / tau))) if tau < 1 else 1
 
 
 def constrain_all(weights: list[torch.Tensor], tau: torch.Tensor | float, stages: int,
@@ -322,8 +338,9 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
         self.norm_out = nn.RMSNorm(dim)
         self.out_dim = dim
         self.schedule = (tau_start, tau_end, anneal_steps)
-        self.sinkhorn = (sinkhorn_stages, sinkhorn_steps)
+        self.per_halving, self.newton_steps = sinkhorn_stages, sinkhorn_steps
         self.register_buffer("tau", torch.tensor(tau_start), persistent=False)
+        self.stages = scaling_stages(tau_start, sinkhorn_stages)  # of the temperature now, known on the host
 
     def register_hooks(self, hooks: TrainingHooks) -> None:
         hooks.after_optimizer_step.append(self.set_step)
@@ -332,12 +349,14 @@ class UniMixerTower(nn.Module, HookProvider, ServingForm):
 
     def set_step(self, step: int) -> None:
         """The temperature of `step` (after every optimizer step and after a restore)."""
-        self.tau.fill_(temperature(step, *self.schedule))
+        tau = temperature(step, *self.schedule)
+        self.tau.fill_(tau)
+        self.stages = scaling_stages(tau, self.per_halving)
 
     def mixing_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's constrained (W_G [n, n], W_B [n, blk, blk]), in one batched constraint."""
         logits = [w for layer in self.layers for w in layer.block.mixing.logits()]
-        weights = constrain_all(logits, self.tau, *self.sinkhorn)
+        weights = constrain_all(logits, self.tau, self.stages, self.newton_steps)
         return list(zip(weights[0::2], weights[1::2]))
 
     def log_values(self, kind: str) -> dict[str, float]:

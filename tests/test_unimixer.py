@@ -14,7 +14,7 @@ from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
 from dense.towers import build_tower
 from dense.unimixer import (PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, rankmixer_permutation,
-                            temperature)
+                            scaling_stages, temperature)
 from test_checkpoint import losses
 from test_train import assert_loss_falls
 from dense.model_config import ModelConfig
@@ -24,9 +24,10 @@ from trainer.data.datasets import synth_features
 REPO = Path(__file__).resolve().parents[1]
 
 
-def constrain(weight: torch.Tensor, tau: torch.Tensor | float, stages: int = 12, steps: int = 3) -> torch.Tensor:
-    """Eq. 15 for one matrix (or a batch of one size): [..., n, n] -> [..., n, n] float32."""
-    return constrain_all([weight], tau, stages, steps)[0]
+def constrain(weight: torch.Tensor, tau: float, steps: int = 3) -> torch.Tensor:
+    """Eq. 15 for one matrix (or a batch of one size) as the default tower's constraint:
+    [..., n, n] -> [..., n, n] float32."""
+    return constrain_all([weight], tau, scaling_stages(tau, UniMixerConfig.sinkhorn_stages), steps)[0]
 
 
 def block_permutation(num_tokens: int, heads: int) -> torch.Tensor:
@@ -115,13 +116,13 @@ def test_batched_constraint_of_mixed_sizes_equals_each_matrix_alone_and_sinkhorn
     gives its matrices and (to its accuracy) its gradients; the batch gives each matrix's own."""
     torch.manual_seed(0)
     weights = [torch.randn(8, 8), torch.randn(8, 16, 16), torch.randn(8, 8), torch.randn(8, 16, 16)]
-    out = constrain_all(weights, 0.5, 12, 3)
+    out = constrain_all(weights, 0.5, scaling_stages(0.5, 3), 3)
     for w, p in zip(weights, out):
         assert p.shape == w.shape
         torch.testing.assert_close(p.double(), reference_constraint(w, 0.5, 300), atol=2e-6, rtol=1e-5)
     leaves = [w.clone().requires_grad_() for w in weights]
     cotangents = [torch.randn_like(w) for w in weights]
-    sum((p * c).sum() for p, c in zip(constrain_all(leaves, 0.5, 12, 3), cotangents)).backward()
+    sum((p * c).sum() for p, c in zip(constrain_all(leaves, 0.5, scaling_stages(0.5, 3), 3), cotangents)).backward()
     for leaf, w, c in zip(leaves, weights, cotangents):
         alone = leaf.detach().clone().requires_grad_()
         (constrain(alone, 0.5) * c).sum().backward()
@@ -152,8 +153,8 @@ def test_sinkhorn_converges_at_tau_005(n, batch, init):
     assert p.amax(-1).mean() > 0.5  # sharp: a fifth of tau = 1's temperature
     (p * torch.randn_like(p)).sum().backward()
     assert torch.isfinite(leaf.grad).all()
-    knopp = constrain_all([logits.detach()], 0.05, 1, 0)[0]  # no Newton step: the start, far off
-    assert (knopp.sum(-1) - 1).abs().amax() > 1e-2
+    one_stage = constrain_all([logits.detach()], 0.05, 1, 3)[0]  # no epsilon scaling: far off
+    assert (one_stage.sum(-1) - 1).abs().amax() > 1e-2
 
 
 @pytest.mark.parametrize("tower", ["unimixer", "unimixer_lite"])
@@ -167,8 +168,7 @@ def test_tower_constrains_every_layer_as_each_layer_alone_would(tower, block):
     x = model.tokenizer.forward_tm(e_input)
     y = x
     for layer in model.layers:
-        x, y = layer(x, y, layer.block.mixing.weights(model.tau, cfg.unimixer.sinkhorn_stages,
-                                                      cfg.unimixer.sinkhorn_steps))
+        x, y = layer(x, y, layer.block.mixing.weights(model.tau, model.stages, model.newton_steps))
     torch.testing.assert_close(model(e_input), (x + model.norm_out(y)).mean(dim=0), atol=1e-6, rtol=1e-5)
 
 
@@ -203,7 +203,7 @@ def test_swiglu_backward_equals_autograd():
 def test_mixing_weights_stay_float32_inside_a_bf16_tower():
     for mixing in (UniMixing(32, 4, 8), UniMixingLite(32, 4, 8, num_basis=3, rank=2)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            w_global, w_local = mixing.weights(torch.tensor(0.05), 12, 3)
+            w_global, w_local = mixing.weights(torch.tensor(0.05), 13, 3)
             out = mixing(torch.randn(4, 2, 8), w_global, w_local)  # token-major [T, B, D]
         assert w_global.dtype == w_local.dtype == torch.float32
         assert w_global.shape == (8, 8) and w_local.shape == (8, 4, 4)
@@ -269,7 +269,9 @@ def test_set_step_moves_the_temperature():
     model = build_tower(cfg, InputLayout(synth_features()))
     assert model.tau.item() == 1.0
     model.set_step(5)
-    assert model.tau.item() == pytest.approx(0.525)
+    assert model.tau.item() == pytest.approx(0.525) and model.stages == 3 == scaling_stages(0.525, 3)
+    model.set_step(10)
+    assert model.stages == 13  # 3 per halving from 1 to 0.05
     assert "tau" not in model.state_dict()
 
 

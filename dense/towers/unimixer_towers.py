@@ -37,8 +37,8 @@ class UniMixerConfig:
     """Temperature after tau_anneal_steps (eq. 21)."""
     tau_anneal_steps: int = 500
     """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
-    sinkhorn_stages: int = 12
-    """Temperatures from 1 down to tau at which the doubly stochastic scaling is solved in turn (epsilon scaling)."""
+    sinkhorn_stages: int = 3
+    """Temperatures per halving of tau below 1 at which the doubly stochastic scaling is solved in turn (epsilon scaling)."""
     sinkhorn_steps: int = 3
     """Newton steps of the scaling at each of those temperatures."""
     num_basis: int = 4
