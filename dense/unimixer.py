@@ -291,12 +291,13 @@ class _SwiGLU(torch.autograd.Function):
 
 class UniMixerBlock(nn.Module):
     """O = pSwiGLU(RMSNorm(Z + UniMixing(Z))), token-major [T, B, D] -> [T, B, D], the
-    SwiGLU per token (eq. 19) of width `hidden`, whatever the mixing's block size."""
+    SwiGLU per token (eq. 19) of width `hidden`, whatever the mixing's block size; or
+    another per-token FFN `ffn` ([T, B, D] -> [T, B, D], the sparse MoE of figure 2)."""
 
-    def __init__(self, mixing: BlockMixing, hidden: int):
+    def __init__(self, mixing: BlockMixing, hidden: int, ffn: nn.Module | None = None):
         super().__init__()
         self.mixing = mixing
-        self.ffn = PerTokenSwiGLU(mixing.num_tokens, mixing.dim, hidden)
+        self.ffn = ffn if ffn is not None else PerTokenSwiGLU(mixing.num_tokens, mixing.dim, hidden)
 
     def forward(self, z: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Token-major [T, B, D] and the layer's constrained (W_G, W_B) -> [T, B, D]."""
@@ -469,7 +470,8 @@ def matched_ffn_hidden(num_tokens: int, dim: int, block: int, ffn_ratio: int) ->
 def unimixer_cost(num_tokens: int, dim: int, block: int, hidden: int, layers: int,
                   lite: tuple[int, int] | None = None) -> tuple[int, int]:
     """(parameters, forward matmul FLOPs per sample) of the M layers and the output norm,
-    without the tokenizer. `lite` = (num_basis, rank) for UniMixing-Lite.
+    without the tokenizer. `lite` = (num_basis, rank) for UniMixing-Lite; `hidden` = 0
+    leaves the SwiGLU out.
 
     Per sample, a layer costs 2 L blk (local) + 2 L n (global) + 6 T D h (SwiGLU);
     building the constrained matrices does not depend on the batch and is left out.
@@ -481,7 +483,7 @@ def unimixer_cost(num_tokens: int, dim: int, block: int, hidden: int, layers: in
     else:
         basis, rank = lite
         mixing = basis * block * block + n * basis + 2 * n * rank
-    swiglu = num_tokens * (3 * dim * hidden + 2 * hidden + dim)
+    swiglu = num_tokens * (3 * dim * hidden + 2 * hidden + dim) if hidden else 0  # 0: another FFN, counted apart
     params = layers * (mixing + swiglu + 3 * dim) + dim
     flops = layers * (2 * length * block + 2 * length * n + 6 * num_tokens * dim * hidden)
     return params, flops

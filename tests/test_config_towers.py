@@ -28,7 +28,7 @@ DEBUG = "configs/debug.toml"
 
 @pytest.mark.parametrize("overrides, message", [
     (["--model.moe.budget=0.3"],
-     "model.moe.budget is set, but tower 'rankmixer' does not read it (read by rankmixer_moe); remove it"),
+     "model.moe.budget is set, but tower 'rankmixer' does not read it (read by rankmixer_moe, unimixer_moe); remove it"),
     (["--model.tower=dcnv2", "--model.num_tokens=4"],
      "model.num_tokens is set, but tower 'dcnv2' has no tokens; remove it"),
     (["--model.tower=mlp", "--model.dcnv2.cross_layers=2"],
@@ -105,7 +105,7 @@ def test_help_groups_the_fields_by_tower_table():
     proc = cli.rankmix("train", "--help")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    for table, readers in [("moe", "rankmixer_moe"), ("unimixer", "unimixer, unimixer_lite"), ("dcnv2", "dcnv2")]:
+    for table, readers in [("moe", "rankmixer_moe, unimixer_moe"), ("unimixer", "unimixer, unimixer_lite, unimixer_moe"), ("dcnv2", "dcnv2")]:
         header = next(line for line in lines if line.startswith(f"[model.{table}]"))
         assert header.endswith(f"({readers}).")
         after = lines[lines.index(header) + 1]

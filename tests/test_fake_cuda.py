@@ -52,7 +52,7 @@ META = torch.device("meta")
 NEEDS_CUDA_GUARD = "PyTorch is not linked with support for cuda devices"
 # Towers whose training forward takes a view of a CUDA tensor (see the module docstring):
 # `test_a_training_step_on_meta_reads_nothing_back` checks them past it.
-VIEWS_ON_CUDA = {"rankmixer_moe", "unimixer", "unimixer_lite"}  # UniMixer: its blocks of D/T
+VIEWS_ON_CUDA = {"rankmixer_moe", "unimixer", "unimixer_lite", "unimixer_moe"}  # UniMixer: its blocks of D/T
 
 
 def on_fake_cuda(module: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ from test_checkpoint import losses
 from test_train import assert_loss_falls
 from dense.model_config import ModelConfig
 from dense.towers.unimixer_towers import UniMixerConfig
+from embeddings.hooks import TrainingHooks
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,6 +263,46 @@ def test_mixing_parameters_get_their_own_learning_rate():
     assert {id(p) for p in groups[1]["params"]} == mixing and len(mixing) == 2 * 4
     plain = build_tower(ModelConfig(num_tokens=4, hidden_dim=8), InputLayout(synth_features()))
     assert [g["lr"] for g in lr_groups(plain, list(plain.parameters()), 0.002)] == [0.002]
+
+
+def test_unimixer_moe_routes_and_counts_as_rankmixers_moe():
+    """The sparse per-token MoE tower: its FFNs are RankMixer's `PerTokenMoE`s after the
+    UniMixing; a training forward leaves the inference router's terms for the loss and the
+    lambda adaptation, and sparse inference's FLOPs are counted as the counter counts them:
+    the mixing, each layer's inference router, the active (token, expert) pairs' experts."""
+    from dense.moe import PerTokenMoE
+
+    cfg = ModelConfig(tower="unimixer_moe", num_tokens=4, hidden_dim=16, ffn_ratio=2)
+    layout = InputLayout(synth_features())
+    model = build_tower(cfg, layout)
+    assert all(isinstance(moe, PerTokenMoE) for moe in model.moes) and len(model.moes) == 2
+    hooks = TrainingHooks.of(model)
+    assert len(hooks.extra_losses) == 1 and len(hooks.after_optimizer_step) == 2  # lambda and temperature
+    e_input = torch.randn(32, layout.width)
+    model.train()(e_input).sum().backward()
+    assert float(model.aux_loss()) > 0 and model.aux_loss() == 0  # taken once
+    before = [float(m.l1_coef) for m in model.moes]
+    for after_step in hooks.after_optimizer_step:
+        after_step(1)
+    assert [float(m.l1_coef) for m in model.moes] != before
+    model.eval()
+    with torch.no_grad():
+        weights = model.mixing_weights()
+        x = model.tokenizer.forward_tm(e_input)
+        actives = []
+        for layer, w in zip(model.layers, weights):  # the gates each layer's MoE sees
+            s = layer.block.mixing(x + layer.norm_y(x if not actives else y), *w)
+            actives.append(int((layer.block.ffn.gates(s, "infer") > 0).sum()))
+            o = layer.block.ffn(s)
+            x, y = layer.norm_x(x + o), (x if len(actives) == 1 else y) + o
+        with FlopCounterMode(display=False) as counter:
+            model(e_input)
+    t, d, e, h = 4, 16, cfg.moe.num_experts, 2 * 16 // cfg.moe.num_experts
+    mixing = model.dense_flops() - model.tokenizer.cost()[1]
+    expected = 32 * (model.tokenizer.cost()[1] + mixing) + sum(2 * 32 * t * d * e + a * 4 * d * h for a in actives)
+    assert counter.get_total_flops() == expected
+    active = sum(actives) / (len(actives) * 32 * t * e)
+    assert model.inference_flops(active) == pytest.approx(expected / 32)
 
 
 def test_set_step_moves_the_temperature():

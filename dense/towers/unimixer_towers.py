@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from dense.tower_registry import check_ranges, register_tower
+from dense.towers.moe_towers import MoEConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -73,9 +74,30 @@ def build_unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
         length, block, cfg.hidden_dim, u.num_basis, u.global_rank, u.init, u.mixing_lr_mult))
 
 
-def mixing_shape(cfg: ModelConfig, num_tokens: int) -> tuple[int, int, int]:
+@register_tower("unimixer_moe", tables=(UniMixerConfig, MoEConfig), skip=("num_basis", "global_rank", "ffn_hidden"))
+def build_unimixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    """UniMixing and a sparse per-token MoE per block (figure 2), the MoE's experts as
+    RankMixer's MoE sizes them (model.moe)."""
+    # on use: torch (the config loads without it)
+    from dense.moe import PerTokenMoE, expert_hidden
+    from dense.tokenizer import build_tokenizer
+    from dense.unimixer import UniMixerBlock, UniMixing
+    from dense.unimixer_moe import UniMixerMoETower
+
+    tokenizer, u, m = build_tokenizer(cfg, layout.group_widths), cfg.unimixer, cfg.moe
+    t, d = tokenizer.num_tokens, cfg.hidden_dim
+    length, block, _ = mixing_shape(cfg, t, ffn=False)
+    hidden = expert_hidden(d, cfg.ffn_ratio, m.num_experts, m.expert_hidden)
+    blocks = [UniMixerBlock(UniMixing(length, block, d, u.init, u.mixing_lr_mult), 0, PerTokenMoE(
+        t, d, m.num_experts, hidden, budget=m.budget, l1_init=m.l1_init, l1_rate=m.l1_rate, consistency=m.consistency,
+        sparse_inference=m.inference == "sparse")) for _ in range(cfg.num_layers)]
+    return UniMixerMoETower(tokenizer, blocks, d, u.tau_start, u.tau_end, u.tau_anneal_steps,
+                            u.sinkhorn_stages, u.sinkhorn_steps)
+
+
+def mixing_shape(cfg: ModelConfig, num_tokens: int, ffn: bool = True) -> tuple[int, int, int]:
     """(L, blk, SwiGLU width) of a UniMixer over `num_tokens` tokens: the defaults of
-    model.unimixer.block_size (D/T) and ffn_hidden (RankMixer's FLOPs) resolved."""
+    model.unimixer.block_size (D/T) and ffn_hidden (RankMixer's FLOPs) resolved (0 without `ffn`)."""
     from dense.unimixer import matched_ffn_hidden  # on use: torch (the config loads without it)
 
     d, u = cfg.hidden_dim, cfg.unimixer
@@ -86,6 +108,8 @@ def mixing_shape(cfg: ModelConfig, num_tokens: int) -> tuple[int, int, int]:
     if (num_tokens * d) % block:
         raise ValueError(f"model.unimixer.block_size={block} must divide the flattened token length "
                          f"T*D = {num_tokens * d}")
+    if not ffn:
+        return num_tokens * d, block, 0
     return num_tokens * d, block, u.ffn_hidden or matched_ffn_hidden(num_tokens, d, block, cfg.ffn_ratio)
 
 
