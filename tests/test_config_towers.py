@@ -158,3 +158,13 @@ def test_a_tower_declared_in_one_new_module_is_a_choice_a_table_and_built(tmp_pa
     proc = subprocess.run([sys.executable, "-c", PLANTED], cwd=tmp_path, env=cli.run_env(PYTHONPATH=str(tmp_path)),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "planted tower ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides,warmup", [
+    ([], 300), (["--model.tower=unimixer_lite"], 300), (["--model.tower=mlp"], 0), (["--model.tower=dcnv2"], 0),
+    (["--model.tower=mlp", "--optim.dense_warmup_steps=300"], 300), (["--model.tower=dcnv2", "--model.recipe=paper"], 0),
+    (["--model.recipe=paper"], 0)])
+def test_each_tower_family_trains_by_its_own_defaults(overrides, warmup):
+    """Issue 42: the dense warm-up stays for token towers; MLP and DCNv2 train without it
+    (it cost them 0.011 and 0.0016 AUC on held-out data), unless the warm-up is given."""
+    assert load_config(None, overrides).optim.dense_warmup_steps == warmup
