@@ -110,7 +110,19 @@ def train(argv: list[str]) -> int:
         print("\n".join(describe()))
         return 0
     cfg = load_config(*config_args(argv))
+    from trainer.stages import cold_stage, hot_stage, hot_summary, two_stages
 
+    if not two_stages(cfg):
+        return train_once(cfg)
+    if hot_summary(cfg) is None:
+        train_once(hot_stage(cfg), quiet=True, last=False)
+    return train_once(cold_stage(cfg), extra={f"hot/{k}": v for k, v in hot_summary(cfg).items()
+                                              if isinstance(v, (int, float))})
+
+
+def train_once(cfg, quiet: bool = False, extra: dict | None = None, last: bool = True) -> int:
+    """Train `cfg`; print its summary (with `extra`) as the last line (rank 0), unless `quiet`.
+    A training that is not the `last` leaves the process group to the next."""
     # on use: torch and TorchRec
     from trainer.dist import shutdown
     from trainer.train import Trainer
@@ -126,9 +138,10 @@ def train(argv: list[str]) -> int:
     finally:  # threads and writers first, the process group last, whatever happened
         if trainer is not None:
             trainer.close(ok)
-        shutdown(wait_for_peers=ok)
-    if trainer.env.is_main:
-        print(json.dumps(summary), flush=True)
+        if last or not ok:
+            shutdown(wait_for_peers=ok)
+    if trainer.env.is_main and not quiet:
+        print(json.dumps({**summary, **(extra or {})}), flush=True)
     return 0
 
 

@@ -342,20 +342,46 @@ def test_towers_train_through_the_cli(tmp_path, cache_dir, tower):
 
 
 @pytest.mark.trained
-def test_low_temperature_run_warm_starts_from_a_high_temperature_one(tmp_path, cache_dir):
-    """The two-stage recipe of section 4.5: train at tau 1.0, then load the weights at tau 0.05."""
-    common = ("--model.tower=unimixer", "--train.steps=6", f"--data.cache_dir={cache_dir}", "--metrics.log_every=1")
-    hot, cold = tmp_path / "hot", tmp_path / "cold"
-    rankmix(*common, "--model.unimixer.tau_start=1.0", f"--train.run_dir={hot}", "--checkpoint.interval=6")
-    summary, out = rankmix(*common, "--model.unimixer.tau_start=0.05", f"--train.run_dir={cold}",
-                           f"--checkpoint.load_path={hot}", "--checkpoint.load_mode=weights")
-    assert summary["steps"] == 6 and 0 < summary["auc"] < 1
-    assert f"initialised weights from {hot}" in out
-    # Both runs start on the same first batch, the hot run from initial weights and the cold
-    # one from the hot run's. Over seeds 0-2 their first losses were 0.83-1.26 and 0.65-0.73,
+def test_two_stage_recipe_trains_hot_then_cold_from_the_hot_weights(tmp_path, cache_dir):
+    """The two-stage recipe of section 4.5 as one option: train at tau 1.0 (run_dir/hot,
+    checkpointed), then from its weights at tau 0.05 (run_dir)."""
+    run = tmp_path / "run"
+    summary, out = rankmix("--model.tower=unimixer", "--train.steps=6", f"--data.cache_dir={cache_dir}",
+                           "--metrics.log_every=1", "--model.unimixer.schedule=two_stage", f"--train.run_dir={run}",
+                           "--checkpoint.enabled=false")
+    hot = run / "hot"
+    assert summary["steps"] == 6 and 0 < summary["auc"] < 1 and 0 < summary["hot/auc"] < 1
+    assert f"initialised weights from {hot / 'checkpoints' / 'step-6'}" in out, out
+    assert (hot / "summary.json").exists() and not (run / "checkpoints").exists()
+    assert [line for line in (run / "config.toml").read_text().splitlines() if line.startswith("tau_")] == [
+        "tau_start = 0.05", "tau_end = 0.05", "tau_anneal_steps = 0"]
+    tau = [row["unimixer/tau"] for row in map(json.loads, (hot / "metrics.jsonl").read_text().splitlines())
+           if "unimixer/tau" in row]
+    assert tau and set(tau) == {1.0}
+    # Both stages start on the same first batch, the hot one from initial weights and the cold
+    # one from the hot one's. Over seeds 0-2 their first losses were 0.83-1.26 and 0.65-0.73,
     # 0.18 apart at least (a cold run from initial weights logs 0.85-1.23).
-    assert losses(cold)[1] < losses(hot)[1] - 0.1, (losses(cold), losses(hot))
+    assert losses(run)[1] < losses(hot)[1] - 0.1, (losses(run), losses(hot))
     assert_loss_falls(hot)
+
+
+def test_the_cold_stage_starts_from_the_hot_stages_best_validation_where_there_is_one(tmp_path):
+    from trainer.config_loader import load_config
+    from trainer.stages import cold_stage, hot_stage, two_stages
+
+    cfg = load_config(None, ["--model.tower=unimixer_lite", "--model.unimixer.schedule=two_stage",
+                             f"--train.run_dir={tmp_path}", "--checkpoint.enabled=false"])
+    assert two_stages(cfg) and not two_stages(load_config(None, []))
+    hot = hot_stage(cfg)
+    assert (hot.train.run_dir, hot.checkpoint.enabled, hot.model.unimixer.tau_anneal_steps) == (
+        str(tmp_path / "hot"), True, 0)
+    assert cold_stage(cfg).checkpoint.load_path == str(tmp_path / "hot")
+    (tmp_path / "hot" / "best").mkdir(parents=True)
+    (tmp_path / "hot" / "best" / ".metadata").touch()
+    cold = cold_stage(cfg)
+    assert (cold.checkpoint.load_path, cold.checkpoint.load_mode) == (str(tmp_path / "hot" / "best"), "weights")
+    assert (cold.model.unimixer.tau_start, cold.model.unimixer.tau_anneal_steps, cold.train.run_dir) == (
+        0.05, 0, str(tmp_path))
 
 
 @pytest.mark.trained

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from dense.model_config import ModelConfig
 
 MixingInit = Literal["permutation", "random"]
+Schedule = Literal["anneal", "two_stage"]
 
 
 @dataclass
@@ -38,6 +39,8 @@ class UniMixerConfig:
     """Temperature after tau_anneal_steps (eq. 21)."""
     tau_anneal_steps: int = 500
     """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
+    schedule: Schedule = "anneal"
+    """anneal: eq. 21 | two_stage: train at tau_start (run_dir/hot), then again at tau_end from those weights (§4.5; trainer/stages.py)."""
     sinkhorn_stages: int = 3
     """Temperatures per halving of tau below 1 at which the doubly stochastic scaling is solved in turn (epsilon scaling)."""
     sinkhorn_steps: int = 3
