@@ -37,6 +37,7 @@ from typing import get_args
 from trainer.config import SynthTeacherName
 from trainer.config_loader import describe, load_config
 from trainer.credentials import redact_uri
+from trainer.stages import cold_stage, hot_stage, hot_summary, two_stages
 from trainer.errors import BAD_INPUT, Interrupted, NonFiniteLossError, RankmixError
 
 # Commands import the rest on use: `rankmix --help` answers in under 0.1 s, where torch and
@@ -110,8 +111,6 @@ def train(argv: list[str]) -> int:
         print("\n".join(describe()))
         return 0
     cfg = load_config(*config_args(argv))
-    from trainer.stages import cold_stage, hot_stage, hot_summary, two_stages
-
     if not two_stages(cfg):
         return train_once(cfg)
     if hot_summary(cfg) is None:
