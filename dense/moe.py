@@ -111,6 +111,10 @@ class PerTokenMoE(nn.Module):
         self._train_inference_router(s, outputs, v)
         return v
 
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        """`forward_tm`: an FFN slot with no residual of its own (UniMixer's block)."""
+        return self.forward_tm(s)
+
     def residual_tm(self, s: torch.Tensor) -> torch.Tensor:
         """s + MoE(s), token-major [T, B, D] -> [T, B, D]: the FFN slot of a RankMixerBlock.
         A training step runs whole in `_MoETrainingStep` (the same function as forward_tm
@@ -146,6 +150,12 @@ class PerTokenMoE(nn.Module):
         t, d, eh = self.w1.shape
         e = self.num_experts
         return t * (2 * d * eh + eh) + t * e * d + 2 * t * (d * e + e), 4 * t * d * eh + 2 * (2 * t * d * e)
+
+    def inference_flops(self, active: float) -> float:
+        """Expected FLOPs per sample of sparse inference when a fraction `active` of the gates
+        is non-zero: the inference router, and the active experts only."""
+        t, d, eh = self.w1.shape
+        return 2 * t * d * self.num_experts + active * 4 * t * eh * d
 
     def sparse_forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference by h_infer alone, computing expert (t, j) only on the rows whose gate
@@ -317,29 +327,30 @@ def _per_expert(x: torch.Tensor, eh: int, e: int) -> torch.Tensor:
     return x[..., :eh].view(t, b, e, eh // e).transpose(1, 2)
 
 
-class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
-    """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
-    e_input [B, E_in] -> [B, D].
+class MoEHooks(HookProvider, ServingForm):
+    """What a tower of `PerTokenMoE` FFNs asks of the training loop and of serving, for any
+    tower that lists them (`moes`) and gives the FLOPs per sample of everything else
+    (`dense_flops`).
 
-    Training hooks (embeddings/hooks.py): `aux_loss()` joins the task loss, `set_step` adapts
-    every layer's lambda after each optimizer step, `log_values()` gives the routing
-    statistics for TensorBoard.
+    Training hooks (embeddings/hooks.py): `aux_loss()` joins the task loss, `adapt_moes` moves
+    every layer's lambda after each optimizer step, `log_moes()` gives the routing statistics
+    for TensorBoard.
     """
-
-    def register_hooks(self, hooks: TrainingHooks) -> None:
-        hooks.extra_losses.append(self.aux_loss)
-        hooks.after_optimizer_step.append(self.set_step)
-        hooks.metrics.append(self.log_values)
-
-    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int, moe: Callable[[], PerTokenMoE],
-                 norm: str = "post", pooling: str = "mean", dropout: float = 0.0):
-        super().__init__(tokenizer, num_layers, dim, ffn_ratio, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
 
     @property
     def moes(self) -> list[PerTokenMoE]:
-        return [block.ffn for block in self.blocks]
+        raise NotImplementedError
 
-    def set_step(self, step: int) -> None:
+    def dense_flops(self) -> float:
+        """Forward FLOPs per sample of the tower but its MoEs."""
+        raise NotImplementedError
+
+    def register_hooks(self, hooks: TrainingHooks) -> None:
+        hooks.extra_losses.append(self.aux_loss)
+        hooks.after_optimizer_step.append(self.adapt_moes)
+        hooks.metrics.append(self.log_moes)
+
+    def adapt_moes(self, step: int) -> None:
         """After an optimizer step: every layer's activity, averaged over ranks in one
         collective, moves its lambda. Nothing happens without a training forward since."""
         pending = [m.take_pending() for m in self.moes]
@@ -365,7 +376,7 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
             m.pending_loss = None  # each forward's terms join exactly one loss
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
-    def log_values(self, kind: str) -> dict[str, float]:
+    def log_moes(self, kind: str) -> dict[str, float]:
         """Routing of the inference router since the last call, in `train` steps or `eval`
         batches: active fraction overall, per layer and token, per layer and expert index
         (mean over tokens), dead experts (never active), lambda (mean and per layer), and (eval) the FLOPs per
@@ -388,12 +399,33 @@ class RankMixerMoETower(RankMixerTower, HookProvider, ServingForm):
 
     def inference_flops(self, active: float) -> float:
         """Expected FLOPs per sample of sparse inference when a fraction `active` of the
-        gates is non-zero: the inference router, and the active experts only."""
-        flops = self.tokenizer.cost()[1]
-        for block in self.blocks:
-            t, d, eh = block.ffn.w1.shape
-            flops += 2 * t * d * block.ffn.num_experts + active * 4 * t * eh * d
-        return flops
+        gates is non-zero: the rest of the tower, each layer's inference router, and the
+        active experts only."""
+        return self.dense_flops() + sum(moe.inference_flops(active) for moe in self.moes)
+
+
+class RankMixerMoETower(RankMixerTower, MoEHooks):
+    """RankMixer whose blocks carry a `PerTokenMoE` as their per-token FFN:
+    e_input [B, E_in] -> [B, D]; its hooks and serving form are `MoEHooks`'."""
+
+    def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int, moe: Callable[[], PerTokenMoE],
+                 norm: str = "post", pooling: str = "mean", dropout: float = 0.0):
+        super().__init__(tokenizer, num_layers, dim, ffn_ratio, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
+
+    @property
+    def moes(self) -> list[PerTokenMoE]:
+        return [block.ffn for block in self.blocks]
+
+    def dense_flops(self) -> float:
+        return self.tokenizer.cost()[1]  # token mixing is a permutation: no FLOPs
+
+    def set_step(self, step: int) -> None:
+        """`adapt_moes` (the name the tests and benches call)."""
+        self.adapt_moes(step)
+
+    def log_values(self, kind: str) -> dict[str, float]:
+        """`log_moes` (the name the tests and benches call)."""
+        return self.log_moes(kind)
 
 
 def expert_hidden(dim: int, ffn_ratio: int, num_experts: int, configured: int) -> int:

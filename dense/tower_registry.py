@@ -41,6 +41,8 @@ class TowerSpec:
     """The tower tokenizes: it reads the token fields of [model] (dense/model_config.py TOKEN_FIELDS)."""
     skip: tuple[str, ...] = ()
     """Fields of its tables that it does not read."""
+    defaults: tuple[tuple[str, object], ...] = ()
+    """(dotted key, value): run defaults this tower trains best with, over model.recipe's; a key given explicitly wins."""
 
 
 TOWERS: Registry[TowerSpec] = Registry("model.tower")
@@ -49,14 +51,16 @@ TABLES: dict[str, type] = {}
 
 
 def register_tower(name: str, *, tables: tuple[type, ...] = (), tokens: bool = True,
-                   skip: tuple[str, ...] = ()) -> Callable[[Builder], Builder]:
+                   skip: tuple[str, ...] = (), defaults: dict[str, object] | None = None) -> Callable[[Builder], Builder]:
     """Decorator: make the builder the tower `model.tower = name`, reading `tables` (dataclasses
-    whose class attribute `key` names their [model.<key>] table) except the fields in `skip`."""
+    whose class attribute `key` names their [model.<key>] table) except the fields in `skip`,
+    and training by `defaults` (dotted key -> value) unless a file or the command line says otherwise."""
     def wrap(build: Builder) -> Builder:
         for table in tables:
             assert TABLES.setdefault(table.key, table) is table, f"two tables declare [model.{table.key}]"
         assert set(skip) <= {f.name for table in tables for f in fields(table)}, f"{name} skips a field it has not"
-        TOWERS.register(name)(TowerSpec(build, tuple(t.key for t in tables), tokens, skip))
+        TOWERS.register(name)(TowerSpec(build, tuple(t.key for t in tables), tokens, skip,
+                                        tuple((defaults or {}).items())))
         return build
     return wrap
 

@@ -43,3 +43,10 @@ class HookProvider:
 
     def register_hooks(self, hooks: TrainingHooks) -> None:
         raise NotImplementedError
+
+
+class ScaledLearningRate:
+    """Mixin for modules whose own parameters (not their children's) train at `lr_mult` times
+    the dense learning rate: the optimizer puts them in a parameter group of their own."""
+
+    lr_mult: float = 1.0

@@ -37,6 +37,7 @@ from typing import get_args
 from trainer.config import SynthTeacherName
 from trainer.config_loader import describe, load_config
 from trainer.credentials import redact_uri
+from trainer.stages import cold_stage, hot_stage, hot_summary, two_stages
 from trainer.errors import BAD_INPUT, Interrupted, NonFiniteLossError, RankmixError
 
 # Commands import the rest on use: `rankmix --help` answers in under 0.1 s, where torch and
@@ -110,7 +111,17 @@ def train(argv: list[str]) -> int:
         print("\n".join(describe()))
         return 0
     cfg = load_config(*config_args(argv))
+    if not two_stages(cfg):
+        return train_once(cfg)
+    if hot_summary(cfg) is None:
+        train_once(hot_stage(cfg), quiet=True, last=False)
+    return train_once(cold_stage(cfg), extra={f"hot/{k}": v for k, v in hot_summary(cfg).items()
+                                              if isinstance(v, (int, float))})
 
+
+def train_once(cfg, quiet: bool = False, extra: dict | None = None, last: bool = True) -> int:
+    """Train `cfg`; print its summary (with `extra`) as the last line (rank 0), unless `quiet`.
+    A training that is not the `last` leaves the process group to the next."""
     # on use: torch and TorchRec
     from trainer.dist import shutdown
     from trainer.train import Trainer
@@ -126,9 +137,10 @@ def train(argv: list[str]) -> int:
     finally:  # threads and writers first, the process group last, whatever happened
         if trainer is not None:
             trainer.close(ok)
-        shutdown(wait_for_peers=ok)
-    if trainer.env.is_main:
-        print(json.dumps(summary), flush=True)
+        if last or not ok:
+            shutdown(wait_for_peers=ok)
+    if trainer.env.is_main and not quiet:
+        print(json.dumps({**summary, **(extra or {})}), flush=True)
     return 0
 
 

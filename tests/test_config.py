@@ -416,8 +416,8 @@ def test_describe_lists_every_leaf_with_its_doc():
         assert matching[0].rstrip().endswith(field_docs(type(obj))[f.name]), (key, matching[0])
         assert f"--{key}={getattr(obj, f.name)!r}" in matching[0]
     # each tower table under a header that names the towers reading it
-    assert "[model.moe]  Sparse mixture of experts (rankmixer_moe)." in lines
-    assert lines.index("[model.moe]  Sparse mixture of experts (rankmixer_moe).") < \
+    assert "[model.moe]  Sparse mixture of experts (rankmixer_moe, unimixer_moe)." in lines
+    assert lines.index("[model.moe]  Sparse mixture of experts (rankmixer_moe, unimixer_moe).") < \
         lines.index(f"  --model.moe.budget={MoEConfig().budget!r}  {field_docs(MoEConfig)['budget']}")
 
 

@@ -87,7 +87,8 @@ def reference(tower: str, *overrides: str, rows_scale: int = 1) -> tuple[object,
 @pytest.mark.parametrize("tower,overrides", [*((name, ()) for name in TOWERS.names()),
                                              ("rankmixer", ("--model.tokenizer=group", "--model.hidden_dim=12",
                                                             "--model.rankmixer.pooling=flatten")),
-                                             ("unimixer", ("--model.tokenizer=group", "--model.unimixer.block_size=8"))])
+                                             ("unimixer", ("--model.tokenizer=group", "--model.unimixer.block_size=8",
+                                                           "--model.unimixer.init=random"))])
 def test_the_artifact_of_every_tower_scores_raw_rows_as_training_evaluates_them(tower, overrides, fmt):
     cfg, model = reference(tower, *overrides)
     rows = table()

@@ -28,6 +28,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
 
 from dense.model_config import TaskSpec, unused_model_fields, validate_model
 from dense.sequence_modules import SEQUENCE_MODULES
+from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES
 from trainer.checkpoint.files import write_atomic
@@ -74,9 +75,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def apply_recipe(cfg: Config, given: set[str]) -> None:
-    """Set the defaults model.recipe replaces, except the keys `given` in the file or on the
-    command line: defaults < recipe < TOML < CLI."""
-    for dotted, value in RECIPES[cfg.model.recipe].items():
+    """Set the defaults model.recipe and then the chosen tower replace (`TowerSpec.defaults`),
+    except the keys `given` in the file or on the command line: defaults < recipe < tower < TOML < CLI."""
+    for dotted, value in [*RECIPES[cfg.model.recipe].items(), *TOWERS.get(cfg.model.tower).defaults]:
         if dotted not in given:
             section, key = dotted.split(".")
             setattr(getattr(cfg, section), key, value)

@@ -14,6 +14,7 @@ from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from embeddings.hooks import ScaledLearningRate
 from trainer.config import OptimConfig
 
 
@@ -24,11 +25,23 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> tuple[CombinedOptimizer
     # foreach on every device (torch picks it only on CUDA): one kernel per stage for all
     # tensors instead of a Python loop over them, a tenth of a small model's CPU step.
     dense_optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
-        params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, weight_decay=o.weight_decay,
-        foreach=True))
+        lr_groups(model, params, o.lr), lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
+        weight_decay=o.weight_decay, foreach=True))
     # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense_optimizer)])
     return combined, dense_optimizer, list(dense.values())
+
+
+def lr_groups(model: nn.Module, params: list[torch.Tensor], lr: float) -> list[dict]:
+    """`params` as RMSProp's parameter groups: one at `lr`, then one per learning-rate multiple
+    that a `ScaledLearningRate` module of `model` asks for its own parameters (none when no
+    module asks: the groups, and so checkpoints, of other models stay as they were)."""
+    mult = {id(p): m.lr_mult for m in model.modules() if isinstance(m, ScaledLearningRate)
+            for p in m.parameters(recurse=False)}
+    groups: dict[float, list[torch.Tensor]] = {1.0: []}
+    for p in params:
+        groups.setdefault(mult.get(id(p), 1.0), []).append(p)
+    return [{"params": group, "lr": lr * m} for m, group in groups.items() if group or m == 1.0]
 
 
 def warmups(optimizer: CombinedOptimizer, sparse_groups: int, o: OptimConfig) -> list[Callable[[int], float]]:
