@@ -286,8 +286,9 @@ def test_the_sparse_optimizer_and_table_type_are_the_ones_configured(optimizer, 
     ok(train(1, *train_args(run, cache, 2, f"--embeddings.optimizer={optimizer}",
                             f"--embeddings.data_type={data_type}")))
     state = tensors(run / "checkpoints" / "step-2", tmp_path)
-    weight = state["model.ebc.embedding_bags.item.weight"]
-    accumulator = state["optim.state.sparse.ebc.embedding_bags.item.weight.item.momentum1"]
+    # a bag table: this module's runs attend the item table's sequence (an EmbeddingCollection)
+    weight = state["model.ebc.embedding_bags.user_id.weight"]
+    accumulator = state["optim.state.sparse.ebc.embedding_bags.user_id.weight.user_id.momentum1"]
     rows, dim = weight.shape
     assert tuple(accumulator.shape) == ((rows,) if optimizer == "rowwise_adagrad" else (rows, dim))
     assert weight.dtype == {"fp32": torch.float32, "fp16": torch.float16}[data_type]
