@@ -69,11 +69,12 @@ def _mangled(function: str) -> str:
 # assignment (not its I/O, retries and agreement).
 MODULES = {
     "ids": Target("trainer/data/ids.py", ("tests/test_ids_pinned.py", "tests/test_reader_rows.py")),
-    "feature_ops": Target("trainer/data/feature_ops.py", ("tests/test_ids_pinned.py", "tests/test_config_choices.py")),
+    "feature_ops": Target("trainer/data/feature_ops.py", ("tests/test_ids_pinned.py", "tests/test_config_choices.py",
+                                                          "tests/test_sequence_time.py")),
     "stable_hash": Target("trainer/offline/csvlog.py", ("tests/test_ids_pinned.py",),
                           ("stable_hash", "hashed_column")),
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
-                                                  "tests/test_encode_reference.py")),
+                                                  "tests/test_encode_reference.py", "tests/test_sequence_time.py")),
     "metrics": Target("trainer/metrics/ranking.py", ("tests/test_metrics.py", "tests/test_metrics_reference.py")),
     "calibration": Target("trainer/calibration.py", ("tests/test_calibration.py", "tests/test_calibration_heads.py"),
                           ("fit_affine", "task_heads", "reset_heads", "calibrate_heads")),

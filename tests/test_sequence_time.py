@@ -20,10 +20,12 @@ def reference_bucket(gap: int, buckets: int) -> int:
 
 
 def test_gap_buckets_are_log2_of_the_gap_plus_one_in_both_forms():
-    gaps = [0, 1, 2, 3, 4, 6, 7, 8, 59, 60, 3599, 3600, 86_399, 86_400, 2**31 - 1, 2**31, 2**40, 2**62 - 2, 2**62]
-    for buckets in (2, 8, 32, 64):
+    # every bit length of gap + 1 from 1 to 63, each at its lowest and highest value (every branch of the search)
+    gaps = sorted({g for bits in range(63) for g in (2**bits - 1, 2**(bits + 1) - 2)} | {59, 3600, 86_400})
+    for buckets in (2, 8, 32, 64, 65):
         expected = [reference_bucket(g, buckets) for g in gaps]
-        assert gap_buckets_numpy(np.array(gaps, np.int64), buckets).tolist() == expected
+        numpy_form = gap_buckets_numpy(np.array(gaps, np.int64), buckets)
+        assert numpy_form.dtype == np.int64 and numpy_form.tolist() == expected
         assert gap_buckets_torch(torch.tensor(gaps), buckets).tolist() == expected
     assert gap_buckets_numpy(np.array([0, 1, 2, 3, 7], np.int64), 32).tolist() == [1, 2, 2, 3, 4]
 
@@ -79,3 +81,14 @@ def test_timestamps_need_a_request_time_column():
     with pytest.raises(ValueError) as e:
         validate(cfg)
     assert str(e.value) == "features.hist.timestamps needs data.time_column, the column of each row's request time"
+
+
+def test_the_encoders_defaults_are_the_configs():
+    """Without a request time a sequence's timestamps are refused; the buckets default to
+    model.sequence.time_buckets's."""
+    from dense.sequence_modules import SequenceFields
+
+    features = encoder().gaps.features
+    with pytest.raises(ValueError, match=r"^features.hist.timestamps needs data.time_column"):
+        RowEncoder(features, [TaskSpec()], "")
+    assert RowEncoder(features, [TaskSpec()], "", time_column="now").gaps.buckets == SequenceFields().time_buckets
