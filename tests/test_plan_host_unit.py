@@ -150,3 +150,13 @@ def _host(total: int) -> HostMemory:
 def test_the_fullest_node_sums_its_consecutive_ranks(totals, per_node, fullest):
     node, need = _fullest_node([_host(RUNTIME + t) for t in totals], per_node)
     assert (node, need - per_node * RUNTIME) == fullest
+
+
+def test_a_sequences_timestamps_and_the_request_time_are_read_too(tmp_path):
+    """An attended sequence with timestamps reads two columns more: its timestamps and the
+    rows' request time."""
+    attended = ["--features.history.sequence_module=target_attention", "--features.history.max_len=4",
+                "--features.history.candidate=user", "--features.history.embedding_dim=8"]
+    plain, timed = (host_memory(_config(tmp_path, *attended, *extra), MEMORY, DENSE, DENSE_PARAMS, "cpu", 32)
+                    for extra in ([], ["--features.history.timestamps=history_ts", "--data.time_column=ts"]))
+    assert [h.reader - 2 * READ_BUFFER for h in timed] == [h.reader for h in plain]
