@@ -306,10 +306,8 @@ def _check_nodes(doc: dict, path: Path) -> None:
 def _is_sympy(text: Any) -> bool:
     """`text` is Python of calls of `_PT2_SYMPY` on integers, and of Symbol on a symbol's name."""
     def plain(node: ast.AST) -> bool:
-        if isinstance(node, ast.Constant):
-            return type(node.value) is int
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return plain(node.operand)
+        if _is_integer(node, plain):
+            return True
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _PT2_SYMPY):
             return False
         if node.func.id == "Symbol":
@@ -324,10 +322,8 @@ def _is_sympy(text: Any) -> bool:
 def _is_guard(code: str) -> bool:
     """`code` compares sizes of the inputs, `L['name'].size()[i]`, with each other or integers."""
     def term(node: ast.AST) -> bool:
-        if isinstance(node, ast.Constant):
-            return type(node.value) is int
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return term(node.operand)
+        if _is_integer(node, term):
+            return True
         if isinstance(node, ast.BinOp):
             return isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)) and \
                 term(node.left) and term(node.right)
@@ -343,6 +339,13 @@ def _is_guard(code: str) -> bool:
             isinstance(node.ops[0], (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)) and \
             term(node.left) and term(node.comparators[0])
     return _parses(code, compare)
+
+
+def _is_integer(node: ast.AST, operand: Callable[[ast.AST], bool]) -> bool:
+    """`node` is an integer literal, or the negation of what `operand` accepts."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and operand(node.operand)
 
 
 def _parses(text: Any, accept: Callable[[ast.AST], bool]) -> bool:
