@@ -24,10 +24,12 @@ BIN = Path(sys.executable).parent
 
 def bare_env() -> dict[str, str]:
     """A shell's environment without the virtual environment: no .venv/bin on PATH, no
-    VIRTUAL_ENV, no torchrun variables. What a scheduler's node or a new terminal has."""
+    VIRTUAL_ENV, no torchrun variables, and no make variables of a `make test ARGS=...` that
+    runs the suite (a `make train` in a test would take its ARGS). What a new terminal has."""
     path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != BIN.resolve()]
     env = {**os.environ, "PATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
-    for var in ("VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):
         env.pop(var, None)
     return env
 
