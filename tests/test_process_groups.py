@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _late_peer(rank: int, port: int, out: str) -> None:
     """Rank 0 waits in an object collective (the side group's kind of work) that rank 1
-    joins only after 20 s: with a 3 s timeout rank 0 gives up long before."""
+    never joins: rank 1 stays up until rank 0 has written its outcome (at most 20 s), so with
+    a 3 s timeout rank 0 gives up on a live peer, long before gloo's 30 minutes."""
     import torch.distributed as dist
 
     from trainer.dist import init_distributed, side_group
@@ -29,7 +30,9 @@ def _late_peer(rank: int, port: int, out: str) -> None:
     init_distributed("auto", "cpu", timeout_minutes=0.05)
     assert side_group() is None and dist.get_backend(side_group()) == "gloo"  # gloo: the default group is it
     if rank == 1:
-        time.sleep(20)
+        deadline = time.monotonic() + 20
+        while not Path(out).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     start = time.monotonic()
     try:
