@@ -61,14 +61,13 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.
     return weights * mask  # an empty row's uniform weights over padding -> 0
 
 
-class _ReluLinear(torch.autograd.Function):
-    """linear(relu(x), weight, bias) over [B, L, H] -> [B, L, H']; relu in place (x is the
-    caller's own), and the backward in two passes over [B, L, H] where autograd takes four
-    (an outer-product matmul for k = 1 and ReLU's mask apart). Only ReLU's output is kept."""
+class _Scores(torch.autograd.Function):
+    """The scorer's last Linear, h [B, L, H] -> [B, L, k], whose input gradient at k = 1 is a
+    broadcast product, one pass over [B, L, H]: autograd's is an outer-product matmul, slower
+    on the CPU than ReLU's mask."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        h = torch.relu_(x)
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, weight)
         return nn.functional.linear(h, weight, bias)
 
@@ -79,8 +78,7 @@ class _ReluLinear(torch.autograd.Function):
         w = weight.to(h.dtype)
         into = grad * w.squeeze(0) if w.shape[0] == 1 else torch.matmul(grad, w)
         flat_grad, flat_h = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
-        return (torch.ops.aten.threshold_backward(into, h, 0),
-                (flat_grad.t() @ flat_h).to(weight.dtype), flat_grad.sum(0).to(weight.dtype))
+        return into, (flat_grad.t() @ flat_h).to(weight.dtype), flat_grad.sum(0).to(weight.dtype)
 
 
 class _Gather(torch.autograd.Function):
@@ -139,9 +137,9 @@ class TargetAttention(nn.Module):
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
                 gaps: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.first_layer(behaviours, candidate, gaps)  # [B, L, H]
-        for linear in self.rest[1::2]:  # (ReLU, Linear) pairs
-            x = _ReluLinear.apply(x, linear.weight, linear.bias)
+        x = torch.relu_(self.first_layer(behaviours, candidate, gaps))  # [B, L, H], in place: ours
+        x = self.rest[1:-1](x)  # further hidden layers, if any
+        x = _Scores.apply(x, self.rest[-1].weight, self.rest[-1].bias)
         weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(behaviours.dtype)  # [B, L, k]
         return _WeightedSum.apply(weights, behaviours)
 

@@ -52,24 +52,34 @@ def lookups(rows: list[int], seed: int = 0, device="cpu") -> dict[str, JaggedTen
             "hist": jagged(rows, seed=seed + 2, device=device)}
 
 
-def test_target_attention_matches_a_per_row_loop():
-    """k = 2 score columns and a time embedding: each row's weights are a softmax over its own
-    behaviours only, and each token is their weighted sum."""
+@pytest.mark.parametrize("tokens,hidden,time", [(2, [16, 8], (32, 4)), (1, [16], None)])
+def test_target_attention_matches_a_per_row_loop(tokens, hidden, time):
+    """k score columns, with and without a time embedding: each row's weights are a softmax over
+    its own behaviours only, each token is their weighted sum, and every gradient (the scorer's
+    hand-written backwards, dense/sequence.py) is the per-row loop's through autograd."""
     torch.manual_seed(0)
-    module = TargetAttention(D, tokens=2, hidden=[16, 8], time=(32, 4))
+    module = TargetAttention(D, tokens=tokens, hidden=hidden, time=time)
     rows = [3, 1, 5, 2]
     seqs, cand, gaps = jagged(rows), torch.randn(4, D), jagged(rows, width=None, seed=3)
-    x, mask = pad(seqs.values(), seqs.offsets(), 6)
+    values, cand = seqs.values().requires_grad_(), cand.requires_grad_()
+    x, mask = pad(values, seqs.offsets(), 6)
     g, _ = pad(gaps.values(), gaps.offsets(), 6)
-    got = module(x, mask, cand, g)
+    got = module(x, mask, cand, g if time else None)
+    expected = torch.zeros(4, tokens, D)
     for r, n in enumerate(rows):
-        b = seqs.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]]
-        t = module.time(gaps.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]])
+        b = values[seqs.offsets()[r]:seqs.offsets()[r + 1]]
+        t = module.time(gaps.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]]) if time else b[:, :0]
         scores = torch.stack([module.score(torch.cat([b[m], cand[r], b[m] * cand[r], b[m] - cand[r], t[m]]))
                               for m in range(n)])  # [n, k]
         weights = torch.softmax(scores, dim=0)
-        for j in range(2):
-            torch.testing.assert_close(got[r, j], (weights[:, j:j + 1] * b).sum(0), rtol=1e-5, atol=1e-6)
+        expected = expected.index_put((torch.tensor(r),), (weights.t() @ b))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    direction = torch.randn(4, tokens, D)
+    inputs = [values, cand, *module.parameters()]
+    grads = torch.autograd.grad((got * direction).sum(), inputs)
+    reference = torch.autograd.grad((expected * direction).sum(), inputs)
+    for mine, theirs in zip(grads, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
