@@ -57,7 +57,7 @@ def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
     """softmax over `dim` of the real positions, in fp32 (also under bf16 autocast); a row with
     none gives zeros, not NaN. `mask` broadcasts against `scores`."""
-    weights = torch.softmax(scores.float().masked_fill(~mask, _MIN), dim=dim)
+    weights = torch.softmax(torch.where(mask, scores.float(), _MIN), dim=dim)
     return weights * mask  # an empty row's uniform weights over padding -> 0
 
 
@@ -138,10 +138,14 @@ class TargetAttention(nn.Module):
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
                 gaps: torch.Tensor | None = None) -> torch.Tensor:
         x = torch.relu_(self.first_layer(behaviours, candidate, gaps))  # [B, L, H], in place: ours
-        x = self.rest[1:-1](x)  # further hidden layers, if any
-        x = _Scores.apply(x, self.rest[-1].weight, self.rest[-1].bias)
+        for layer in list(self.rest)[1:-1]:  # further hidden layers, if any
+            x = layer(x)
+        last = self.rest[-1]
+        x = _Scores.apply(x, last.weight, last.bias) if torch.is_grad_enabled() else last(x)
         weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(behaviours.dtype)  # [B, L, k]
-        return _WeightedSum.apply(weights, behaviours)
+        if torch.is_grad_enabled():
+            return _WeightedSum.apply(weights, behaviours)
+        return torch.matmul(weights.transpose(1, 2), behaviours)  # what serving traces: no custom Function
 
     def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
         """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
@@ -159,7 +163,9 @@ class TargetAttention(nn.Module):
         buckets = self.time.num_embeddings
         table = per_row.unsqueeze(1) + self.time.weight @ wt.t()  # [B, NB, H]
         rows = torch.arange(b.shape[0], device=gaps.device).unsqueeze(1) * buckets
-        return _Gather.apply(table.flatten(0, 1), gaps + rows).baddbmm_(b, a)
+        index, table = gaps + rows, table.flatten(0, 1)
+        gathered = _Gather.apply(table, index) if torch.is_grad_enabled() else nn.functional.embedding(index, table)
+        return gathered.baddbmm_(b, a)
 
 
 class SelfAttentionBlock(nn.Module):
@@ -179,7 +185,7 @@ class SelfAttentionBlock(nn.Module):
         row is all masked (which would give NaN); an empty row's outputs are never attended."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
         keys = mask | (torch.arange(mask.shape[1], device=mask.device) == 0)
-        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys.unsqueeze(1).unsqueeze(1))
         x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
         return x + self.ffn(self.norm2(x))
 
@@ -266,8 +272,8 @@ class SequenceInputs(nn.Module):
             v = own[candidate] if candidate in own else pooled[candidate]
             x, mask = padded[name]
             vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
-            for j, slot in enumerate(self.slots[name]):
-                out[slot] = vectors[:, j]
+            for j, slot in enumerate(self.slots[name]):  # narrow: a slice of CUDA needs the CUDA build
+                out[slot] = vectors.narrow(1, j, 1).squeeze(1)
         return out
 
 

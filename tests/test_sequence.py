@@ -1,6 +1,6 @@
 """Sequence modules (dense/sequence.py): target attention against a per-row loop, padding and
 empty sequences, the transformer's masking, the candidate looked up through the sequence table,
-the config's checks, and a training step on meta that reads nothing back."""
+the config's checks, a forward on fake CUDA and a training step on meta that read nothing back."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import dataclasses
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torchrec import JaggedTensor
 
 from dense.layout import InputLayout
-from dense.sequence import SequenceInputs, TargetAttention, pad
+from dense.sequence import SequenceInputs, TargetAttention, build_sequences, pad
 from dense.sequence_modules import SequenceConfig
 from embeddings.features import FeatureSpec, validate_features
 from embeddings.tables import sequence_table_configs, table_configs
-from test_fake_cuda import META
+from test_fake_cuda import CUDA, META, on_fake_cuda
 
 D = 8
 
@@ -162,12 +163,32 @@ def test_an_unknown_module_name_lists_the_choices(tmp_path):
                             "['pool', 'target_attention', 'transformer']")
 
 
+@pytest.mark.parametrize("module", ["pool", "target_attention", "transformer"])
+def test_a_forward_on_fake_cuda_stays_on_the_device_and_reads_nothing_back(module):
+    """Each sequence module's forward with every input and parameter a fake CUDA tensor, where a
+    CPU tensor made inside (a device-less arange) raises, and so does a read back (`.item()`).
+    The forward avoids what this CPU build cannot run there (slicing, `~`: test_fake_cuda's
+    docstring). `pool` has no dense module: TorchRec's bag pools it (FBGEMM's kernels, checked on
+    a GPU by bench/gpu_check.sh); a list pooled on an attended table runs here with the others."""
+    features = schema(module, tokens=2, timestamps="" if module == "pool" else "ts")
+    if module == "pool":
+        assert build_sequences(features, SequenceConfig()) is None
+        return
+    inputs = SequenceInputs(features, SequenceConfig())
+    with FakeTensorMode():
+        on_fake_cuda(inputs)
+        out = inputs({}, lookups([3, 0, 5, 2], device="cuda"), (1, 3, 5), (torch.randint(0, 32, (10,), device="cuda"),))
+        assert {k: (v.shape, v.device) for k, v in out.items()} == {
+            k: ((4, D), CUDA) for k in ["item", "also", "hist.0", "hist.1"]}
+        with pytest.raises(DataDependentOutputException):
+            out["hist.0"].sum().item()
+
+
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
 def test_a_training_step_on_meta_reads_nothing_back(module):
     """Padding, attention and backward on the meta device, which raises on every read back, copy to
-    the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py). Fake
-    CUDA stops earlier on this CPU build: the padding slices the offsets, and a view of a CUDA
-    tensor needs the CUDA guard (test_fake_cuda's docstring)."""
+    the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py): the
+    backward, which fake CUDA cannot run on this CPU build (test_fake_cuda's docstring)."""
     inputs = SequenceInputs(schema(module, timestamps="ts"), SequenceConfig()).to(META)
     looked = {k: JaggedTensor(v.values().to(META).requires_grad_(v.values().is_floating_point()),
                               lengths=v.lengths().to(META), offsets=v.offsets().to(META))
