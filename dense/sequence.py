@@ -156,12 +156,13 @@ class TargetAttention(nn.Module):
         linear = self.first
         dim = b.shape[-1]
         w1, w2, w3, w4, wt = torch.split(linear.weight, [dim, dim, dim, dim, linear.in_features - 4 * dim], dim=1)
-        per_row = nn.functional.linear(v, w2 - w4, linear.bias)  # [B, H]
-        a = (w1 + w4).t() + v.unsqueeze(2) * w3.t()  # [B, D, H]
+        per_row = nn.functional.linear(v, w2 - w4, linear.bias)  # [B, H]; bf16 under autocast, which
+        b = b.to(per_row.dtype)  # in-place baddbmm_ would not cast: all in the Linear's dtype
+        a = ((w1 + w4).t() + v.unsqueeze(2) * w3.t()).to(per_row.dtype)  # [B, D, H]
         if self.time is None:
             return torch.baddbmm(per_row.unsqueeze(1), b, a)
         buckets = self.time.num_embeddings
-        table = per_row.unsqueeze(1) + self.time.weight @ wt.t()  # [B, NB, H]
+        table = (per_row.unsqueeze(1) + self.time.weight @ wt.t()).to(per_row.dtype)  # [B, NB, H]
         rows = torch.arange(b.shape[0], device=gaps.device).unsqueeze(1) * buckets
         index, table = gaps + rows, table.flatten(0, 1)
         gathered = _Gather.apply(table, index) if torch.is_grad_enabled() else nn.functional.embedding(index, table)

@@ -221,6 +221,23 @@ def test_under_bf16_autocast_the_softmax_runs_in_fp32():
     torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.02)
 
 
+@pytest.mark.parametrize("module", ["target_attention", "transformer"])
+def test_under_bf16_autocast_each_module_with_time_trains_near_its_fp32_self(module):
+    """The scorer's in-place batched matmul takes no part in autocast: its operands follow the
+    first Linear's dtype (bf16 here), with the transformer's bf16 behaviours too."""
+    torch.manual_seed(0)
+    inputs = SequenceInputs(schema(module, tokens=2, timestamps="ts"), SequenceConfig())
+    rows = [3, 0, 5, 2]
+    gaps = (jagged(rows, width=None, seed=7).values(),)
+    expected = inputs({}, lookups(rows), (1, 3, 5), gaps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = inputs({}, lookups(rows), (1, 3, 5), gaps)
+    sum(v.float().sum() for v in got.values()).backward()
+    for key in expected:
+        torch.testing.assert_close(got[key].float(), expected[key], rtol=0.05, atol=0.05)
+    assert all(torch.isfinite(p.grad).all() for p in inputs.parameters() if p.grad is not None)
+
+
 def test_rankmix_plan_plans_the_sequence_table_beside_the_bags():
     """`rankmix plan`: the attended sequence's table in the EmbeddingCollection's plan (row-wise,
     where the bags may not be), and its rows' all-to-all counted."""
