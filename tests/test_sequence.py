@@ -83,6 +83,26 @@ def test_target_attention_matches_a_per_row_loop(tokens, hidden, time):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_padding_copies_ragged_rows_and_takes_full_rows_as_they_are():
+    """Ragged rows: zeros past each end, the mask, and the gradient back to each value once. Rows
+    all of the longest length (N = B L): a view of the values, no copy, the mask all True."""
+    seqs = jagged([3, 0, 5, 2])
+    values = seqs.values().clone().requires_grad_()
+    x, mask = pad(values, seqs.offsets(), 6)
+    expected = torch.zeros(4, 6, D)
+    for r, (start, end) in enumerate(zip(seqs.offsets()[:-1].tolist(), seqs.offsets()[1:].tolist())):
+        expected[r, :end - start] = values[start:end]
+        assert mask[r].tolist() == [m < end - start for m in range(6)]
+    assert torch.equal(x, expected)
+    (x * torch.arange(1.0, 7.0).view(1, 6, 1)).sum().backward()
+    positions = torch.cat([torch.arange(1.0, n + 1) for n in [3, 0, 5, 2]])
+    assert torch.equal(values.grad, positions.unsqueeze(1).expand(-1, D))
+    full = jagged([4, 4, 4])
+    x, mask = pad(full.values(), full.offsets(), 4)
+    assert x.data_ptr() == full.values().data_ptr() and torch.equal(x, full.values().view(3, 4, D))
+    assert mask.all() and mask.shape == (3, 4)
+
+
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
 def test_padding_changes_nothing_and_an_empty_sequence_gives_zeros(module):
     """The same rows padded to their longest (5) and to 6 give the same vectors; row 1 has no
