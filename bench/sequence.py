@@ -8,9 +8,10 @@ EmbeddingCollection of its table), B rows whose sequences all hold M ids (a batc
 padded: no copy), or with --ragged 1 to M (uniform), padded to the longest. Training's sharded
 tables update their rows in a fused backward; here both sides pay a dense table gradient (the
 bag's sorts its B M ids, the EmbeddingCollection's scatters them), as fair to pool as to
-attention. Every child keeps freed memory as training does (`tune_malloc`). A step is the model's forward, the BCE loss and backward; `share` is the sequence module's own
-forward + backward (SequenceInputs.attend on the padded rows) over the step, both medians over
---steps timed steps after two warm-ups. The last line is the goal's ratio, target_attention's
+attention. Every child keeps freed memory as training does (`tune_malloc`). A step is the
+model's forward, the BCE loss and backward; `share` is the sequence module's own forward +
+backward (SequenceInputs.attend on the padded rows) over the step, both medians over --steps
+timed steps after two warm-ups. The last line is the goal's ratio, target_attention's
 step at M = 200 over pool's (goal <= 1.5), timed apart from the table: both models in one
 process, one step of each in turns for --turns rounds, the median of the rounds' ratios (on a
 loaded machine, steps timed in two processes minutes apart differ by more than the ratio).
@@ -169,7 +170,8 @@ def main() -> None:
         return
     def run_child(name: str, length: int) -> dict:
         out = subprocess.run([sys.executable, __file__, "--child", name, str(length), "--rows", str(args.rows),
-                              "--steps", str(args.steps), "--turns", str(args.turns), "--tower", args.tower, *(["--ragged"] if args.ragged else [])],
+                              "--steps", str(args.steps), "--turns", str(args.turns), "--tower", args.tower,
+                              *(["--ragged"] if args.ragged else [])],
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         if out.returncode:
             raise SystemExit(out.stderr[-2000:])

@@ -13,7 +13,7 @@ artifact's max_len), so nothing is read back from the device. docs/models.md, "S
 
 from __future__ import annotations
 
-import fbgemm_gpu  # noqa: F401  registers torch.ops.fbgemm's jagged ops
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm's jagged ops)
 import torch
 from torch import nn
 
@@ -42,8 +42,9 @@ class _JaggedToPadded(torch.autograd.Function):
 def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged rows -> padded. values [N, ...], offsets [B + 1] -> ([B, L, ...] with zeros past
     each row's end, mask [B, L] True at real positions); L = `length` >= every row's length, so
-    no size is read from the device, and N = B L (Python ints) means every row is full: a view. One copy each way (FBGEMM's jagged ops); narrow, not a
-    slice, of the offsets: a slice of a CUDA tensor needs the CUDA build (tests/test_fake_cuda.py)."""
+    no size is read from the device, and N = B L (Python ints) means every row is full: a view.
+    Otherwise one copy each way (FBGEMM's jagged ops); narrow, not a slice, of the offsets: a
+    slice of a CUDA tensor needs the CUDA build (tests/test_fake_cuda.py)."""
     rows = offsets.shape[0] - 1
     if values.shape[0] == rows * length:  # every row holds `length`: already padded, no copy
         return values.view(rows, length, *values.shape[1:]), values.new_ones((rows, length), dtype=torch.bool)
@@ -145,7 +146,7 @@ class TargetAttention(nn.Module):
         weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(behaviours.dtype)  # [B, L, k]
         if torch.is_grad_enabled():
             return _WeightedSum.apply(weights, behaviours)
-        return torch.matmul(weights.transpose(1, 2), behaviours)  # what serving traces: no custom Function
+        return torch.matmul(weights.transpose(1, 2), behaviours)  # evaluation and serving traces: plain ops
 
     def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
         """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
