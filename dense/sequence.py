@@ -13,6 +13,7 @@ artifact's max_len), so nothing is read back from the device. docs/models.md, "S
 
 from __future__ import annotations
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm's jagged ops)
 import torch
 from torch import nn
 
@@ -22,24 +23,98 @@ from embeddings.features import FeatureSpec, attended, attended_tables, default_
 _MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
 
 
+class _JaggedToPadded(torch.autograd.Function):
+    """FBGEMM's jagged -> padded copy, its backward the padded -> jagged copy: no scatter, and
+    (unlike the op's own autograd, registered for CPU and CUDA only) a gradient on meta too."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
+        ctx.save_for_backward(offsets)
+        ctx.rows = values.shape[0]
+        return torch.ops.fbgemm.jagged_to_padded_dense(values, [offsets], [length], 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        return torch.ops.fbgemm.jagged_to_padded_dense_backward(grad.contiguous(), [offsets], ctx.rows), None, None
+
+
 def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged rows -> padded. values [N, ...], offsets [B + 1] -> ([B, L, ...] with zeros past
-    each row's end, mask [B, L] True at real positions); L = `length` >= every row's length.
-    One gather from the values with a zero row appended: no size read from the device."""
-    steps = torch.arange(length, device=values.device)
-    starts, ends = offsets[:-1].unsqueeze(1), offsets[1:].unsqueeze(1)
-    positions = starts + steps
-    mask = positions < ends
-    positions = torch.where(mask, positions, values.shape[0])  # the appended zero row
-    extended = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
-    return extended.index_select(0, positions.flatten()).unflatten(0, (-1, length)), mask
+    each row's end, mask [B, L] True at real positions); L = `length` >= every row's length, so
+    no size is read from the device, and N = B L (Python ints) means every row is full: a view.
+    Otherwise one copy each way (FBGEMM's jagged ops); narrow, not a slice, of the offsets: a
+    slice of a CUDA tensor needs the CUDA build (tests/test_fake_cuda.py)."""
+    rows = offsets.shape[0] - 1
+    if values.shape[0] == rows * length:  # every row holds `length`: already padded, no copy
+        return values.view(rows, length, *values.shape[1:]), values.new_ones((rows, length), dtype=torch.bool)
+    lengths = offsets.narrow(0, 1, rows) - offsets.narrow(0, 0, rows)
+    mask = torch.arange(length, device=values.device) < lengths.unsqueeze(1)
+    flat = values.reshape(values.shape[0], -1)  # the op's values are 2-D
+    padded = _JaggedToPadded.apply(flat, offsets, length)
+    return padded.reshape(rows, length, *values.shape[1:]), mask
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
     """softmax over `dim` of the real positions, in fp32 (also under bf16 autocast); a row with
     none gives zeros, not NaN. `mask` broadcasts against `scores`."""
-    weights = torch.softmax(scores.float().masked_fill(~mask, _MIN), dim=dim)
+    weights = torch.softmax(torch.where(mask, scores.float(), _MIN), dim=dim)
     return weights * mask  # an empty row's uniform weights over padding -> 0
+
+
+class _Scores(torch.autograd.Function):
+    """The scorer's last Linear, h [B, L, H] -> [B, L, k], whose input gradient at k = 1 is a
+    broadcast product, one pass over [B, L, H]: autograd's is an outer-product matmul, slower
+    on the CPU than ReLU's mask."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        return nn.functional.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, weight = ctx.saved_tensors
+        grad = grad.to(h.dtype)  # bf16 scores under autocast, fp32 activations
+        w = weight.to(h.dtype)
+        into = grad * w.squeeze(0) if w.shape[0] == 1 else torch.matmul(grad, w)
+        flat_grad, flat_h = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
+        return into, (flat_grad.t() @ flat_h).to(weight.dtype), flat_grad.sum(0).to(weight.dtype)
+
+
+class _Gather(torch.autograd.Function):
+    """table [R, H] rows at index [...] -> [..., H], its backward an index_add_ (no sort)."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = table.shape[0]
+        return nn.functional.embedding(index, table)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.rows, grad.shape[-1])
+        return out.index_add_(0, index.flatten(), grad.reshape(-1, grad.shape[-1])), None
+
+
+class _WeightedSum(torch.autograd.Function):
+    """weights [B, L, k], values [B, L, D] -> [B, k, D] = weights^T values. bmm forward; in the
+    backward, at k = 1, values' gradient is a broadcast product: bmm's outer products of [L, 1]
+    by [1, D] run as a loop of small matmuls on the CPU, and autograd's elementwise form takes
+    four passes over [B, L, D]."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights, values)
+        return torch.matmul(weights.transpose(1, 2), values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weights, values = ctx.saved_tensors
+        grad = grad.to(values.dtype)
+        into_values = weights * grad if weights.shape[2] == 1 else torch.matmul(weights, grad)
+        return torch.matmul(values, grad.transpose(1, 2)).to(weights.dtype), into_values
 
 
 class TargetAttention(nn.Module):
@@ -63,22 +138,36 @@ class TargetAttention(nn.Module):
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
                 gaps: torch.Tensor | None = None) -> torch.Tensor:
-        scores = self.rest(self.first_layer(behaviours, candidate, gaps))  # [B, L, k]
-        weights = masked_softmax(scores, mask.unsqueeze(-1), dim=1)
-        return torch.einsum("blk,bld->bkd", weights.to(behaviours.dtype), behaviours)
+        x = torch.relu_(self.first_layer(behaviours, candidate, gaps))  # [B, L, H], in place: ours
+        for layer in list(self.rest)[1:-1]:  # further hidden layers, if any
+            x = layer(x)
+        last = self.rest[-1]
+        x = _Scores.apply(x, last.weight, last.bias) if torch.is_grad_enabled() else last(x)
+        weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(behaviours.dtype)  # [B, L, k]
+        if torch.is_grad_enabled():
+            return _WeightedSum.apply(weights, behaviours)
+        return torch.matmul(weights.transpose(1, 2), behaviours)  # evaluation and serving traces: plain ops
 
     def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
         """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
-        with W = [W1 W2 W3 W4 Wt], it is (W1 + W4) b + W3 (b * v) + Wt t per behaviour, plus
-        (W2 - W4) v + bias once per row (the step's cost at long sequences; bench/sequence.py)."""
+        with W = [W1 W2 W3 W4 Wt], (W1 + W4) b + W3 (b * v) = A_r b, one [D, H] matrix per row
+        A_r = (W1 + W4) + W3 diag(v), and (W2 - W4) v + bias + Wt t = c_r + Wt t takes one of
+        NB values per row, NB the time buckets: a gather from that [B, NB, H] table, then one
+        batched matmul adds A_r b in place (the step's cost at long sequences; bench/sequence.py)."""
         linear = self.first
         dim = b.shape[-1]
         w1, w2, w3, w4, wt = torch.split(linear.weight, [dim, dim, dim, dim, linear.in_features - 4 * dim], dim=1)
-        per_row = nn.functional.linear(v, w2 - w4, linear.bias).unsqueeze(1)  # [B, 1, H]
-        out = torch.matmul(torch.cat([b, b * v.unsqueeze(1)], dim=-1), torch.cat([w1 + w4, w3], dim=1).t()) + per_row
-        if self.time is not None:  # the time embedding through Wt once per bucket, then looked up
-            out = out + nn.functional.embedding(gaps, self.time.weight @ wt.t())
-        return out
+        per_row = nn.functional.linear(v, w2 - w4, linear.bias)  # [B, H]; bf16 under autocast, which
+        b = b.to(per_row.dtype)  # in-place baddbmm_ would not cast: all in the Linear's dtype
+        a = ((w1 + w4).t() + v.unsqueeze(2) * w3.t()).to(per_row.dtype)  # [B, D, H]
+        if self.time is None:
+            return torch.baddbmm(per_row.unsqueeze(1), b, a)
+        buckets = self.time.num_embeddings
+        table = (per_row.unsqueeze(1) + self.time.weight @ wt.t()).to(per_row.dtype)  # [B, NB, H]
+        rows = torch.arange(b.shape[0], device=gaps.device).unsqueeze(1) * buckets
+        index, table = gaps + rows, table.flatten(0, 1)
+        gathered = _Gather.apply(table, index) if torch.is_grad_enabled() else nn.functional.embedding(index, table)
+        return gathered.baddbmm_(b, a)
 
 
 class SelfAttentionBlock(nn.Module):
@@ -98,7 +187,7 @@ class SelfAttentionBlock(nn.Module):
         row is all masked (which would give NaN); an empty row's outputs are never attended."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
         keys = mask | (torch.arange(mask.shape[1], device=mask.device) == 0)
-        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys.unsqueeze(1).unsqueeze(1))
         x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
         return x + self.ffn(self.norm2(x))
 
@@ -185,8 +274,8 @@ class SequenceInputs(nn.Module):
             v = own[candidate] if candidate in own else pooled[candidate]
             x, mask = padded[name]
             vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
-            for j, slot in enumerate(self.slots[name]):
-                out[slot] = vectors[:, j]
+            for j, slot in enumerate(self.slots[name]):  # narrow: a slice of CUDA needs the CUDA build
+                out[slot] = vectors.narrow(1, j, 1).squeeze(1)
         return out
 
 

@@ -47,7 +47,7 @@ class TargetAttentionConfig:
     """The behaviour scorer of target attention (DIN)."""
 
     key: ClassVar[str] = "target_attention"
-    hidden: list[int] = field(default_factory=lambda: [32])
+    hidden: list[int] = field(default_factory=lambda: [16])
     """Hidden widths of the MLP that scores each behaviour from [b, v, b*v, b-v, time]."""
 
     def validate(self) -> None:

@@ -22,7 +22,8 @@ boolean index) and mixing it with a CPU tensor all raise (asserted below), while
 and autograd work. Every tower's whole training step runs there: forward, heads, task and
 extra losses, backward, the gradient checks, the after-step hooks. What only the device
 type "cuda" shows (a branch on it, autocast) stays with the fake CUDA forwards, and bf16
-autocast with a real GPU (bench/gpu_check.sh).
+autocast with a real GPU (bench/gpu_check.sh). The sequence modules' forwards on fake CUDA and
+their steps on meta are in tests/test_sequence.py.
 """
 
 from __future__ import annotations

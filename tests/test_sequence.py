@@ -1,6 +1,6 @@
 """Sequence modules (dense/sequence.py): target attention against a per-row loop, padding and
 empty sequences, the transformer's masking, the candidate looked up through the sequence table,
-the config's checks, and a training step on meta that reads nothing back."""
+the config's checks, a forward on fake CUDA and a training step on meta that read nothing back."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import dataclasses
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torchrec import JaggedTensor
 
 from dense.layout import InputLayout
-from dense.sequence import SequenceInputs, TargetAttention, pad
+from dense.sequence import SequenceInputs, TargetAttention, build_sequences, pad
 from dense.sequence_modules import SequenceConfig
 from embeddings.features import FeatureSpec, validate_features
 from embeddings.tables import sequence_table_configs, table_configs
-from test_fake_cuda import META
+from test_fake_cuda import CUDA, META, on_fake_cuda
 
 D = 8
 
@@ -52,24 +53,54 @@ def lookups(rows: list[int], seed: int = 0, device="cpu") -> dict[str, JaggedTen
             "hist": jagged(rows, seed=seed + 2, device=device)}
 
 
-def test_target_attention_matches_a_per_row_loop():
-    """k = 2 score columns and a time embedding: each row's weights are a softmax over its own
-    behaviours only, and each token is their weighted sum."""
+@pytest.mark.parametrize("tokens,hidden,time", [(2, [16, 8], (32, 4)), (1, [16], None)])
+def test_target_attention_matches_a_per_row_loop(tokens, hidden, time):
+    """k score columns, with and without a time embedding: each row's weights are a softmax over
+    its own behaviours only, each token is their weighted sum, and every gradient (the scorer's
+    hand-written backwards, dense/sequence.py) is the per-row loop's through autograd."""
     torch.manual_seed(0)
-    module = TargetAttention(D, tokens=2, hidden=[16, 8], time=(32, 4))
+    module = TargetAttention(D, tokens=tokens, hidden=hidden, time=time)
     rows = [3, 1, 5, 2]
     seqs, cand, gaps = jagged(rows), torch.randn(4, D), jagged(rows, width=None, seed=3)
-    x, mask = pad(seqs.values(), seqs.offsets(), 6)
+    values, cand = seqs.values().requires_grad_(), cand.requires_grad_()
+    x, mask = pad(values, seqs.offsets(), 6)
     g, _ = pad(gaps.values(), gaps.offsets(), 6)
-    got = module(x, mask, cand, g)
+    got = module(x, mask, cand, g if time else None)
+    expected = torch.zeros(4, tokens, D)
     for r, n in enumerate(rows):
-        b = seqs.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]]
-        t = module.time(gaps.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]])
+        b = values[seqs.offsets()[r]:seqs.offsets()[r + 1]]
+        t = module.time(gaps.values()[seqs.offsets()[r]:seqs.offsets()[r + 1]]) if time else b[:, :0]
         scores = torch.stack([module.score(torch.cat([b[m], cand[r], b[m] * cand[r], b[m] - cand[r], t[m]]))
                               for m in range(n)])  # [n, k]
         weights = torch.softmax(scores, dim=0)
-        for j in range(2):
-            torch.testing.assert_close(got[r, j], (weights[:, j:j + 1] * b).sum(0), rtol=1e-5, atol=1e-6)
+        expected = expected.index_put((torch.tensor(r),), (weights.t() @ b))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    direction = torch.randn(4, tokens, D)
+    inputs = [values, cand, *module.parameters()]
+    grads = torch.autograd.grad((got * direction).sum(), inputs)
+    reference = torch.autograd.grad((expected * direction).sum(), inputs)
+    for mine, theirs in zip(grads, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_copies_ragged_rows_and_takes_full_rows_as_they_are():
+    """Ragged rows: zeros past each end, the mask, and the gradient back to each value once. Rows
+    all of the longest length (N = B L): a view of the values, no copy, the mask all True."""
+    seqs = jagged([3, 0, 5, 2])
+    values = seqs.values().clone().requires_grad_()
+    x, mask = pad(values, seqs.offsets(), 6)
+    expected = torch.zeros(4, 6, D)
+    for r, (start, end) in enumerate(zip(seqs.offsets()[:-1].tolist(), seqs.offsets()[1:].tolist())):
+        expected[r, :end - start] = values[start:end]
+        assert mask[r].tolist() == [m < end - start for m in range(6)]
+    assert torch.equal(x, expected)
+    (x * torch.arange(1.0, 7.0).view(1, 6, 1)).sum().backward()
+    positions = torch.cat([torch.arange(1.0, n + 1) for n in [3, 0, 5, 2]])
+    assert torch.equal(values.grad, positions.unsqueeze(1).expand(-1, D))
+    full = jagged([4, 4, 4])
+    x, mask = pad(full.values(), full.offsets(), 4)
+    assert x.data_ptr() == full.values().data_ptr() and torch.equal(x, full.values().view(3, 4, D))
+    assert mask.all() and mask.shape == (3, 4)
 
 
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
@@ -152,12 +183,32 @@ def test_an_unknown_module_name_lists_the_choices(tmp_path):
                             "['pool', 'target_attention', 'transformer']")
 
 
+@pytest.mark.parametrize("module", ["pool", "target_attention", "transformer"])
+def test_a_forward_on_fake_cuda_stays_on_the_device_and_reads_nothing_back(module):
+    """Each sequence module's forward with every input and parameter a fake CUDA tensor, where a
+    CPU tensor made inside (a device-less arange) raises, and so does a read back (`.item()`).
+    The forward avoids what this CPU build cannot run there (slicing, `~`: test_fake_cuda's
+    docstring). `pool` has no dense module: TorchRec's bag pools it (FBGEMM's kernels, checked on
+    a GPU by bench/gpu_check.sh); a list pooled on an attended table runs here with the others."""
+    features = schema(module, tokens=2, timestamps="" if module == "pool" else "ts")
+    if module == "pool":
+        assert build_sequences(features, SequenceConfig()) is None
+        return
+    inputs = SequenceInputs(features, SequenceConfig())
+    with FakeTensorMode():
+        on_fake_cuda(inputs)
+        out = inputs({}, lookups([3, 0, 5, 2], device="cuda"), (1, 3, 5), (torch.randint(0, 32, (10,), device="cuda"),))
+        assert {k: (v.shape, v.device) for k, v in out.items()} == {
+            k: ((4, D), CUDA) for k in ["item", "also", "hist.0", "hist.1"]}
+        with pytest.raises(DataDependentOutputException):
+            out["hist.0"].sum().item()
+
+
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
 def test_a_training_step_on_meta_reads_nothing_back(module):
     """Padding, attention and backward on the meta device, which raises on every read back, copy to
-    the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py). Fake
-    CUDA stops earlier on this CPU build: the padding slices the offsets, and a view of a CUDA
-    tensor needs the CUDA guard (test_fake_cuda's docstring)."""
+    the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py): the
+    backward, which fake CUDA cannot run on this CPU build (test_fake_cuda's docstring)."""
     inputs = SequenceInputs(schema(module, timestamps="ts"), SequenceConfig()).to(META)
     looked = {k: JaggedTensor(v.values().to(META).requires_grad_(v.values().is_floating_point()),
                               lengths=v.lengths().to(META), offsets=v.offsets().to(META))
@@ -188,6 +239,23 @@ def test_under_bf16_autocast_the_softmax_runs_in_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = module(x, m, cand)
     torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("module", ["target_attention", "transformer"])
+def test_under_bf16_autocast_each_module_with_time_trains_near_its_fp32_self(module):
+    """The scorer's in-place batched matmul takes no part in autocast: its operands follow the
+    first Linear's dtype (bf16 here), with the transformer's bf16 behaviours too."""
+    torch.manual_seed(0)
+    inputs = SequenceInputs(schema(module, tokens=2, timestamps="ts"), SequenceConfig())
+    rows = [3, 0, 5, 2]
+    gaps = (jagged(rows, width=None, seed=7).values(),)
+    expected = inputs({}, lookups(rows), (1, 3, 5), gaps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = inputs({}, lookups(rows), (1, 3, 5), gaps)
+    sum(v.float().sum() for v in got.values()).backward()
+    for key in expected:
+        torch.testing.assert_close(got[key].float(), expected[key], rtol=0.05, atol=0.05)
+    assert all(torch.isfinite(p.grad).all() for p in inputs.parameters() if p.grad is not None)
 
 
 def test_rankmix_plan_plans_the_sequence_table_beside_the_bags():

@@ -56,8 +56,9 @@ PT2_OPS = frozenset({
         "transpose.int", "unbind.int", "unsqueeze.default", "view.default", "view_as.default",
         "where.ScalarSelf", "where.self", "zeros_like.default",
         # sequence modules (dense/sequence.py) and their padding in the artifact
-        "einsum.default", "embedding.default", "expand_as.default", "lt.Tensor", "masked_fill.Scalar",
-        "matmul.default", "ones.default", "softmax.int", "t.default", "unflatten.int", "where.ScalarOther", "zeros.default")),
+        "baddbmm_.default", "einsum.default", "embedding.default", "expand_as.default", "lt.Tensor",
+        "masked_fill.Scalar", "matmul.default", "ones.default", "relu_.default", "softmax.int", "t.default",
+        "unflatten.int", "where.ScalarOther", "zeros.default")),
     # TorchRec's quantized tables (--tables fp16|int8|int4)
     *(f"torch.ops.fbgemm.{op}" for op in (
         "asynchronous_complete_cumsum.default", "bounds_check_indices.default",
