@@ -168,6 +168,7 @@ def main() -> None:
         else:
             print(json.dumps(child(args.child[0], int(args.child[1]), args.rows, args.steps, args.tower, args.ragged)))
         return
+
     def run_child(name: str, length: int) -> dict:
         out = subprocess.run([sys.executable, __file__, "--child", name, str(length), "--rows", str(args.rows),
                               "--steps", str(args.steps), "--turns", str(args.turns), "--tower", args.tower,
@@ -187,6 +188,7 @@ def main() -> None:
         median, low, high = run_child("turns", 200)["target_attention"]
         print(f"target_attention / pool step at M=200, {args.turns} rounds in turns: {median:.2f} "
               f"(rounds {low:.2f}-{high:.2f}; goal <= 1.5)")
+
 
 if __name__ == "__main__":
     main()
