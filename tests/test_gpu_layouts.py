@@ -3,6 +3,7 @@ two `rankmix launch --nnodes 2` processes, as two hosts run them), a table-row-w
 shards within a node, one per node) and a multi-shard column-wise table, saved asynchronously
 and resumed bit for bit."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,9 @@ def test_table_row_wise_and_column_wise_on_two_nodes_resume_bitwise_from_an_asyn
     layout = {row[0]: (row[1], row[3]) for row in rows if row[1].endswith("_wise")}  # the first table: types
     assert layout["user_id"] == ("table_row_wise", "[0, 1]"), plan  # row shards on node 0's two ranks
     assert layout["item"] == ("column_wise", "[0, 1, 2, 3]"), plan  # four column shards
-    two_nodes(*train_args(halves, cache, 2, *LAYOUT))
+    # the uninterrupted run's own async save of step 2, resumed in a copy of its folder
+    shutil.copytree(whole, halves)
+    shutil.rmtree(halves / "checkpoints" / "step-4")
     assert complete_steps(halves / "checkpoints") == [2]
     out = two_nodes(*train_args(halves, cache, 4, *LAYOUT))
     assert f"resumed from {halves / 'checkpoints' / 'step-2'} at step 2" in out[0]
