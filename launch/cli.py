@@ -389,6 +389,7 @@ def plan(argv: list[str]) -> int:
     """Whether a config fits a cluster: sharding plan, per-rank memory, all-to-all bytes."""
     parser = argparse.ArgumentParser(prog="rankmix plan", epilog="other --section.key=value options override "
                                      "the config; nothing is allocated")
+    parser.add_argument("--config", help="TOML config to plan (default: the embedded default)")
     parser.add_argument("--world-size", type=int, required=True, help="devices (ranks) in all")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--hbm-gb", type=float, default=0.0, help="memory per GPU")
@@ -397,7 +398,8 @@ def plan(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     from launch.plan import plan_cluster  # on use: torch and TorchRec
 
-    cfg = load_config(*config_args(rest), allow_redacted=True)  # plans read no data
+    config = ["--config", args.config] if args.config else []
+    cfg = load_config(*config_args([*config, *rest]), allow_redacted=True)  # plans read no data
     local = args.local_world_size or min(args.world_size, 8)
     result = plan_cluster(cfg, args.world_size, args.device, args.hbm_gb, args.ddr_gb, local)
     print(result.text)

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
 from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
+from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
@@ -108,6 +109,7 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
                  local_world_size: int) -> ClusterPlan:
     """The plan, per-rank memory, all-to-all traffic and the verdict."""
     cluster = given_cluster(cfg, world_size, device, hbm_gb, ddr_gb, local_world_size)
+    cfg = replace(cfg, features=declared_features(cfg))  # the caller's config unchanged
     if not cfg.features:
         raise ValueError("features is empty: give the config's [[features]] schema")
     batch = cluster.batch_size

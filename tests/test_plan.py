@@ -85,6 +85,17 @@ def test_a_config_that_does_not_fit_says_so_and_exits_1():
     assert proc.stdout.startswith("fits: no (TorchRec's planner found no plan)")
 
 
+def test_a_synthetic_config_is_planned_with_its_teachers_schema():
+    """configs/debug.toml gives no [[features]]: training reads the synthetic teacher's, and so
+    does the plan, which names every table of it."""
+    proc = rankmix("plan", "--config", "configs/debug.toml", "--world-size", "2", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tables = {f.table or f.name for f in synth_features() if f.kind != "numeric"}
+    planned = {line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.count("|") == 3}
+    assert tables <= planned, proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("fits: yes")
+
+
 def all_managed(min_rows: int):
     cfg = load_config(None, ["--embeddings.optimizer=rowwise_adagrad"])
     cfg.features = synth_features()

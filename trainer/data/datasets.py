@@ -119,6 +119,14 @@ def movielens(cfg: Config) -> DatasetFiles:
     return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features)
 
 
+def declared_features(cfg: Config) -> list[FeatureSpec]:
+    """The features a run of `cfg` reads, without preparing its data (what `rankmix plan`
+    sizes): the config's schema, or where it gives none, its synthetic teacher's."""
+    if cfg.features or cfg.data.dataset != "synth":
+        return cfg.features
+    return SYNTH_TEACHERS[cfg.data.synth_teacher].features()
+
+
 def synth_features() -> list[FeatureSpec]:
     """The schema of `write_synthetic`'s columns (default sizes), in semantic groups. Table
     sizes come from synth.py's constants (ids are 1-based, 0 is padding; hour and weekday
