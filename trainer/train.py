@@ -244,8 +244,9 @@ class Trainer:
         return task_losses
 
     def fetch(self, batches: Iterator[Batch]) -> Batch:
-        """Next training batch, on the device."""
-        return next(batches).to(self.env.device, non_blocking=True)
+        """Next training batch, on the device (the reader's batches are on the CPU: there, as they are)."""
+        batch = next(batches)
+        return batch if self.env.device.type == "cpu" else batch.to(self.env.device, non_blocking=True)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The task loss plus the tower's auxiliary losses (the MoE's L1 and router consistency),
