@@ -260,8 +260,12 @@ def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.n
     # gathered ids are copied once more here, into one array: a second pass to size the values
     # first would cost more Python per batch than copying them
     values = np.concatenate(ids, dtype=np.int64) if ids else np.zeros(0, np.int64)
+    # The ids per key, counted here on the host: TorchRec would read them back from the device
+    # (a host sync) to split the batch in the sharded tables' input dist.
+    per_key = lengths.sum(axis=1)
     return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
-                             lengths=torch.from_numpy(lengths.reshape(-1))), lengths
+                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key.tolist(),
+                             offset_per_key=[0, *np.cumsum(per_key).tolist()]), lengths
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
