@@ -69,6 +69,10 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(_SHARDED_MC, "_table_to_tbe_and_index", "rankmix reads each table's FBGEMM kernel and index, to zero the "
                                                    "freed rows' optimizer state"),
     Private(_SHARDED_MC, "_embedding_module", "rankmix reads the sharded tables, to re-initialise freed rows"),
+    Private(ShardedEmbeddingBagCollection, "_embedding_shardings", "rankmix reads the order in which the input dist "
+                                                                   "takes the features, and has the reader write a "
+                                                                   "batch's keys in it: else TorchRec permutes every "
+                                                                   "batch, reading its lengths back (a host sync)"),
     Private(ShardedEmbeddingBagCollection, "_table_name_to_config", "rankmix reads each table's init_fn, to "
                                                                     "re-initialise freed rows as TorchRec does"),
     Private(ManagedCollisionEmbeddingBagCollectionSharder, "_e_sharder", "rankmix's shard() passes it on, as "
@@ -173,6 +177,14 @@ class ManagedTablesSharder(ManagedCollisionEmbeddingBagCollectionSharder):
         # as TorchRec's own shard(), which builds its own class; the sharders it passes are private
         return ResettingEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
                                   env=env, device=device or torch.device("cuda"))
+
+
+def input_feature_order(ebc: torch.nn.Module) -> list[str] | None:
+    """The feature names in the order the sharded collection `ebc`'s input dist takes them (its
+    shardings' features, one sharding after the other); None for an unsharded collection."""
+    if not isinstance(ebc, ShardedEmbeddingBagCollection):
+        return None
+    return [name for sharding in ebc._embedding_shardings for name in sharding.feature_names()]
 
 
 def mc_table_configs(mc: ManagedCollisionEmbeddingBagCollection) -> list[EmbeddingBagConfig]:

@@ -75,6 +75,23 @@ def test_e2e_bench_prints_one_line_per_tower(tmp_path):
     assert float(rows[2][3]) < 0.1  # a 32-unit MLP next to a RankMixer
 
 
+@pytest.mark.bench
+def test_step_counts_counts_a_step_that_reads_nothing_back(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/step_counts.py", "--config", "configs/debug.toml",
+                           "--set", "data.synth_rows=4000", "--set", "data.batch_size=64",
+                           "--set", f"data.cache_dir={tmp_path}", "--steps", "2", "--warmup", "1", "--top", "3"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"^per step: aten ops ([\d.]+), host syncs ([\d.]+), Python calls ([\d,]+) \((.*)\); "
+                     r"main-thread CPU [\d.]+ ms$", proc.stdout, re.M)
+    assert line, proc.stdout
+    assert float(line[1]) > 50 and "rankmix" in line[4]
+    # nothing read back, TorchRec's input dist included: the batch's keys come in the sharded
+    # tables' order (no permute) with their ids per key counted on the host
+    assert line[2] == "0.0" and "host syncs per step" not in proc.stdout
+    assert len(re.findall(r"^ +[\d.]+  \S+\.py:\d+\(", proc.stdout, re.M)) == 3
+
+
 def test_gpu_check_runs_the_tower_bench_with_options_it_has():
     """bench/gpu_check.sh cannot run here; every tower-bench command in it must parse."""
     spec = importlib.util.spec_from_file_location("tower_bench", REPO / "bench" / "tower.py")

@@ -3,11 +3,18 @@ permutation or copied from slices, one part or several, they equal the rows pick
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
+from dense.model_config import TaskSpec
 from tests.test_reader_rows import assert_rows, random_rows
 from trainer.data.batch import Part, Rows, assemble
+from trainer.data.datasets import synth_features
+from trainer.data.encode import RowEncoder
 
 
 def test_a_part_picked_by_an_index_is_those_rows():
@@ -42,3 +49,41 @@ def test_a_gathered_batch_shares_no_memory_with_the_window():
     batch.dense.zero_()
     batch.sparse.values().zero_()
     assert rows.dense.any() and rows.values[0].any()
+
+
+class _Reads(TorchFunctionMode):
+    """Counts values read back from tensors (`tolist`, `item`): host syncs on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += func in (torch.Tensor.tolist, torch.Tensor.item)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_batch_knows_its_ids_per_key_without_reading_them_back(gathered):
+    rows, _ = random_rows(np.random.default_rng(5), 90)
+    parts = [Part(rows, np.arange(89, 9, -1)) if gathered else Part(rows.slice(10)), Part(rows.slice(0, 7))]
+    sparse = assemble(parts).sparse
+    per_key = sparse.lengths().reshape(len(sparse.keys()), -1).sum(dim=1).tolist()
+    with _Reads() as reads:
+        got = sparse.length_per_key(), sparse.offset_per_key()
+        sparse.split([1, len(sparse.keys()) - 1])  # as TorchRec's input dist splits a batch by sharding
+    assert reads.reads == 0
+    assert got == (per_key, [0, *np.cumsum(per_key).tolist()])
+
+
+def test_the_encoder_writes_the_pooled_features_in_the_order_it_is_given():
+    features = synth_features()
+    features[1] = dataclasses.replace(features[1], hashing="managed")  # user_age: last, in its own collection
+    encoder = RowEncoder(features, [TaskSpec(name="click", label="click")])
+    names = [f.name for f in encoder.sparse]
+    pooled = names[:-1]
+    assert names[-1] == "user_age" and "user_age" not in pooled
+    encoder.order_pooled(pooled[::-1])
+    assert [f.name for f in encoder.sparse] == [*pooled[::-1], "user_age"]
+    encoder.order_pooled(pooled[:-1])  # not the same features: left as it was
+    assert [f.name for f in encoder.sparse] == [*pooled[::-1], "user_age"]

@@ -20,6 +20,7 @@ from torch import nn
 
 from dense.cost import peak_flops
 from embeddings.hooks import TrainingHooks
+from embeddings.torchrec_compat import input_feature_order
 from trainer.calibration import Calibration
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.run_folder import claim_run_folders
@@ -98,6 +99,9 @@ class Trainer:
             ParquetReader(path, self.encoder, batch_size=1, drop_last=False, **split, **self.retries)
         precision = autocast_dtype(cfg.train.mixed_precision, env.device)
         self.model, self.cost = build_sharded_model(cfg, env.device, self.batch_size, precision)
+        order = input_feature_order(self.model.module.ebc)
+        if order:  # before any batch is read: the batches' keys in the sharded tables' order
+            self.encoder.order_pooled(order)
         self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (embeddings/hooks.py)
         self.evaluator = Evaluator(self.model, self.encoder, cfg, env, self.hooks, self.retries)
         self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(env.device, precision or torch.float32)
@@ -244,8 +248,9 @@ class Trainer:
         return task_losses
 
     def fetch(self, batches: Iterator[Batch]) -> Batch:
-        """Next training batch, on the device."""
-        return next(batches).to(self.env.device, non_blocking=True)
+        """Next training batch, on the device (the reader's batches are on the CPU: there, as they are)."""
+        batch = next(batches)
+        return batch if self.env.device.type == "cpu" else batch.to(self.env.device, non_blocking=True)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The task loss plus the tower's auxiliary losses (the MoE's L1 and router consistency),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,89 +192,80 @@ class Part:
         """These rows as one Rows (a copy where an index picks them)."""
         return self.rows if self.index is None else self.rows.take(self.index)
 
-    def copy_into(self, column: np.ndarray, out: np.ndarray) -> None:
-        """This part's rows of one of its rows' per-row columns, into `out`."""
-        if self.index is None:
-            out[...] = column
-        else:
-            np.take(column, self.index, axis=0, out=out)
+    def pick(self, column: np.ndarray) -> np.ndarray:
+        """This part's rows of one of its rows' per-row columns: a view where no index picks
+        them, else gathered (a copy)."""
+        return column if self.index is None else column[self.index]
 
-    def lengths_into(self, s: int, out: np.ndarray) -> np.ndarray | None:
-        """The bag sizes of sparse feature `s` into `out`; returns the positions of their ids
-        in `values[s]` where an index picks the bags (None: they lie in one run)."""
-        o = self.rows.offsets[s]
-        if self.index is None:
-            np.subtract(o[1:], o[:-1], out=out)
-            return None
-        flat, out[...] = _bag_positions(o, self.index)
-        return flat
-
-    def ids_into(self, s: int, flat: np.ndarray | None, out: np.ndarray) -> None:
-        """The ids of sparse feature `s`, bag after bag, into `out`; `flat` from `lengths_into`."""
+    def ids(self, s: int, lengths: np.ndarray) -> np.ndarray:
+        """The ids of sparse feature `s`, bag after bag (a view where they lie in one run, else
+        gathered); its bag sizes into `lengths` (left as they are, ones, for one id per row)."""
         rows = self.rows
-        if rows.offsets[s] is None:
-            self.copy_into(rows.values[s], out)
-        elif flat is None:
-            out[...] = rows.own_values(s)
-        else:
-            np.take(rows.values[s], flat, out=out)
+        o, values = rows.offsets[s], rows.values[s]
+        if o is None:
+            return self.pick(values)
+        if self.index is None:
+            np.subtract(o[1:], o[:-1], out=lengths)
+            return values[o[0]:o[-1]]
+        flat, lengths[...] = _bag_positions(o, self.index)
+        return values[flat]
 
 
 def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
     """The rows of `parts`, one after the other, as a Batch owning its memory: every column is
-    copied or gathered straight into the batch's arrays, the one copy a batch needs."""
+    copied, or gathered, from the parts' rows once (a batch gathered from one part is not copied again)."""
     first = parts[0].rows
     n = sum(p.num_rows for p in parts)
     gaps = len(first.keys) - first.num_gaps
     managed = gaps - first.num_managed
     plain = managed - first.num_sequence
-    sequence_ids, sequence_max = _jagged(parts, range(plain, managed)) if first.num_sequence else (None, ())
+    sequence_ids, sequence_max = None, ()
+    if first.num_sequence:
+        sequence_ids, lengths = _jagged(parts, range(plain, managed))
+        sequence_max = tuple(int(m) for m in lengths.max(axis=1)) if n else (0,) * first.num_sequence
     return Batch(
         sparse=_jagged(parts, range(plain))[0],
         managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
         sequence_ids=sequence_ids, sequence_max=sequence_max,
         sequence_gaps=tuple(_jagged(parts, range(s, s + 1))[0].values() for s in range(gaps, len(first.keys))),
-        dense=torch.from_numpy(_column(parts, lambda r: r.dense)) if first.dense.shape[1] else torch.zeros(n, 0),
-        labels=torch.from_numpy(_column(parts, lambda r: r.labels)) if first.labels.shape[1] else torch.zeros(n, 0),
-        users=torch.from_numpy(_column(parts, lambda r: r.users)) if first.users is not None
+        dense=torch.from_numpy(_owned([p.pick(p.rows.dense) for p in parts], parts)) if first.dense.shape[1]
+        else torch.zeros(n, 0),
+        labels=torch.from_numpy(_owned([p.pick(p.rows.labels) for p in parts], parts)) if first.labels.shape[1]
+        else torch.zeros(n, 0),
+        users=torch.from_numpy(_owned([p.pick(p.rows.users) for p in parts], parts)) if first.users is not None
         else torch.zeros(n, dtype=torch.int64),
         weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
     )
 
 
-def _column(parts: list[Part], column: Callable[[Rows], np.ndarray]) -> np.ndarray:
-    """One per-row column of `parts`' rows, one after the other, in a new array."""
-    like = column(parts[0].rows)
-    out = np.empty((sum(p.num_rows for p in parts), *like.shape[1:]), like.dtype)
-    row = 0
-    for p in parts:
-        p.copy_into(column(p.rows), out[row:row + p.num_rows])
-        row += p.num_rows
-    return out
+def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
+    """`pieces` (from `Part.pick` or `Part.ids` of `parts`) one after the other in an array of
+    their own: the one gathered piece as it is, else a copy of them all."""
+    if len(pieces) == 1 and parts[0].index is not None:
+        return pieces[0]
+    return np.concatenate(pieces)
 
 
-def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, tuple[int, ...]]:
-    """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and each
-    feature's longest bag."""
+def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.ndarray]:
+    """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and its
+    lengths as [features, rows]."""
     lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
-    fills = []  # (part, feature, Part.lengths_into's positions, ids) in the order of the values
+    ids = []  # feature after feature, part after part: the order of the values
     for row, s in zip(lengths, features):
         start = 0
         for p in parts:
             stop = start + p.num_rows
-            if p.rows.offsets[s] is None:
-                fills.append((p, s, None, p.num_rows))
-            else:
-                fills.append((p, s, p.lengths_into(s, row[start:stop]), int(row[start:stop].sum())))
+            ids.append(p.ids(s, row[start:stop]))
             start = stop
-    values = np.empty(sum(f[3] for f in fills), np.int64)
-    start = 0
-    for p, s, flat, k in fills:
-        p.ids_into(s, flat, values[start:start + k])
-        start += k
-    longest = tuple(int(m) for m in lengths.max(axis=1)) if lengths.shape[1] else (0,) * len(features)
+    # gathered ids are copied once more here, into one array: a second pass to size the values
+    # first would cost more Python per batch than copying them
+    values = np.concatenate(ids, dtype=np.int64) if ids else np.zeros(0, np.int64)
+    # The ids per key, counted here on the host: TorchRec would read them back from the device
+    # (a host sync) to split the batch in the sharded tables' input dist.
+    per_key = lengths.sum(axis=1)
     return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
-                             lengths=torch.from_numpy(lengths.reshape(-1))), longest
+                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key.tolist(),
+                             offset_per_key=[0, *np.cumsum(per_key).tolist()]), lengths
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

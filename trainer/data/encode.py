@@ -34,6 +34,15 @@ class RowEncoder:
         self.tasks = tasks
         self.user_column = user_column
 
+    def order_pooled(self, names: list[str]) -> None:
+        """Write the pooled features (a batch's `sparse` keys) in the order of `names`, where they
+        are the same features: the sharded tables' input order, so that TorchRec's input dist does
+        not permute every batch (embeddings/torchrec_compat.py `input_feature_order`)."""
+        pooled = len(self.sparse) - self.num_sequence - sum(f.hashing == "managed" for f in self.sparse)
+        by_name = {f.name: f for f in self.sparse[:pooled]}
+        if sorted(by_name) == sorted(names):
+            self.sparse[:pooled] = [by_name[name] for name in names]
+
     @property
     def columns(self) -> list[str]:
         """Source columns read from each file, without duplicates."""
