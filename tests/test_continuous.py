@@ -28,22 +28,26 @@ from trainer.metrics.ranking import auc, calibration, logloss, normalized_entrop
 from trainer.checkpoint.state import decode_state
 
 
-def train(world: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def train(world: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None) \
+        -> subprocess.CompletedProcess:
     """`rankmix train ARGS` on `world` ranks forked from tests/cli.py's preloaded server, as
     torchrun would start them (its environment, its agent's store), without the seconds of
     CPU that `rankmix launch` spends importing torchrun and the stack in each fresh rank:
     the exit code is the first failing rank's, stdout rank 0's, stderr every rank's. The
-    tests of `rankmix launch` itself (torchrun, its signals) start it for real."""
+    tests of `rankmix launch` itself (torchrun, its signals) start it for real. `env`: as
+    `rankmix`'s (default `run_env()`), the ranks' variables added."""
+    env = run_env() if env is None else env
     if world == 1:
-        return rankmix("train", *args, timeout=timeout)
+        return rankmix("train", *args, timeout=timeout, env=env)
     port = rendezvous_port()
     with tempfile.TemporaryDirectory(prefix="rankmix-ranks-") as tmp:
         children, files = [], []
         for rank in range(world):
-            env = run_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+            ranked = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TORCHELASTIC_USE_AGENT_STORE="True")
             out, err = Path(tmp) / f"stdout-{rank}", Path(tmp) / f"stderr-{rank}"
-            child = _server().Process(target=_command, args=(["train", *args], str(REPO), env, str(out), str(err)))
+            child = _server().Process(target=_command, args=(["train", *args], str(REPO), ranked, str(out), str(err)))
             child.start()
             children.append(child)
             files.append((out, err))
