@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from cli import _command, _server, _text
 from test_checkpoint import REPO, ok, train, train_args
 from trainer.checkpoint.manager import complete_steps
 
@@ -23,21 +25,42 @@ def cache(tmp_path_factory) -> Path:
 def signalled(world: int, run: Path, args: list[str], after_step: int, timeout: float = 240) -> tuple[
         subprocess.CompletedProcess, list[dict]]:
     """Start a run, send SIGTERM to its first process (torchrun's agent for world > 1, which
-    passes it on to the ranks, as on Kubernetes) once `after_step` is logged; wait for it."""
-    command = ["train"] if world == 1 else ["launch", "--nproc-per-node", str(world)]
+    passes it on to the ranks, as on Kubernetes) once `after_step` is logged; wait for it.
+    One rank runs forked from tests/cli.py's preloaded server (the signal goes to the trainer
+    alone, as to a real interpreter; no seconds of imports); torchrun needs a real one."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *command, *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "PYTHONWARNINGS": "ignore"})
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while not (metrics.exists() and any(json.loads(line)["step"] >= after_step
-                                        for line in metrics.read_text().splitlines())):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=timeout)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), records
+    env = {**env, "PYTHONWARNINGS": "ignore"}
+    with tempfile.TemporaryDirectory(prefix="rankmix-signalled-") as tmp:
+        out_file, err_file = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        if world == 1:
+            proc = _server().Process(target=_command, args=(["train", *args], str(REPO), env, str(out_file),
+                                                            str(err_file)))
+            proc.start()
+            running = proc.is_alive
+            send = lambda: os.kill(proc.pid, signal.SIGTERM)  # noqa: E731
+        else:
+            with out_file.open("w") as out, err_file.open("w") as err:  # the child holds its own copies
+                proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node",
+                                         str(world), *args], cwd=REPO, stdout=out, stderr=err, env=env)
+            running = lambda: proc.poll() is None  # noqa: E731
+            send = lambda: proc.send_signal(signal.SIGTERM)  # noqa: E731
+        try:
+            metrics = run / "metrics.jsonl"
+            deadline = time.monotonic() + timeout
+            while not (metrics.exists() and any(json.loads(line)["step"] >= after_step
+                                                for line in metrics.read_text().splitlines())):
+                assert running() and time.monotonic() < deadline, _text(err_file)[-3000:]
+                time.sleep(0.05)
+            send()
+            if world == 1:
+                proc.join(timeout)
+                code = proc.exitcode
+            else:
+                code = proc.wait(timeout)
+        finally:
+            proc.kill()
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        return subprocess.CompletedProcess(["rankmix", *args], code, _text(out_file), _text(err_file)), records
 
 
 def test_sigterm_saves_at_once_and_the_run_resumes_there(cache, tmp_path):

@@ -19,6 +19,7 @@ from torchrec import JaggedTensor
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, _mch_remap
 
 from cli import rankmix, rendezvous_port, spawn
+from test_continuous import train as train_ranks  # `rankmix train` on forked ranks
 from embeddings.managed import TrackedMCH, served_tables
 from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint.manager import model_tensors
@@ -82,8 +83,7 @@ def test_bad_managed_settings_are_one_line_errors(overrides, message):
 
 
 def train(world: int, run: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
-    command = ("train",) if world == 1 else ("launch", "--nproc-per-node", str(world))
-    proc = rankmix(*command, *MANAGED, f"--train.run_dir={run}", f"--data.cache_dir={cache}", *args)
+    proc = train_ranks(world, *MANAGED, f"--train.run_dir={run}", f"--data.cache_dir={cache}", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -129,8 +129,8 @@ def test_managed_tables_train_row_wise_and_resume_exactly_from_an_eviction(world
 def test_managed_tables_resume_only_at_the_world_size_that_trained_them(made_once, tmp_path):
     reference, cache = trained(made_once, 1)
     shutil.copytree(reference / "checkpoints" / "step-10", tmp_path / "checkpoints" / "step-10")
-    proc = rankmix("launch", "--nproc-per-node", "2", *MANAGED, f"--train.run_dir={tmp_path}",
-                   f"--data.cache_dir={cache}", "--train.steps=20", "--checkpoint.interval=10")
+    proc = train_ranks(2, *MANAGED, f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache}",
+                       "--train.steps=20", "--checkpoint.interval=10")
     assert proc.returncode == 2
     assert (f"rankmix: error: {tmp_path}/checkpoints/step-10 was saved at world size 1: managed tables ['item', "
             "'user_id'] load only at the world size that trained them") in proc.stderr

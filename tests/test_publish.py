@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cli import rankmix
+from test_continuous import train  # `rankmix train` on forked ranks
 from embeddings.managed import served_tables
 from trainer.checkpoint.manager import model_tensors
 from trainer.config_loader import dump_toml, load_config
@@ -38,9 +39,8 @@ def published(made_once, world: int) -> tuple[Path, Path]:
     cache = made_once("publish-cache", lambda folder: None)
 
     def make(folder: Path) -> None:
-        command = ("train",) if world == 1 else ("launch", "--nproc-per-node", str(world))
         plan = ["--embeddings.plan=row_wise"] if world > 1 else []
-        ok(rankmix(*command, *RUN, *plan, f"--train.run_dir={folder}/run", f"--data.cache_dir={cache}"))
+        ok(train(world, *RUN, *plan, f"--train.run_dir={folder}/run", f"--data.cache_dir={cache}"))
     return made_once(f"publish-{world}", make) / "run" / "publish", cache
 
 
@@ -156,7 +156,7 @@ def test_time_ordered_partitions_are_published_by_name_each_with_a_delta_after_t
     dump_toml(cfg, config)
     data, run = tmp_path / "data", tmp_path / "run"
     names = days(data, 3)
-    ok(rankmix("launch", "--nproc-per-node", "2", *time_args(config, data, run, "--publish.every_partition=true")))
+    ok(train(2, *time_args(config, data, run, "--publish.every_partition=true")))
     publish = run / "publish"
     assert sorted(p.name for p in publish.iterdir()) == names
     infos = [manifest(publish / name)["publish"] for name in names]

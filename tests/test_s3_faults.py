@@ -214,31 +214,31 @@ def train_through(world: int, runs_store, run, holder, port: int, outage_at: int
     """Train `world` ranks on the store; with `outage_at`, the store goes away once that
     step is logged and comes back on the same port 3 s later."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from test_continuous import train  # `rankmix train` on ranks forked from the preloaded server
 
     config, train_uri, eval_uri = runs_store
-    command = ["train"] if world == 1 else ["launch", "--nproc-per-node", str(world)]
     args = ["--config", str(config), f"--data.train_path={train_uri}", f"--data.eval_path={eval_uri}",
             "--data.batch_size=64", "--data.shuffle_buffer=256", "--train.steps=24", f"--train.run_dir={run}",
             "--metrics.log_every=1", "--metrics.eval_batches=2", "--metrics.progress=false",
             "--metrics.tensorboard=false", "--data.retry_attempts=1", "--data.retry_seconds=60"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *command, *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**env, "PYTHONWARNINGS": "ignore", "AWS_EC2_METADATA_DISABLED": "true"})
+    done: list = []  # the run goes on in a thread while this one takes the store away
+    runner = threading.Thread(target=lambda: done.append(train(world, *args, env=run_env(
+        AWS_EC2_METADATA_DISABLED="true"))), daemon=True)
+    runner.start()
     if outage_at is not None:
         metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
         while not (metrics.exists() and any(json.loads(line)["step"] >= outage_at
                                             for line in metrics.read_text().splitlines())):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            assert runner.is_alive() and time.monotonic() < deadline, done and redact_uri(done[0].stderr[-3000:])
             time.sleep(0.02)
         holder["server"].stop()
         time.sleep(3)
         holder["server"] = Server(port)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, redact_uri(err[-3000:])
+    runner.join(330)
+    assert done, "the run did not end"
+    out, err = done[0].stdout, done[0].stderr
+    assert done[0].returncode == 0, redact_uri(err[-3000:])
     return out, err
 
 

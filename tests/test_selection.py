@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
+from test_continuous import train as train_ranks  # `rankmix train` on forked ranks
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.config_loader import load_config
@@ -145,10 +146,9 @@ def test_a_resumed_run_keeps_its_best_point_and_ends_as_an_uninterrupted_one(tmp
 
 def test_two_ranks_validate_every_held_out_row_once_and_restore_the_best(tmp_path):
     run = tmp_path / "run"
-    proc = rankmix("launch", "--nproc-per-node", "2", "--config", "configs/debug.toml", "--train.steps=0",
-                   "--train.epochs=2", "--data.valid_fraction=0.1", f"--train.run_dir={run}",
-                   f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.progress=false",
-                   "--metrics.tensorboard=false", "--checkpoint.enabled=false", timeout=300)
+    proc = train_ranks(2, "--config", "configs/debug.toml", "--train.steps=0", "--train.epochs=2",
+                       "--data.valid_fraction=0.1", f"--train.run_dir={run}", f"--data.cache_dir={tmp_path / 'cache'}",
+                       "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.enabled=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     valid = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "valid"]
     # every held-out row once per validation: int(n / 10) of each training row group of n rows

@@ -10,6 +10,7 @@ import pytest
 
 from launch.study import PROTOCOL, Paired, Row, better_baseline, paired, study, table
 from tests import cli
+from test_sweep import forked_runs  # noqa: F401 (a fixture: the runs forked, not fresh interpreters)
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -50,7 +51,7 @@ def test_a_sparse_moe_row_reports_its_measured_inference_cost():
 
 
 @pytest.mark.slow
-def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys):
+def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(tmp_path, capsys, forked_runs):
     out = tmp_path / "study"
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--tower", "mlp", "--tower", "logreg",
             "--tower-set", "rankmixer:train.calibrate=platt", "--seeds", "2", "--baseline", "mlp",

@@ -2,17 +2,49 @@
 
 import csv
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cli import _command, _server, _text
 from launch import sweep as sweep_module
 from launch.sweep import build_points, fit_power_law, parser, sweep
 from trainer.config_loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = str(REPO / "configs" / "debug.toml")
+
+
+class ForkedRuns:
+    """`subprocess` for launch/sweep.py: `run_point`'s `python -m launch.cli train ...`, its
+    environment and its log as the sweep gives them, run in a child forked from tests/cli.py's
+    preloaded server instead of a fresh interpreter (seconds of imports a run)."""
+    STDOUT = subprocess.STDOUT
+
+    @staticmethod
+    def run(command: list[str], stdout, stderr, env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert command[:4] == [sys.executable, "-m", "launch.cli", "train"] and stderr is subprocess.STDOUT, command
+        with tempfile.TemporaryDirectory(prefix="rankmix-sweep-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            child = _server().Process(target=_command, args=(command[3:], os.getcwd(), env, str(out), str(err)))
+            child.start()
+            child.join(300)
+            if child.is_alive():
+                child.kill()
+                child.join()
+            stdout.write(_text(out) + _text(err))
+        return subprocess.CompletedProcess(command, child.exitcode)
+
+
+@pytest.fixture
+def forked_runs(monkeypatch) -> None:
+    """The sweep's training runs forked (`ForkedRuns`)."""
+    monkeypatch.setattr(sweep_module, "subprocess", ForkedRuns)
 
 
 def test_power_law_fit_recovers_a_and_b():
@@ -85,7 +117,8 @@ def test_bad_grid_is_a_clear_error_before_any_training(tmp_path, launches, extra
 
 
 @pytest.mark.slow
-def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_path, monkeypatch, capsys):
+def test_tiny_sweep_writes_table_fit_and_plot_then_resumes_without_training(tmp_path, monkeypatch, capsys,
+                                                                            forked_runs):
     out = tmp_path / "sweep"
     argv = ["--config", DEBUG, "--out", str(out), "--tower", "rankmixer", "--grid", "model.hidden_dim=16,32",
             "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.synth_rows=2000",
