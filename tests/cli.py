@@ -23,7 +23,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
+from multiprocessing.connection import wait
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +99,45 @@ def rankmix(*args: str, cwd: Path | str = REPO, env: dict[str, str] | None = Non
             child.join()
             raise subprocess.TimeoutExpired(["rankmix", *args], timeout, _text(out), _text(err))
         return subprocess.CompletedProcess(["rankmix", *args], child.exitcode, _text(out), _text(err))
+
+
+def rankmix_ranks(world: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None,
+                  local_world_size: int = 0) -> subprocess.CompletedProcess:
+    """`rankmix train ARGS` on `world` ranks forked from the preloaded server, as
+    torchrun would start them (its environment, its agent's store), without the seconds of
+    CPU that `rankmix launch` spends importing torchrun and the stack in each fresh rank:
+    the exit code is the first failing rank's, stdout rank 0's, stderr every rank's. The
+    tests of `rankmix launch` itself (torchrun, its signals) start it for real. `env`: as
+    `rankmix`'s (default `run_env()`), the ranks' variables added. `local_world_size`: ranks
+    per node, as `--nnodes` nodes of it (default: one node of `world`)."""
+    env = run_env() if env is None else env
+    if world == 1:
+        return rankmix("train", *args, timeout=timeout, env=env)
+    port, local = rendezvous_port(), local_world_size or world
+    with tempfile.TemporaryDirectory(prefix="rankmix-ranks-") as tmp:
+        children, files = [], []
+        for rank in range(world):
+            ranked = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local),
+                          LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+            out, err = Path(tmp) / f"stdout-{rank}", Path(tmp) / f"stderr-{rank}"
+            child = _server().Process(target=_command, args=(["train", *args], str(REPO), ranked, str(out), str(err)))
+            child.start()
+            children.append(child)
+            files.append((out, err))
+        deadline = time.monotonic() + timeout
+        while any(c.is_alive() for c in children) and time.monotonic() < deadline:
+            if any(c.exitcode not in (None, 0) for c in children):  # torchrun's agent stops the rest then
+                deadline = min(deadline, time.monotonic() + 30)
+            wait([c.sentinel for c in children if c.is_alive()], timeout=0.5)
+        if any(child.is_alive() for child in children):
+            for child in children:
+                child.kill()
+                child.join()
+            raise subprocess.TimeoutExpired(["rankmix", "train", *args], timeout)
+        code = next((c.exitcode for c in children if c.exitcode != 0), 0)
+        return subprocess.CompletedProcess(["rankmix", "train", *args], code, _text(files[0][0]),
+                                           "".join(_text(err) for _, err in files))
 
 
 def _text(path: Path) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from cli import rankmix
+from cli import rankmix, rankmix_ranks
 from trainer.checkpoint.manager import complete_steps
 from trainer.checkpoint.state import decode_state
 from trainer.config_loader import dump_toml, load_config
@@ -70,9 +70,9 @@ def train_args(run: Path, cache: Path, steps: int, *extra: str) -> list[str]:
 
 
 def train(world: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    if world == 1:
-        return rankmix("train", *args, timeout=timeout)
-    return rankmix("launch", "--nproc-per-node", str(world), *args, timeout=timeout)
+    """`rankmix train` on `world` ranks, forked as torchrun starts them (`rankmix_ranks`). The
+    tests of torchrun itself (a killed rank's restart, its error report) run `rankmix launch`."""
+    return rankmix_ranks(world, *args, timeout=timeout)
 
 
 def tensors(step_dir: Path, tmp: Path) -> dict[str, object]:
@@ -258,7 +258,8 @@ def test_a_run_folder_of_another_model_is_a_one_line_error(reference, cache, tmp
 
 def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(cache, tmp_path):
     run = tmp_path / "run"
-    proc = train(2, *train_args(run, cache, 30, "--checkpoint.interval=1", "--optim.lr=1e30"))
+    proc = rankmix("launch", "--nproc-per-node", "2", *train_args(run, cache, 30, "--checkpoint.interval=1",
+                                                                    "--optim.lr=1e30"))
     assert proc.returncode == 3  # trainer/errors.py, passed on by `rankmix launch`
     # torchrun's report names the real error from the ranks' error files (`record`), not <N/A>
     assert "error_file: <N/A>" not in proc.stderr and "NonFiniteLossError: non-finite loss" in proc.stderr

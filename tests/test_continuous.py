@@ -7,9 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +16,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cli import _command, _server, _text, rankmix, rendezvous_port, run_env
+from cli import rankmix, rankmix_ranks as train
 from test_checkpoint import REPO, ok, tensors, train_args
 from trainer.checkpoint.manager import complete_steps
 from trainer.config_loader import dump_toml, load_config
@@ -26,44 +24,6 @@ from trainer.data.datasets import synth_features
 from trainer.offline.synth import day_teachers, teacher_click_logit, write_days
 from trainer.metrics.ranking import auc, calibration, logloss, normalized_entropy
 from trainer.checkpoint.state import decode_state
-
-
-def train(world: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None) \
-        -> subprocess.CompletedProcess:
-    """`rankmix train ARGS` on `world` ranks forked from tests/cli.py's preloaded server, as
-    torchrun would start them (its environment, its agent's store), without the seconds of
-    CPU that `rankmix launch` spends importing torchrun and the stack in each fresh rank:
-    the exit code is the first failing rank's, stdout rank 0's, stderr every rank's. The
-    tests of `rankmix launch` itself (torchrun, its signals) start it for real. `env`: as
-    `rankmix`'s (default `run_env()`), the ranks' variables added."""
-    env = run_env() if env is None else env
-    if world == 1:
-        return rankmix("train", *args, timeout=timeout, env=env)
-    port = rendezvous_port()
-    with tempfile.TemporaryDirectory(prefix="rankmix-ranks-") as tmp:
-        children, files = [], []
-        for rank in range(world):
-            ranked = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          TORCHELASTIC_USE_AGENT_STORE="True")
-            out, err = Path(tmp) / f"stdout-{rank}", Path(tmp) / f"stderr-{rank}"
-            child = _server().Process(target=_command, args=(["train", *args], str(REPO), ranked, str(out), str(err)))
-            child.start()
-            children.append(child)
-            files.append((out, err))
-        deadline = time.monotonic() + timeout
-        while any(c.is_alive() for c in children) and time.monotonic() < deadline:
-            if any(c.exitcode not in (None, 0) for c in children):  # torchrun's agent stops the rest then
-                deadline = min(deadline, time.monotonic() + 30)
-            wait([c.sentinel for c in children if c.is_alive()], timeout=0.5)
-        if any(child.is_alive() for child in children):
-            for child in children:
-                child.kill()
-                child.join()
-            raise subprocess.TimeoutExpired(["rankmix", "train", *args], timeout)
-        code = next((c.exitcode for c in children if c.exitcode != 0), 0)
-        return subprocess.CompletedProcess(["rankmix", "train", *args], code, _text(files[0][0]),
-                                           "".join(_text(err) for _, err in files))
 
 
 def resume_error(proc) -> str:

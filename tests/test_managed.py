@@ -19,7 +19,7 @@ from torchrec import JaggedTensor
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, _mch_remap
 
 from cli import rankmix, rendezvous_port, spawn
-from test_continuous import train as train_ranks  # `rankmix train` on forked ranks
+from cli import rankmix_ranks as train_ranks
 from embeddings.managed import TrackedMCH, served_tables
 from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint.manager import model_tensors

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cli import rankmix
-from test_continuous import train  # `rankmix train` on forked ranks
+from cli import rankmix_ranks as train
 from embeddings.managed import served_tables
 from trainer.checkpoint.manager import model_tensors
 from trainer.config_loader import dump_toml, load_config

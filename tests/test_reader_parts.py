@@ -77,13 +77,17 @@ def test_a_batch_knows_its_ids_per_key_without_reading_them_back(gathered):
 
 
 def test_the_encoder_writes_the_pooled_features_in_the_order_it_is_given():
+    """Only the pooled features move: the attended sequence and its candidate (an
+    EmbeddingCollection's keys) and the managed table (a collection of its own) stay last."""
     features = synth_features()
-    features[1] = dataclasses.replace(features[1], hashing="managed")  # user_age: last, in its own collection
+    features[1] = dataclasses.replace(features[1], hashing="managed")  # user_age
+    features = [dataclasses.replace(f, sequence_module="target_attention") if f.name == "hist_items" else f
+                for f in features]
     encoder = RowEncoder(features, [TaskSpec(name="click", label="click")])
     names = [f.name for f in encoder.sparse]
-    pooled = names[:-1]
-    assert names[-1] == "user_age" and "user_age" not in pooled
+    pooled, rest = names[:-3], ["item_id", "hist_items", "user_age"]
+    assert names[-3:] == rest and encoder.num_sequence == 2
     encoder.order_pooled(pooled[::-1])
-    assert [f.name for f in encoder.sparse] == [*pooled[::-1], "user_age"]
+    assert [f.name for f in encoder.sparse] == [*pooled[::-1], *rest]
     encoder.order_pooled(pooled[:-1])  # not the same features: left as it was
-    assert [f.name for f in encoder.sparse] == [*pooled[::-1], "user_age"]
+    assert [f.name for f in encoder.sparse] == [*pooled[::-1], *rest]

@@ -215,7 +215,7 @@ def train_through(world: int, runs_store, run, holder, port: int, outage_at: int
     step is logged and comes back on the same port 3 s later."""
     import json
 
-    from test_continuous import train  # `rankmix train` on ranks forked from the preloaded server
+    from cli import rankmix_ranks as train
 
     config, train_uri, eval_uri = runs_store
     args = ["--config", str(config), f"--data.train_path={train_uri}", f"--data.eval_path={eval_uri}",

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
-from test_continuous import train as train_ranks  # `rankmix train` on forked ranks
+from cli import rankmix_ranks as train_ranks
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.config_loader import load_config
