@@ -29,7 +29,7 @@ def bare_env() -> dict[str, str]:
     path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != BIN.resolve()]
     env = {**os.environ, "PATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
     for var in ("VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):
+                "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS"):
         env.pop(var, None)
     return env
 
