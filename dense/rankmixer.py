@@ -195,9 +195,8 @@ class RankMixerTower(nn.Module):
             raise ValueError(f"model.rankmixer.pooling must be one of {POOLINGS}, got {pooling!r}")
         self.tokenizer = tokenizer
         t = tokenizer.num_tokens
-        # Each FFN is made before its block, as the RNG draws have always been ordered.
-        dense = lambda: PerTokenFFN(t, dim, ffn_ratio)  # noqa: E731
-        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ffn_ratio, ffn() if ffn else dense(), norm=norm,
+        # Without `ffn` each block makes its dense PerTokenFFN (its LayerNorms draw nothing from the RNG).
+        self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ffn_ratio, ffn() if ffn else None, norm=norm,
                                                      dropout=dropout) for _ in range(num_layers)))
         # Pre-norm leaves the residual stream unnormalised: one LayerNorm before the pooling.
         self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()

@@ -149,8 +149,6 @@ _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
-    ("trainer.metrics.streaming.x__allow_open_files", "if soft == resource.RLIM_INFINITY or need < soft:",
-     "at need == soft the limit would be set to what it is"),
     ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_read",
      "rows = np.empty(f.seek(1, 2) // self.dtype.itemsize, self.dtype)",
      "a file of whole rows and one byte more holds as many whole rows (the next seek(0) goes back)"),
