@@ -119,6 +119,8 @@ def test_a_gpu_ranks_load_buffer_holds_its_largest_tensor_up_to_64_mib(tmp_path)
         [2000, 4000]
     rows_only = [RankMemory(1 << 40, 0, 1 << 40, largest=1 << 40)]
     assert [host_memory(cfg, rows_only, DENSE, DENSE_PARAMS, d, 32)[0].load for d in ("cuda", "cpu")] == [64 << 20, 0]
+    # a GPU rank that holds no table and is told of no dense tensor needs no buffer
+    assert host_memory(cfg, [RankMemory(0, 0, 0)], DENSE, DENSE_PARAMS, "cuda", 32)[0].load == 0
 
 
 def test_a_user_column_of_its_own_is_read_too(tmp_path):
