@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -228,14 +229,16 @@ def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
         managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
         sequence_ids=sequence_ids, sequence_max=sequence_max,
         sequence_gaps=tuple(_jagged(parts, range(s, s + 1))[0].values() for s in range(gaps, len(first.keys))),
-        dense=torch.from_numpy(_owned([p.pick(p.rows.dense) for p in parts], parts)) if first.dense.shape[1]
-        else torch.zeros(n, 0),
-        labels=torch.from_numpy(_owned([p.pick(p.rows.labels) for p in parts], parts)) if first.labels.shape[1]
-        else torch.zeros(n, 0),
-        users=torch.from_numpy(_owned([p.pick(p.rows.users) for p in parts], parts)) if first.users is not None
-        else torch.zeros(n, dtype=torch.int64),
+        dense=_column(parts, lambda r: r.dense) if first.dense.shape[1] else torch.zeros(n, 0),
+        labels=_column(parts, lambda r: r.labels) if first.labels.shape[1] else torch.zeros(n, 0),
+        users=_column(parts, lambda r: r.users) if first.users is not None else torch.zeros(n, dtype=torch.int64),
         weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
     )
+
+
+def _column(parts: list[Part], column: Callable[[Rows], np.ndarray]) -> torch.Tensor:
+    """One per-row column of `parts`' rows, one after the other, in memory of its own."""
+    return torch.from_numpy(_owned([p.pick(column(p.rows)) for p in parts], parts))
 
 
 def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
