@@ -5,13 +5,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cli import _command, _server, _text
+from cli import rankmix
 from launch import sweep as sweep_module
 from launch.sweep import build_points, fit_power_law, parser, sweep
 from trainer.config_loader import load_config
@@ -29,16 +28,9 @@ class ForkedRuns:
     @staticmethod
     def run(command: list[str], stdout, stderr, env: dict[str, str]) -> subprocess.CompletedProcess:
         assert command[:4] == [sys.executable, "-m", "launch.cli", "train"] and stderr is subprocess.STDOUT, command
-        with tempfile.TemporaryDirectory(prefix="rankmix-sweep-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            child = _server().Process(target=_command, args=(command[3:], os.getcwd(), env, str(out), str(err)))
-            child.start()
-            child.join(300)
-            if child.is_alive():
-                child.kill()
-                child.join()
-            stdout.write(_text(out) + _text(err))
-        return subprocess.CompletedProcess(command, child.exitcode)
+        proc = rankmix(*command[3:], cwd=os.getcwd(), env=env)
+        stdout.write(proc.stdout + proc.stderr)
+        return subprocess.CompletedProcess(command, proc.returncode)
 
 
 @pytest.fixture
