@@ -91,14 +91,13 @@ def rankmix(*args: str, cwd: Path | str = REPO, env: dict[str, str] | None = Non
     env = run_env() if env is None else env
     with tempfile.TemporaryDirectory(prefix="rankmix-cli-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = _server().Process(target=_command, args=(list(args), str(cwd), env, str(out), str(err)))
-        child.start()
+        child = start_rankmix(list(args), cwd, env, out, err)
         child.join(timeout)
         if child.is_alive():
             child.kill()
             child.join()
-            raise subprocess.TimeoutExpired(["rankmix", *args], timeout, _text(out), _text(err))
-        return subprocess.CompletedProcess(["rankmix", *args], child.exitcode, _text(out), _text(err))
+            raise subprocess.TimeoutExpired(["rankmix", *args], timeout, read_output(out), read_output(err))
+        return subprocess.CompletedProcess(["rankmix", *args], child.exitcode, read_output(out), read_output(err))
 
 
 def rankmix_ranks(world: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None,
@@ -121,9 +120,7 @@ def rankmix_ranks(world: int, *args: str, timeout: float = 300, env: dict[str, s
                           LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
             out, err = Path(tmp) / f"stdout-{rank}", Path(tmp) / f"stderr-{rank}"
-            child = _server().Process(target=_command, args=(["train", *args], str(REPO), ranked, str(out), str(err)))
-            child.start()
-            children.append(child)
+            children.append(start_rankmix(["train", *args], REPO, ranked, out, err))
             files.append((out, err))
         deadline = time.monotonic() + timeout
         while any(c.is_alive() for c in children) and time.monotonic() < deadline:
@@ -136,11 +133,20 @@ def rankmix_ranks(world: int, *args: str, timeout: float = 300, env: dict[str, s
                 child.join()
             raise subprocess.TimeoutExpired(["rankmix", "train", *args], timeout)
         code = next((c.exitcode for c in children if c.exitcode != 0), 0)
-        return subprocess.CompletedProcess(["rankmix", "train", *args], code, _text(files[0][0]),
-                                           "".join(_text(err) for _, err in files))
+        return subprocess.CompletedProcess(["rankmix", "train", *args], code, read_output(files[0][0]),
+                                           "".join(read_output(err) for _, err in files))
 
 
-def _text(path: Path) -> str:
+def start_rankmix(argv: list[str], cwd: Path | str, env: dict[str, str], out: Path,
+                  err: Path) -> multiprocessing.Process:
+    """`rankmix ARGV` started in a child of the preloaded server, in `cwd` with `env`, its
+    stdout and stderr into `out` and `err`; not waited for (`rankmix` waits)."""
+    child = _server().Process(target=_command, args=(argv, str(cwd), env, str(out), str(err)))
+    child.start()
+    return child
+
+
+def read_output(path: Path) -> str:
     """What the child wrote to `path`; nothing if it died before it opened it."""
     return path.read_text() if path.exists() else ""
 

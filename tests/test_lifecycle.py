@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import _command, _server, _text
+from cli import read_output, run_env, start_rankmix
 from test_checkpoint import REPO, ok, train, train_args
 from trainer.checkpoint.manager import complete_steps
 
@@ -28,14 +28,11 @@ def signalled(world: int, run: Path, args: list[str], after_step: int, timeout: 
     passes it on to the ranks, as on Kubernetes) once `after_step` is logged; wait for it.
     One rank runs forked from tests/cli.py's preloaded server (the signal goes to the trainer
     alone, as to a real interpreter; no seconds of imports); torchrun needs a real one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env = {**env, "PYTHONWARNINGS": "ignore"}
+    env = run_env()
     with tempfile.TemporaryDirectory(prefix="rankmix-signalled-") as tmp:
         out_file, err_file = Path(tmp) / "stdout", Path(tmp) / "stderr"
         if world == 1:
-            proc = _server().Process(target=_command, args=(["train", *args], str(REPO), env, str(out_file),
-                                                            str(err_file)))
-            proc.start()
+            proc = start_rankmix(["train", *args], REPO, env, out_file, err_file)
             running = proc.is_alive
             send = lambda: os.kill(proc.pid, signal.SIGTERM)  # noqa: E731
         else:
@@ -49,7 +46,7 @@ def signalled(world: int, run: Path, args: list[str], after_step: int, timeout: 
             deadline = time.monotonic() + timeout
             while not (metrics.exists() and any(json.loads(line)["step"] >= after_step
                                                 for line in metrics.read_text().splitlines())):
-                assert running() and time.monotonic() < deadline, _text(err_file)[-3000:]
+                assert running() and time.monotonic() < deadline, read_output(err_file)[-3000:]
                 time.sleep(0.05)
             send()
             if world == 1:
@@ -60,7 +57,8 @@ def signalled(world: int, run: Path, args: list[str], after_step: int, timeout: 
         finally:
             proc.kill()
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        return subprocess.CompletedProcess(["rankmix", *args], code, _text(out_file), _text(err_file)), records
+        proc = subprocess.CompletedProcess(["rankmix", *args], code, read_output(out_file), read_output(err_file))
+        return proc, records
 
 
 def test_sigterm_saves_at_once_and_the_run_resumes_there(cache, tmp_path):
