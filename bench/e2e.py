@@ -11,6 +11,8 @@ gloo). Each part runs standalone on the real modules and batches:
     heads+loss  task heads and the weighted BCE, forward + backward
     grad check  the dense gradient norm the trainer checks for finiteness (and clips with)
     optimizer   CombinedOptimizer.step (RMSProp; the fused side only sets its LR) + zero_grad
+    all-reduce  with more than one rank: the dense gradients' all-reduce, as the step's DDP
+                runs it (trainer/dist.py: one all-reduce per gradient on gloo past 2 ranks)
 
 and the whole step as fit() runs it (Trainer.train_step: the step and its bookkeeping). Parts and
 the whole step alternate within every round and the medians over rounds are reported,
@@ -33,6 +35,10 @@ ratio that brings its FLOPs near RankMixer's).
     .venv/bin/python bench/e2e.py --set data.batch_size=512 --rounds 30
     .venv/bin/python bench/e2e.py --config configs/movielens.toml --set train.pipeline=sparse_dist
     .venv/bin/python bench/e2e.py --profile 10                     # plus the top ops of 10 whole steps
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 4 bench/e2e.py --rounds 5   # 4 gloo ranks
+
+Under torchrun every rank runs the same parts in the same order (the lookup's all-to-all and the
+all-reduce are collectives) and rank 0 prints its table; bench/scale.py runs it so.
     .venv/bin/python bench/e2e.py --config configs/movielens.toml \
         --towers rankmixer,rankmixer_moe,unimixer,unimixer_lite,mlp,dcnv2 --tower-set unimixer:model.ffn_ratio=2
 """
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import statistics
 import tempfile
 import time
@@ -65,7 +72,7 @@ DEFAULT_SET = ("data.synth_rows=200000", "data.batch_size=1024", "model.tower=ra
 # Whatever the config: no checkpoints (a resume would change what is timed), no progress bar.
 FORCED_SET = ("checkpoint.enabled=false", "metrics.progress=false", "metrics.tensorboard=false")
 
-PARTS = ("data", "embedding", "tokenizer", "tower", "heads+loss", "grad check", "optimizer")
+PARTS = ("data", "embedding", "tokenizer", "tower", "heads+loss", "grad check", "optimizer", "all-reduce")
 
 
 class _FixedTokens(nn.Module):
@@ -201,6 +208,19 @@ class StepParts:
             self.trainer.optimizer_step()
         return clock.times
 
+    def time_all_reduce(self) -> tuple[float, float]:
+        """Every dense gradient averaged over the ranks, one all-reduce each, as the step's DDP
+        does on gloo past 2 ranks (trainer/dist.py `_reduce_each_gradient`); 0 on one rank."""
+        if self.trainer.env.world_size == 1:
+            return 0.0, 0.0
+        self._set_grads()
+        grads = [p.grad for p in self.trainer.dense_parameters()]
+        with Clock() as clock:
+            for work in [torch.distributed.all_reduce(g.div_(self.trainer.env.world_size), async_op=True)
+                         for g in grads]:
+                work.wait()
+        return clock.times
+
     def time_step(self) -> tuple[float, float]:
         """fit()'s loop body up to the metering: Trainer.train_step, the whole step."""
         with Clock() as clock:
@@ -217,7 +237,7 @@ class StepParts:
         timers: dict[str, Callable[[], tuple[float, float]]] = {
             "data": self.time_data, "embedding": self.time_embedding, "tokenizer": self.time_tokenizer,
             "tower": self.time_tower, "heads+loss": self.time_heads_loss, "grad check": self.time_grad_check,
-            "optimizer": self.time_optimizer}
+            "optimizer": self.time_optimizer, "all-reduce": self.time_all_reduce}
         out = {}
         for name in PARTS:
             out[name] = timers[name]()
@@ -365,10 +385,14 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's ShardedTensor deprecation
     base = () if args.config else DEFAULT_SET
     run_dir = tempfile.mkdtemp(prefix="rankmix-e2e-")
-    overrides = [f"--{s}" for s in (*base, *args.set, *FORCED_SET, f"train.run_dir={run_dir}")]
+    # the parts call the lookups outside a pipelined step, which TorchRec's pipeline forbids; so
+    # under torchrun the whole step is the plain loop's too (training pipelines past one rank)
+    forced = (*FORCED_SET, *(("train.pipeline=none",) if os.environ.get("WORLD_SIZE", "1") != "1" else ()))
+    overrides = [f"--{s}" for s in (*base, *args.set, *forced, f"train.run_dir={run_dir}")]
     cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
     m = cfg.model
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config or DEFAULT_CONFIG} "
+    print_ = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 speaks
+    print_(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config or DEFAULT_CONFIG} "
           f"{' '.join(overrides[:len(base) + len(args.set)])}; tower {m.tower} T{m.num_tokens} D{m.hidden_dim} "
           f"L{m.num_layers} k{m.ffn_ratio}, batch {cfg.data.batch_size}, {args.rounds} rounds", flush=True)
     from trainer.dist import shutdown
@@ -384,10 +408,14 @@ def main() -> None:
                 print(f"\n{name}:\n{profile(lambda: trainer.train_step(batches), args.profile, rows=25)}")
             return
         times, parts = bench(cfg, args.rounds, args.warmup)
-        print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}")
-        print(table(times, parts.trainer.batch_size))
+        env = parts.trainer.env
+        if env.rank == 0:  # every rank ran the same parts; rank 0's are printed
+            print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}"
+                  f"; {env.world_size} rank(s); forward FLOPs per sample {parts.trainer.cost.flops:,.0f}")
+            print(table(times, parts.trainer.batch_size * env.world_size))
         if args.profile:
-            print(profile(parts.time_step, args.profile, rows=30))
+            text = profile(parts.time_step, args.profile, rows=30)
+            print(text if env.rank == 0 else "", end="")
     finally:
         shutdown()
 

@@ -22,9 +22,14 @@ Every figure comes with a ratio to its limit, measured in the same run (docs/sca
 - evaluation: 2 ranks with no step left evaluate the held-out files in full; their peak RSS
   against the resumed training's.
 - export: `rankmix export --tables int8` of the trained model: size and time.
+- RankMixer: the product's tower (T16 D256, 2 blocks) on the same log and tables, 4 ranks for
+  `--rankmixer-steps`: rows/s beside the MLP's, MFU (3 x its forward FLOPs a row x rows/s
+  against this machine's 2048^3 matmul on every core), rank 0's step split (bench/e2e.py's
+  parts under torchrun: data, lookup with its fused update, tokenizer, tower, heads and loss,
+  gradient check, optimizer, all-reduce) and each rank's peak RSS against the plan.
 
     python bench/scale.py [--small] [--rows N] [--table-rows N] [--steps N] [--resume-steps N] \
-        [--loader-rows N] [--tmp DIR] [--keep]
+        [--loader-rows N] [--rankmixer-steps N] [--split-rounds N] [--tmp DIR] [--keep] [--data DIR]
 
 The full rehearsal (the defaults) writes about 13 GB; the data is deleted unless --keep.
 """
@@ -59,9 +64,9 @@ NUMERIC_COLUMNS = tuple(f"dense_{i}" for i in range(8))
 ROW_GROUP = 262_144  # larger than the reader's 65,536-row slice: the slicing runs
 PRESETS = {
     "full": dict(rows=200_000_000, files=200, table_rows=100_000_000, steps=3000, resume_steps=500,
-                 batch_size=2048, loader_rows=0),
+                 batch_size=2048, loader_rows=0, rankmixer_steps=60, split_rounds=3),
     "small": dict(rows=300_000, files=6, table_rows=400_000, steps=40, resume_steps=10, batch_size=256,
-                  loader_rows=0),
+                  loader_rows=0, rankmixer_steps=6, split_rounds=1),
 }
 BUDGET_S = 45 * 60
 
@@ -69,10 +74,12 @@ BUDGET_S = 45 * 60
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="the same stages in about a minute (the suite's test)")
-    for name in ("rows", "files", "table_rows", "steps", "resume_steps", "batch_size", "loader_rows"):
+    for name in ("rows", "files", "table_rows", "steps", "resume_steps", "batch_size", "loader_rows",
+                 "rankmixer_steps", "split_rounds"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help="default: the preset's")
     p.add_argument("--tmp", help="folder for the data and runs (default: a new temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the data and runs")
+    p.add_argument("--data", help="the data folder of an earlier --keep run (its train/ and eval/): not written again")
     return p
 
 
@@ -114,8 +121,20 @@ def make_data(folder: Path, rows: int, files: int) -> dict:
             "eval_rows": sum(n for p, n, _ in paths if "/eval/" in p)}
 
 
-def write_config(path: Path, data: Path, table_rows: int, batch_size: int) -> None:
-    """The rehearsal's config: the log's schema, row-wise tables of dim 8, a small MLP."""
+RANKMIXER = {"tower": "rankmixer", "num_tokens": 16, "hidden_dim": 256, "num_layers": 2, "ffn_ratio": 4}
+"""The product's tower at issue 43's shape, T16 D256 (2 blocks, FFN ratio 4), beside the MLP."""
+
+
+def described(folder: Path) -> dict:
+    """make_data's figures of a log it wrote earlier (from the Parquet footers; 0 seconds)."""
+    paths = sorted(folder.glob("*/*.parquet"))
+    rows = {p: pq.ParquetFile(p).metadata.num_rows for p in paths}
+    return {"rows": sum(rows.values()), "bytes": sum(p.stat().st_size for p in paths), "files": len(paths),
+            "seconds": 0.0, "eval_rows": sum(n for p, n in rows.items() if p.parent.name == "eval")}
+
+
+def write_config(path: Path, data: Path, table_rows: int, batch_size: int, tower: str = "mlp") -> None:
+    """The rehearsal's config: the log's schema, row-wise tables of dim 8, a small MLP (or RANKMIXER)."""
     features = [f'[[features]]\nname = "{name}"\nnum_embeddings = {max(int(table_rows * share), 4)}\n'
                 f'embedding_dim = 8\nhashing = "modulo"\ngroup = "{"user" if name == "user_id" else "item"}"\n'
                 for name, _, share in ID_COLUMNS]
@@ -135,12 +154,7 @@ user_column = "user_id"
 optimizer = "rowwise_adagrad"
 plan = "row_wise"
 
-[model]
-tower = "mlp"
-
-[model.mlp]
-hidden = [64, 32]
-
+{_model_section(tower)}
 [train]
 device = "cpu"
 epochs = 1
@@ -154,6 +168,12 @@ tensorboard = false
 progress = false
 
 """ + "\n".join(features))
+
+
+def _model_section(tower: str) -> str:
+    if tower == "mlp":
+        return '[model]\ntower = "mlp"\n\n[model.mlp]\nhidden = [64, 32]\n'
+    return "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in RANKMIXER.items())
 
 
 # ---------------------------------------------------------------------- memory
@@ -383,12 +403,17 @@ class Table:
 def rehearse(args: argparse.Namespace, tmp: Path, table: Table) -> None:
     started = time.perf_counter()
     data, config, run = tmp / "data", tmp / "scale.toml", tmp / "run"
-    made = make_data(data, args.rows, args.files)
+    if args.data:  # a log an earlier run kept (--keep): the same rows, not written again
+        data = Path(args.data).resolve()
+        made = described(data)
+    else:
+        made = make_data(data, args.rows, args.files)
     write_config(config, data, args.table_rows, args.batch_size)
     free = shutil.disk_usage(tmp).free + made["bytes"]
     table.add("data: rows (train + eval)", f"{made['rows']:,} in {made['files']} files, ids Zipf over 2^40",
               f"target {PRESETS['full']['rows']:,}", made["rows"] / PRESETS["full"]["rows"])
-    table.add("data: Parquet", f"{made['bytes'] / GB:.2f} GB in {made['seconds']:.0f} s",
+    written = f"in {made['seconds']:.0f} s" if not args.data else "from an earlier run (--data)"
+    table.add("data: Parquet", f"{made['bytes'] / GB:.2f} GB {written}",
               f"free disk {free / GB:.1f} GB", made["bytes"] / free)
     tables = sum(max(int(args.table_rows * share), 4) for _, _, share in ID_COLUMNS) + 24
     table.add("data: table rows (dim 8)", f"{tables:,}", f"target {PRESETS['full']['table_rows']:,}",
@@ -458,8 +483,73 @@ def rehearse(args: argparse.Namespace, tmp: Path, table: Table) -> None:
     exported = sum(p.stat().st_size for p in (tmp / "export").rglob("*") if p.is_file())
     table.add("export, int8 tables", f"{exported / GB:.2f} GB in {seconds:.0f} s",
               f"fp32 tables {tables * 8 * 4 / GB:.2f} GB", exported / (tables * 8 * 4))
+    rankmixer_stage(args, tmp, data, table, trained)
     elapsed = time.perf_counter() - started
     table.add("whole rehearsal", f"{elapsed / 60:.1f} min", "budget 45 min", elapsed / BUDGET_S)
+
+
+SPLIT_ROW = re.compile(r"^(\S+(?: \S+)*?)\s+([\d.]+)\s+[\d.]+%\s+([\d.]+)\s+[\d.]+%$", re.M)
+
+
+def step_split(config: Path, rounds: int) -> tuple[dict[str, tuple[float, float]], int]:
+    """bench/e2e.py's parts of rank 0's step under torchrun at 4 ranks (the plain loop: the parts
+    cannot run inside TorchRec's pipeline): {part: (wall ms, CPU ms)} with "sum of parts" and
+    "end-to-end", and the tower's forward FLOPs per sample."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+               str(_free_port()), "bench/e2e.py", "--config", str(config), "--rounds", str(rounds), "--warmup", "1"]
+    proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    flops = int(re.search(r"forward FLOPs per sample ([\d,]+)", proc.stdout).group(1).replace(",", ""))
+    return {m.group(1): (float(m.group(2)), float(m.group(3))) for m in SPLIT_ROW.finditer(proc.stdout)}, flops
+
+
+def matmul_flops_per_s() -> float:
+    """This machine's FLOP/s in bench/tower.py's reference product (2048^3, fp32, every core),
+    the best of 5: the peak MFU is taken against."""
+    import torch
+    from tower import matmul_step  # bench/tower.py, this script's folder
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    fn, flops = matmul_step(torch.device("cpu"), torch.float32)
+    fn()
+    seconds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t)
+    return flops / min(seconds)
+
+
+def rankmixer_stage(args: argparse.Namespace, tmp: Path, data: Path, table: Table, mlp_rate: float) -> None:
+    """The product's tower (RANKMIXER) on the same log and tables at 4 ranks: rows/s beside the
+    MLP's, MFU against this machine's matmul, rank 0's step split, and each rank's peak RSS
+    against the plan. No checkpoint: the MLP's stages measure those."""
+    config, shape = tmp / "scale_rankmixer.toml", "RankMixer T{num_tokens} D{hidden_dim} L{num_layers} k{ffn_ratio}"
+    shape = shape.format(**RANKMIXER)
+    write_config(config, data, args.table_rows, args.batch_size, tower="rankmixer")
+    plan = plan_host_gb(config, 4, False)
+    out, seconds, rss = rankmix("--config", str(config), f"--train.run_dir={tmp / 'run_rankmixer'}",
+                                f"--train.steps={args.rankmixer_steps}", "--checkpoint.enabled=false",
+                                "--metrics.eval_batches=2", ranks=4)
+    rate = json.loads(out.strip().splitlines()[-1])["examples_per_sec"]
+    table.add(f"{shape}, 4 ranks: rows/s", f"{rate:,.0f}: {args.rankmixer_steps} steps x {4 * args.batch_size} "
+              f"rows, {seconds:.0f} s in all", f"MLP {mlp_rate:,.0f}", rate / mlp_rate)
+    parts, flops = step_split(config, args.split_rounds)
+    peak = matmul_flops_per_s()
+    achieved = 3 * flops * rate  # forward and backward: 3x the forward's FLOPs
+    table.add(f"{shape}, 4 ranks: MFU", f"{achieved / 1e9:,.1f} GFLOP/s (3 x {flops / 1e6:.1f} MFLOP a row)",
+              f"matmul {peak / 1e9:,.1f} GFLOP/s, {os.cpu_count()} cores", achieved / peak)
+    total = parts["sum of parts"][0]
+    for name, (wall, cpu) in parts.items():
+        if name == "sum of parts":
+            continue
+        what = "lookup + fused update" if name == "embedding" else name
+        table.add(f"{shape}, step split (rank 0): {what}", f"{wall:,.1f} ms wall, {cpu:,.1f} ms CPU",
+                  f"sum of parts {total:,.1f} ms", wall / total)
+    for rank, mb in rss.items():
+        table.add(f"{shape}, 4 ranks: rank {rank} peak RSS", f"{mb:,.0f} MB", f"plan {plan[rank]:.2f} GB",
+                  mb / 1024 / plan[rank])
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ matmuls and are left out.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -83,6 +84,42 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> floa
         sync()
         best = min(best, time.perf_counter() - tic)
     return 2 * n**3 / best
+
+
+# Batches the activations are measured at: small enough to cost a fraction of a second on a
+# CPU for the paper's towers, large enough that per-row work dominates what is fixed.
+_PROBE_BATCHES = (32, 64)
+
+
+def activation_bytes(model: nn.Module, width: int, batch: int, training: bool,
+                     autocast: torch.dtype | None = None) -> int:
+    """Peak bytes that `model` ([B, width] -> [B, K]) holds besides its parameters and their
+    gradients at `batch` rows: training, the tensors saved for backward and the backward's
+    temporaries; evaluation (no_grad), the forward's live intermediates. Measured on the CPU
+    by torch's MemTracker at two small batches and extrapolated linearly in the rows, under
+    `autocast` (the step's mixed precision) when given."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    def peak(rows: int) -> int:
+        tracker = MemTracker()
+        tracker.track_external(model)
+        grad_mode = contextlib.nullcontext() if training else torch.no_grad()
+        precision = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        # fake tensors: the sizes without the arithmetic (the parameters stay real)
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker, grad_mode, precision:
+            x = torch.randn(rows, width)
+            out = model(x)
+            if training:
+                out.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        at_peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        return at_peak[_MemRefType.ACT] + at_peak[_MemRefType.TEMP]
+
+    small, large = _PROBE_BATCHES
+    low, high = peak(small), peak(large)
+    per_row = max(high - low, 0) / (large - small)
+    return int(max(low - small * per_row, 0) + batch * per_row)
 
 
 def mfu(examples_per_sec: float, flops: int, peak: float) -> float:

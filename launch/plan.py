@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ShardingPlan
 
+from dense.cost import activation_bytes
 from dense.heads import build_dense
 from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, managed_plans
@@ -48,6 +49,7 @@ from trainer.config import Config, per_rank_batch_size
 from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
+from trainer.train import autocast_dtype
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
 
 GB = 2**30
@@ -77,10 +79,12 @@ class HostMemory:
     evaluation: int
     async_save: int
     load: int = 0  # a resume's transient copy: a GPU rank's load buffer
+    activations: int = 0  # the dense model's activations at its larger phase, on a CPU rank
 
     @property
     def total(self) -> int:
-        return RUNTIME_BYTES + self.resident + self.init + self.reader + self.evaluation + self.async_save + self.load
+        return (RUNTIME_BYTES + self.resident + self.init + self.reader + self.evaluation + self.async_save
+                + self.load + self.activations)
 
 
 @dataclass
@@ -155,9 +159,14 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
               + (f"; attended sequences' rows at most {unpooled / 2**20:.1f} MB each way" if unpooled else ""),
               f"dense tower and heads: {dense_params:,} parameters, replicated"]
     largest_dense = max((p.numel() * 4 for m in (tower, heads) for p in m.parameters()), default=0)
-    host = host_memory(cfg, memory, dense, dense_params, device, batch, largest_dense)
+    training, evaluation = dense_activations(cfg, nn.Sequential(tower, heads), layout.width, batch, device)
+    activations = max(training, evaluation)  # the phases take turns; their peaks do not add
+    lines.append(f"dense activations per rank: training {training / GB:.3f} GB at {batch} rows, evaluation "
+                 f"{evaluation / GB:.3f} GB at {cfg.data.eval_batch_size} rows (the larger is counted)")
+    host = host_memory(cfg, memory, dense, dense_params, device, batch, largest_dense,
+                       activations if device == "cpu" else 0)
     lines += ["", *_host_lines(host)]
-    worst = max(m.estimate for m in memory) + dense
+    worst = max(m.estimate for m in memory) + dense + activations
     node, node_bytes = _fullest_node(host, local_world_size)
     node_capacity = local_world_size * ddr_gb * GB
     fits = worst <= capacity and node_bytes <= node_capacity
@@ -172,10 +181,20 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
     return ClusterPlan("\n".join(lines), memory, fits, plan, host)
 
 
+def dense_activations(cfg: Config, model: nn.Module, width: int, batch: int, device: str) -> tuple[int, int]:
+    """(training, evaluation) bytes of the dense model's activations on a rank: forward and
+    backward at the rank's batch, the forward alone at data.eval_batch_size, each in the step's
+    precision on `device` (dense/cost.py `activation_bytes`: measured on fake tensors)."""
+    precision = autocast_dtype(cfg.train.mixed_precision, torch.device(device))
+    return (activation_bytes(model, width, batch, True, precision),
+            activation_bytes(model, width, cfg.data.eval_batch_size, False, precision))
+
+
 def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params: int, device: str,
-                batch: int, largest_dense: int = 0) -> list[HostMemory]:
+                batch: int, largest_dense: int = 0, activations: int = 0) -> list[HostMemory]:
     """Each rank's host bytes besides the runtime (module docstring, Host memory); `dense`: the
-    dense state's bytes, gradients included; `largest_dense`: the largest dense parameter's."""
+    dense state's bytes, gradients included; `largest_dense`: the largest dense parameter's;
+    `activations`: the dense model's at its larger phase, on a CPU rank (a GPU's are in HBM)."""
     row = row_bytes(cfg)
     widest = max((f.embedding_dim for f in cfg.features if f.kind != "numeric"), default=0)
     init = 2 * BLOCK_ROWS * widest * 4  # a block's fp32 draw and its scaled copy (embeddings/init.py `_block`)
@@ -193,7 +212,7 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
         staged = m.tables + m.optimizer + m.id_maps + dense - dense_params * 4 if cfg.checkpoint.async_save else 0
         # a load reads rows straight into a CPU rank's tensors; a GPU rank's go through a buffer
         buffer = min(max(m.largest, largest_dense), LOAD_CHUNK_BYTES) if device == "cuda" else 0
-        out.append(HostMemory(resident, init, reader, evaluation, staged, buffer))
+        out.append(HostMemory(resident, init, reader, evaluation, staged, buffer, activations))
     return out
 
 
@@ -222,10 +241,11 @@ def _host_lines(host: list[HostMemory]) -> list[str]:
     lines = [f"host memory per rank (host GB: the sum, with the runtime's {RUNTIME_BYTES / GB:.3f} GB of torch "
              "and TorchRec)",
              f"{'rank':>4} {'resident GB':>12} {'init GB':>8} {'reader GB':>10} {'eval GB':>8} "
-             f"{'async save GB':>14} {'load GB':>8} {'host GB':>8}"]
+             f"{'async save GB':>14} {'load GB':>8} {'activations GB':>15} {'host GB':>8}"]
     for rank, h in enumerate(host):
         lines.append(f"{rank:>4} {h.resident / GB:>12.3f} {h.init / GB:>8.3f} {h.reader / GB:>10.3f} "
-                     f"{h.evaluation / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} {h.total / GB:>8.3f}")
+                     f"{h.evaluation / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} "
+                     f"{h.activations / GB:>15.3f} {h.total / GB:>8.3f}")
     return lines
 
 

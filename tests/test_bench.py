@@ -151,7 +151,14 @@ SCALE_FIGURES = [
     "sync save at step 50 (2 ranks)", "load of the model (DCP, one process)",
     *(f"training, 2 ranks: rank {r} peak RSS" for r in range(2)),
     "evaluation, 2 ranks: rows/s", *(f"evaluation, 2 ranks: rank {r} peak RSS" for r in range(2)),
-    "export, int8 tables", "whole rehearsal",
+    "export, int8 tables",
+    *(f"RankMixer T16 D256 L2 k4, {what}" for what in (
+        "4 ranks: rows/s", "4 ranks: MFU",
+        *(f"step split (rank 0): {part}" for part in (
+            "data", "lookup + fused update", "tokenizer", "tower", "heads+loss", "grad check", "optimizer",
+            "all-reduce", "end-to-end")),
+        *(f"4 ranks: rank {r} peak RSS" for r in range(4)))),
+    "whole rehearsal",
 ]
 
 
@@ -174,6 +181,10 @@ def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
                     figures["resumed on 2 ranks (resharded)"][1])
     assert re.fullmatch(r"[\d,]+ rows in \d+ s \(start-up included\), AUC 0\.\d{4}",
                         figures["evaluation, 2 ranks: rows/s"][1])
+    # the split's parts are shares of their sum, which bench/e2e.py printed beside them
+    split = [float(r[3]) for r in rows[1:] if "step split" in r[0] and not r[0].endswith("end-to-end")]
+    assert sum(split) == pytest.approx(1.0, abs=0.01 * len(split))
+    assert re.fullmatch(r"[\d.,]+ GFLOP/s \(3 x 33\.6 MFLOP a row\)", figures["RankMixer T16 D256 L2 k4, 4 ranks: MFU"][1])
     assert list(tmp_path.iterdir()) == []  # the data and runs are deleted without --keep
 
 

@@ -5,9 +5,14 @@ more than its RAM. The expected bytes are worked out here by hand from the synth
 import re
 from pathlib import Path
 
+from torch import nn
+
 from cli import rankmix
+from dense.cost import activation_bytes
+from dense.heads import build_dense
 from launch.plan import GB, plan_cluster
 from trainer.config_loader import load_config
+from trainer.data.datasets import declared_features
 
 SYNTH = str(Path(__file__).resolve().parents[1] / "configs" / "synth.toml")
 OPTIONS = ["--data.shuffle_buffer=8192", "--data.batch_size=32", "--data.eval_batch_size=1024",
@@ -38,7 +43,10 @@ def test_plan_prints_each_ranks_host_memory():
     plan = plan_cluster(cfg, 2, "cpu", 0.0, 24.0, 2)
     params = int(re.search(r"dense tower and heads: ([\d,]+) parameters", plan.text).group(1).replace(",", ""))
     want = expected_host()
-    assert len(plan.host) == 2
+    layout, tower, heads = build_dense(cfg.model, declared_features(cfg))
+    model = nn.Sequential(tower, heads)
+    activations = (activation_bytes(model, layout.width, 32, True), activation_bytes(model, layout.width, 1024, False))
+    assert activations[1] > 0 and len(plan.host) == 2
     for rank, (m, h) in enumerate(zip(plan.memory, plan.host)):
         assert (h.init, h.reader, h.evaluation) == (want["init"], want["reader"], want["evaluation"])
         # a CPU rank holds its shards and the dense weights, gradients and RMSProp state in host memory;
@@ -46,12 +54,17 @@ def test_plan_prints_each_ranks_host_memory():
         assert h.resident == m.estimate + params * 4 * 3
         assert h.async_save == m.tables + m.optimizer + params * 4 * 2
         assert h.load == 0  # rows go straight into a CPU rank's tensors
-        total = RUNTIME + h.resident + sum(want.values()) + h.async_save + h.load
+        assert h.activations == max(activations)  # training and evaluation take turns
+        total = RUNTIME + h.resident + sum(want.values()) + h.async_save + h.load + h.activations
         assert h.total == total
         row = (f"{rank:>4} {h.resident / GB:>12.3f} {want['init'] / GB:>8.3f} {want['reader'] / GB:>10.3f} "
-               f"{want['evaluation'] / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} {total / GB:>8.3f}")
+               f"{want['evaluation'] / GB:>8.3f} {h.async_save / GB:>14.3f} {h.load / GB:>8.3f} "
+               f"{h.activations / GB:>15.3f} {total / GB:>8.3f}")
         assert row in plan.text.splitlines(), plan.text
-    assert "rank  resident GB  init GB  reader GB  eval GB  async save GB  load GB  host GB" in plan.text
+    assert "rank  resident GB  init GB  reader GB  eval GB  async save GB  load GB  activations GB  host GB" \
+        in plan.text
+    assert (f"dense activations per rank: training {activations[0] / GB:.3f} GB at 32 rows, evaluation "
+            f"{activations[1] / GB:.3f} GB at 1024 rows (the larger is counted)") in plan.text
     assert plan.fits and plan.text.splitlines()[-1].endswith(
         f"host memory: fullest node {sum(h.total for h in plan.host) / GB:.2f} GB of 48 GB)")
 
@@ -59,9 +72,9 @@ def test_plan_prints_each_ranks_host_memory():
 def test_a_gpu_rank_keeps_no_tables_on_the_host_and_a_sync_save_stages_nothing():
     cfg = load_config(SYNTH, OPTIONS[:-1])
     plan = plan_cluster(cfg, 2, "cuda", 80.0, 24.0, 2)
-    # on a GPU rank the reader also pins PREFETCH_BATCHES = 2 more batches
-    assert [(h.resident, h.reader, h.async_save) for h in plan.host] == \
-        [(0, expected_host()["reader"] + 2 * 32 * ROW, 0)] * 2
+    # on a GPU rank the reader also pins PREFETCH_BATCHES = 2 more batches; the activations are in HBM
+    assert [(h.resident, h.reader, h.async_save, h.activations) for h in plan.host] == \
+        [(0, expected_host()["reader"] + 2 * 32 * ROW, 0, 0)] * 2
 
 
 def test_a_node_whose_ranks_need_more_host_memory_than_it_has_does_not_fit():

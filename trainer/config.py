@@ -168,7 +168,7 @@ class TrainConfig:
     deterministic: bool = True
     """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
     pipeline: PipelineChoice = "auto"
-    """auto (sparse_dist on CUDA, none on CPU) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
+    """auto (sparse_dist on CUDA or past one rank, none on one CPU rank) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
     mixed_precision: MixedPrecision = "auto"
     """auto (bf16 on CUDA, none on CPU) | bf16: autocast the dense tower and heads to bfloat16 (fp32 master weights), TF32 matmuls elsewhere on CUDA | none: fp32 throughout."""
     check_every: int = 20

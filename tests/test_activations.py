@@ -1,0 +1,60 @@
+"""The dense model's activation bytes (dense/cost.py `activation_bytes`), which `rankmix plan`
+counts per rank: a forward's live tensors worked out by hand, and training's extrapolation
+from fake tensors at small batches against torch's MemTracker on real tensors at the batch."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from dense.cost import activation_bytes
+from launch.plan import dense_activations
+from trainer.config_loader import load_config
+
+WIDTH, HIDDEN = 10, 64
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+@pytest.mark.parametrize("rows", [1000, 4096])
+def test_evaluation_holds_the_input_and_two_hidden_layers_at_its_peak(rows):
+    # no_grad: the input [B, 10], the first product [B, 64] and its ReLU [B, 64] are alive at
+    # once (the product is freed only after the ReLU returns); the output [B, 1] comes later
+    assert activation_bytes(mlp(), WIDTH, rows, training=False) == 4 * rows * (WIDTH + 2 * HIDDEN)
+
+
+def test_training_extrapolated_from_fake_small_batches_matches_real_tensors_at_the_batch():
+    model, rows = mlp(), 3000
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.randn(rows, WIDTH)).sum().backward()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    real = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP]
+    estimated = activation_bytes(model, WIDTH, rows, training=True)
+    assert real > 4 * rows * (WIDTH + 2 * HIDDEN)  # more than evaluation holds: the saved tensors and gradients
+    assert estimated == pytest.approx(real, rel=0.01)
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
+
+
+def test_bf16_autocast_halves_what_the_products_keep_and_adds_its_weight_copies():
+    model = mlp()
+    fp32 = activation_bytes(model, WIDTH, 4096, training=False)
+    bf16 = activation_bytes(model, WIDTH, 4096, training=False, autocast=torch.bfloat16)
+    # at the peak: the fp32 input, the bf16 product and its ReLU, and autocast's bf16 copies of the
+    # first layer's weight and bias (the input's bf16 copy is gone by then)
+    assert fp32 == 4 * 4096 * (WIDTH + 2 * HIDDEN)
+    assert bf16 == 4 * 4096 * WIDTH + 2 * 4096 * 2 * HIDDEN + 2 * (WIDTH * HIDDEN + HIDDEN)
+
+
+def test_the_plan_measures_training_at_the_ranks_batch_and_evaluation_at_its_own():
+    cfg = load_config(None, ["--data.batch_size=128", "--data.eval_batch_size=2048"])
+    model = mlp()
+    assert dense_activations(cfg, model, WIDTH, 128, "cpu") == (
+        activation_bytes(model, WIDTH, 128, True), activation_bytes(model, WIDTH, 2048, False))
+    # a GPU rank steps in bf16 by default, a CPU rank in fp32
+    assert dense_activations(cfg, model, WIDTH, 128, "cuda")[1] == \
+        activation_bytes(model, WIDTH, 2048, False, torch.bfloat16)
