@@ -19,7 +19,10 @@ rows straight into a CPU rank's tensors and through a buffer of up to 64 MiB int
 otherwise than this plan's is read a saved shard at a time, whole, which is not counted). A
 save makes no copy of its own: DCP's writer would clone every table shard, all views of
 FBGEMM's fused buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`).
-On a CPU rank the shards and the dense state live on the host too. The sum is an upper bound
+On a CPU rank the shards and the dense state live on the host too, and so do the dense model's
+activations (`dense_activations`: training's at the rank's batch or evaluation's at its own,
+whichever is larger; evaluation hands training's kept heap back first, trainer/dist.py
+`memory_returned`); a GPU rank's are counted in its HBM. The sum is an upper bound
 (the init's blocks are freed before the first read); a node fits when its ranks' sums fit in
 local_world_size x --ddr-gb.
 """
