@@ -102,8 +102,7 @@ def activation_bytes(model: nn.Module, width: int, batch: int, training: bool,
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     def peak(rows: int) -> int:
-        tracker = MemTracker()
-        tracker.track_external(model)
+        tracker = MemTracker()  # the gradients are told apart without track_external(model)
         grad_mode = contextlib.nullcontext() if training else torch.no_grad()
         precision = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
         # fake tensors: the sizes without the arithmetic (the parameters stay real)
@@ -118,7 +117,7 @@ def activation_bytes(model: nn.Module, width: int, batch: int, training: bool,
 
     small, large = _PROBE_BATCHES
     low, high = peak(small), peak(large)
-    per_row = max(high - low, 0) / (large - small)
+    per_row = (high - low) / (large - small)
     return int(max(low - small * per_row, 0) + batch * per_row)
 
 

@@ -119,8 +119,9 @@ MODULES = {
         "SplitMetrics.add", "SplitMetrics.compute", "_bucket_of", "UserBuckets.__init__", "UserBuckets.add",
         "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close", "_allow_open_files",
         "TrainingWindow.__init__", "TrainingWindow._record", "TrainingWindow.compute")),
-    "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py",), (
-        "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node")),
+    "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py", "tests/test_activations.py"), (
+        "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node", "dense_activations")),
+    "cost": Target("dense/cost.py", ("tests/test_activations.py",), ("activation_bytes",)),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
@@ -149,6 +150,11 @@ _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("dense.cost.x_activation_bytes",
+     'precision = torch.autocast("cpu", dtype=None) if autocast else contextlib.nullcontext()',
+     "the CPU's autocast dtype is bfloat16 by default, and every 16-bit dtype keeps the same bytes"),
+    ("dense.cost.x_activation_bytes", 'precision = torch.autocast("cpu", ) if autocast else contextlib.nullcontext()',
+     "the CPU's autocast dtype is bfloat16 by default, and every 16-bit dtype keeps the same bytes"),
     ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_read",
      "rows = np.empty(f.seek(1, 2) // self.dtype.itemsize, self.dtype)",
      "a file of whole rows and one byte more holds as many whole rows (the next seek(0) goes back)"),

@@ -113,6 +113,14 @@ def test_each_ranks_host_memory(tmp_path, device, prefetched, async_save):
                                            600 if device == "cuda" else 0))
 
 
+def test_a_ranks_activations_add_to_its_host_memory(tmp_path):
+    cfg = _config(tmp_path)
+    bare, with_activations = (host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, "cpu", 32, activations=a)
+                              for a in (0, 7777))
+    assert [h.activations for h in bare] == [0, 0] and [h.activations for h in with_activations] == [7777, 7777]
+    assert [h.total - b.total for h, b in zip(with_activations, bare)] == [7777, 7777]
+
+
 def test_a_gpu_ranks_load_buffer_holds_its_largest_tensor_up_to_64_mib(tmp_path):
     cfg = _config(tmp_path)
     assert [h.load for h in host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, "cuda", 32, largest_dense=2000)] == \
