@@ -1,8 +1,9 @@
 """Managed-collision tables (`hashing = "managed"`): TorchRec's MCH behind every such
 table (pooled ones in a ManagedCollisionEmbeddingBagCollection, those of attended sequences
-in a ManagedCollisionEmbeddingCollection), sharded row-wise, evictions that reset the freed rows' optimizer state, and the
-per-table figures the logs report (miss rate, occupancy, rows evicted). What reaches into
-TorchRec (the counting MCH module, the resetting sharder) is in `embeddings/torchrec_compat.py`.
+in a ManagedCollisionEmbeddingCollection), sharded row-wise, evictions that reset the freed
+rows' optimizer state, and the per-table figures the logs report (miss rate, occupancy, rows
+evicted). What reaches into TorchRec (the counting MCH module, the resetting sharders) is in
+`embeddings/torchrec_compat.py`.
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from torchrec import JaggedTensor, KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor
 
-from cli import rankmix
 from cli import rankmix_ranks as train_ranks
 from embeddings.features import validate_features
 from embeddings.managed import build_managed_sequences, served_tables
+from embeddings.torchrec_compat import mc_table_configs, mch_module
 from test_checkpoint import assert_same_state, tensors
+from test_managed import export_and_score
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.feature_ops import spread, spread_ids
@@ -58,12 +59,34 @@ def test_the_candidate_and_the_sequence_share_one_managed_collection_and_one_bat
     config = cfg()
     validate_features(config.features)  # no longer refused
     mc = build_managed_sequences(config.features, config.embeddings, buckets=2)
-    [table] = mc._embedding_module.embedding_configs()
+    [table] = mc_table_configs(mc)
     assert (table.name, table.feature_names, table.num_embeddings) == ("item", ["item_id", "hist_items"], ROWS)
-    assert list(mc._managed_collision_collection._managed_collision_modules) == ["item"]
+    assert mch_module(mc, "item").table_name == "item"
     encoder = RowEncoder(config.features, config.model.tasks)
     assert [f.name for f in encoder.sparse[-2:]] == ["item_id", "hist_items"]
     assert (encoder.num_sequence, encoder.num_managed_sequence, encoder.num_managed) == (0, 2, 0)
+
+
+def test_the_managed_sequence_table_starts_as_it_would_unmanaged():
+    """The plan-independent init (embeddings/init.py) finds the table inside the managed
+    collection: it draws the values it draws in the plain EmbeddingCollection."""
+    from torch import nn
+
+    from embeddings.init import init_embeddings
+    from embeddings.tables import build_sequence_tables
+
+    managed, plain = cfg(), load_config("configs/synth.toml", SEQUENCE[:1] + [
+        f"--features.{f}.num_embeddings={ROWS}" for f in ("item_id", "hist_items")])
+    weights = []
+    for config, path, build in ((managed, "managed_sequence_tables", build_managed_sequences),
+                                (plain, "sequence_tables", build_sequence_tables)):
+        holder = nn.Module()
+        module = build(config.features, config.embeddings, **({"buckets": 1} if path.startswith("managed") else {}))
+        holder.add_module(path, module.to_empty(device="cpu"))
+        init_embeddings(holder, seed=3)
+        [weight] = [v for k, v in holder.state_dict().items() if k.endswith("item.weight")]
+        weights.append(weight)
+    assert weights[0].shape == (ROWS, 16) and torch.equal(weights[0], weights[1])
 
 
 @pytest.mark.slow
@@ -128,21 +151,44 @@ def test_an_id_has_its_own_row_in_the_candidate_and_in_the_sequence(made_once, t
 @pytest.mark.parametrize("world,fmt", [(1, "pt2"), (2, "torchscript")])
 def test_an_artifact_of_a_managed_sequence_scores_as_its_training_run(world, fmt, made_once, tmp_path):
     run, cache = trained(made_once, world)
-    valid = next(cache.glob("*/valid"))
-    manifest = json.loads(rankmix("export", "--checkpoint", str(run), "--out", str(tmp_path / "model"),
-                                  "--format", fmt).stdout.splitlines()[-1])
+    manifest, _ = export_and_score(run, next(cache.glob("*/valid")), tmp_path, fmt, compare=world == 1)
     assert manifest["managed"]["item"]["ranks"] == world and 0 < manifest["managed"]["item"]["ids"] <= ROWS - world
-    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(valid), "--out", str(tmp_path / "b"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    served = json.loads(proc.stdout.splitlines()[-1])
-    summary = json.loads((run / "summary.json").read_text())  # the run's own evaluation, on its ranks
-    assert served["logloss"] == pytest.approx(summary["logloss"], abs=1e-6)
-    assert served["auc"] == pytest.approx(summary["auc"], abs=2e-5)  # float rounding may swap a pair
-    if world == 1:  # the same weights and map in TorchRec's modules, prediction by prediction
-        proc = rankmix("score", "--checkpoint", str(run), "--data", str(valid), "--out", str(tmp_path / "a"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        np.testing.assert_allclose(pq.read_table(tmp_path / "b").column("pred_click").to_numpy(),
-                                   pq.read_table(tmp_path / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)
+
+
+# A second attended sequence, on a table of its own that is not managed (the item tags read as a
+# sequence, attending with the user's vector), and a managed table of bags: all four collections.
+MIXED = """
+[[features]]
+name = "tag_seq"
+column = "item_tags"
+kind = "sequence"
+num_embeddings = 201
+embedding_dim = 16
+max_len = 5
+sequence_module = "transformer"
+candidate = "user_id"
+group = "behaviour"
+"""
+MIXED_ARGS = ["--features.user_id.hashing=managed", "--features.user_id.eviction_interval=5"]
+
+
+def mixed_config(folder: Path) -> Path:
+    path = folder / "mixed.toml"
+    path.write_text((Path(__file__).resolve().parents[1] / "configs" / "synth.toml").read_text() + MIXED)
+    return path
+
+
+@pytest.mark.slow
+def test_plain_and_managed_sequences_train_together_on_two_ranks_and_serve(made_once, tmp_path):
+    cache = made_once("managed-sequence-cache", lambda folder: None)
+    config = mixed_config(tmp_path)
+    proc = train(2, tmp_path / "run", cache, "--config", str(config), *MIXED_ARGS, "--train.steps=5",
+                 "--checkpoint.interval=5")
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    plan = (tmp_path / "run" / "plan.txt").read_text()
+    assert all(f"module: {m}\n" in plan for m in ("ebc", "sequence_tables", "managed_tables", "managed_sequence_tables"))
+    assert {"managed/item.miss_rate", "managed/user_id.miss_rate"} <= summary.keys()
+    export_and_score(tmp_path / "run", next(cache.glob("*/valid")), tmp_path)
 
 
 def test_rankmix_plan_counts_the_managed_sequence_table_row_wise():
