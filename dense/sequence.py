@@ -242,7 +242,7 @@ class SequenceInputs(nn.Module):
                                         for f in on if attended(f)})
         self.candidates = {f.name: default_candidate(f, features) for f in on if attended(f)}
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
-        self.timed = [f.name for f in on if attended(f) and f.timestamps]
+        self.timed = [f.name for f in features if attended(f) and f.timestamps]  # schema order, as the gaps
 
     def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
                 gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:

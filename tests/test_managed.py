@@ -142,7 +142,14 @@ def test_managed_tables_resume_only_at_the_world_size_that_trained_them(made_onc
         in proc.stderr
 
 
-def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
+# The managed table each collection's eviction is tested on, and the overrides that make it.
+EVICTED = {"managed_tables": ("user_id", ["--features.user_id.hashing=managed"]),
+           "managed_sequence_tables": ("item", ["--features.hist_items.sequence_module=target_attention",
+                                                "--features.item_id.hashing=managed",
+                                                "--features.hist_items.hashing=managed"])}
+
+
+def _evict_worker(rank: int, port: int, optimizer: str, collection: str, out: str) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -151,25 +158,28 @@ def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
     from embeddings.sharding import shard_model
 
     dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = load_config("configs/synth.toml", ["--features.user_id.hashing=managed",
-                                             f"--embeddings.optimizer={optimizer}"])
+    table, overrides = EVICTED[collection]
+    cfg = load_config("configs/synth.toml", [*overrides, f"--embeddings.optimizer={optimizer}"])
     model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
-    managed = model.module.managed_tables
-    tbe, index = managed._table_to_tbe_and_index["user_id"]
-    weight = managed._embedding_module.embedding_bags.get_parameter("user_id.weight")
+    managed = getattr(model.module, collection)
+    tbe, index = managed._table_to_tbe_and_index[table]
+    tables = managed._embedding_module
+    weight = (tables.embedding_bags if managed.bagged else tables.embeddings).get_parameter(f"{table}.weight")
     with torch.no_grad():
         for state in tbe.split_optimizer_states()[int(index)]:
             state.fill_(7.0)
         weight.fill_(5.0)
-    managed._evict({"user_id": torch.tensor([3, 11])})
+    managed._evict({table: torch.tensor([3, 11])})
     states = [s.clone() for s in tbe.split_optimizer_states()[int(index)]]
     torch.save({"states": states, "weight": weight.detach().clone()}, out)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
-def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path):
-    spawn(_evict_worker, (rendezvous_port(), optimizer, str(tmp_path / "out.pt")), 1)
+@pytest.mark.parametrize("optimizer,collection", [("adagrad", "managed_tables"), ("rowwise_adagrad", "managed_tables"),
+                                                  ("adagrad", "managed_sequence_tables")])
+def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, collection, tmp_path):
+    """In a collection of bags, and in one of an attended sequence's tables (unpooled)."""
+    spawn(_evict_worker, (rendezvous_port(), optimizer, collection, str(tmp_path / "out.pt")), 1)
     result = torch.load(tmp_path / "out.pt")
     evicted = torch.zeros(result["weight"].shape[0], dtype=torch.bool)
     evicted[[3, 11]] = True

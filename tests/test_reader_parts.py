@@ -109,20 +109,25 @@ def test_attended_sequences_on_plain_and_managed_tables_ride_in_two_keyed_jagged
     attend = dict(kind="sequence", sequence_module="target_attention", embedding_dim=4)
     features = [f(name="u", num_embeddings=10, hashing="managed"), f(name="plain", num_embeddings=5),
                 f(name="item", table="cat", num_embeddings=10, embedding_dim=4, hashing="managed"),
-                f(name="hist", table="cat", num_embeddings=10, hashing="managed", max_len=3, **attend),
+                f(name="hist", table="cat", num_embeddings=10, hashing="managed", max_len=3, timestamps="hist_ts",
+                  **attend),
                 f(name="shop", table="shops", num_embeddings=10, embedding_dim=4),
-                f(name="shist", table="shops", num_embeddings=10, max_len=2, **attend)]
+                f(name="shist", table="shops", num_embeddings=10, max_len=2, timestamps="shist_ts", **attend)]
     table = pa.table({"u": [1, 2, 3], "plain": [0, 1, 2], "item": [7, 8, 2 ** 40], "shop": [1, 2, 3],
-                      "hist": [[1, 2, 3, 4], [], [2 ** 40]], "shist": [[1], [2, 3, 4], []], "click": [0, 1, 0]})
-    encoder = RowEncoder(features, [TaskSpec(name="click", label="click")])
+                      "hist": [[1, 2, 3, 4], [], [2 ** 40]], "shist": [[1], [2, 3, 4], []], "click": [0, 1, 0],
+                      "hist_ts": [[1, 2, 3, 4], [], [5]], "shist_ts": [[9], [9, 9, 9], []], "now": [10, 10, 10]})
+    encoder = RowEncoder(features, [TaskSpec(name="click", label="click")], time_column="now")
     assert [g.name for g in encoder.sparse] == ["plain", "shop", "shist", "item", "hist", "u"]
     batch = encoder.encode(table, "t").to_batch()
     assert batch.sparse.keys() == ["plain"] and batch.managed_ids.keys() == ["u"]
     assert batch.sequence_ids.keys() == ["shop", "shist"] and batch.managed_sequence_ids.keys() == ["item", "hist"]
     assert batch.sequence_ids["shist"].values().tolist() == [1, 3, 4]  # the last max_len, raw
     assert batch.managed_sequence_ids["hist"].values().tolist() == spread(np.array([2, 3, 4, 2 ** 40])).tolist()
-    assert SequenceInputs(features, SequenceConfig()).keys == ["shop", "shist", "item", "hist"]
-    assert batch.sequence_max == (1, 2, 1, 3)
+    inputs = SequenceInputs(features, SequenceConfig())
+    assert inputs.keys == ["shop", "shist", "item", "hist"] and batch.sequence_max == (1, 2, 1, 3)
+    # the gaps in schema order, whichever collection the sequence is in: hist's 4 kept ids, then shist's 3
+    assert inputs.timed == ["hist", "shist"] and [g.numel() for g in batch.sequence_gaps] == [4, 3]
+    assert batch.sequence_gaps[1].tolist() == [batch.sequence_gaps[1][0].item()] * 3  # gap 1 each
     moved = batch.to(torch.device("cpu"))  # as the pipeline moves a batch
     assert moved.sequence_max == batch.sequence_max
     assert moved.managed_sequence_ids["item"].values().tolist() == spread(np.array([7, 8, 2 ** 40])).tolist()

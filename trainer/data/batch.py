@@ -30,7 +30,8 @@ class Batch(Pipelineable):
             batch, a Python int computed by the reader on the host: sequences pad to it without
             reading the device.
     sequence_gaps: per attended sequence with timestamps (schema order), [N_f] int64 time-gap
-            buckets aligned with its ids in `sequence_ids` (trainer/data/timestamps.py).
+            buckets aligned with its ids in `sequence_ids` or `managed_sequence_ids`
+            (trainer/data/timestamps.py).
     """
 
     sparse: KeyedJaggedTensor
