@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec, attended_tables
+from embeddings.features import FeatureSpec, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.timestamps import TimeGaps
@@ -22,13 +22,17 @@ class RowEncoder:
 
     def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = "",
                  time_column: str = "", time_buckets: int = 32):
-        # Attended sequences' tables' features, then managed tables' features last: the batch
-        # carries each kind in a KeyedJaggedTensor of its own.
+        # Attended sequences' tables' features (unmanaged, then managed), then the managed bags'
+        # features last: the batch carries each kind in a KeyedJaggedTensor of its own.
         sparse = [f for f in features if f.kind != "numeric"]
-        unpooled = set(attended_tables(features))
-        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.table not in unpooled]
-                       + [f for f in sparse if f.table in unpooled] + [f for f in sparse if f.hashing == "managed"])
-        self.num_sequence = sum(f.table in unpooled for f in sparse)
+        unpooled = unpooled_features(features)
+        on_unpooled = {f.name for f in unpooled}
+        managed = [f for f in sparse if f.hashing == "managed" and f.name not in on_unpooled]
+        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.name not in on_unpooled]
+                       + unpooled + managed)
+        self.num_managed_sequence = sum(f.hashing == "managed" for f in unpooled)
+        self.num_sequence = len(unpooled) - self.num_managed_sequence
+        self.num_managed = len(managed)
         self.gaps = TimeGaps(features, time_column, time_buckets)  # model.sequence.time_buckets
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
@@ -38,7 +42,7 @@ class RowEncoder:
         """Write the pooled features (a batch's `sparse` keys) in the order of `names`, where they
         are the same features: the sharded tables' input order, so that TorchRec's input dist does
         not permute every batch (embeddings/torchrec_compat.py `input_feature_order`)."""
-        pooled = len(self.sparse) - self.num_sequence - sum(f.hashing == "managed" for f in self.sparse)
+        pooled = len(self.sparse) - self.num_sequence - self.num_managed_sequence - self.num_managed
         by_name = {f.name: f for f in self.sparse[:pooled]}
         if sorted(by_name) == sorted(names):
             self.sparse[:pooled] = [by_name[name] for name in names]
@@ -98,8 +102,8 @@ class RowEncoder:
         timed = [keys.index(f.name) for f in self.gaps.features]
         return Rows.build(keys + [f"{f.name}@gaps" for f in self.gaps.features], ids + gaps,
                           lengths + [lengths[i] for i in timed], dense, labels, users,
-                          num_managed=sum(f.hashing == "managed" for f in self.sparse), num_sequence=self.num_sequence,
-                          num_gaps=len(gaps))
+                          num_managed=self.num_managed, num_sequence=self.num_sequence, num_gaps=len(gaps),
+                          num_managed_sequence=self.num_managed_sequence)
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
