@@ -253,20 +253,17 @@ def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
 def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.ndarray]:
     """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and its
     lengths as [features, rows]."""
-    lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
+    bounds = list(itertools.accumulate((p.num_rows for p in parts), initial=0))  # each part's first row
+    lengths = np.ones((len(features), bounds[-1]), np.int64)
     ids = []  # feature after feature, part after part: the order of the values
     # The ids per key, counted here on the host: TorchRec would read them back from the device
     # (a host sync) to split the batch in the sharded tables' input dist. They are the sizes
     # of the feature's pieces of ids, not a sum over its lengths (a pass over the batch).
     per_key = []
     for row, s in zip(lengths, features):
-        start, count = 0, 0
-        for p in parts:
-            stop = start + p.num_rows
-            ids.append(p.ids(s, row[start:stop]))
-            count += len(ids[-1])
-            start = stop
-        per_key.append(count)
+        pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
+        ids += pieces
+        per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values
     # first would cost more Python per batch than copying them
     values = np.concatenate(ids, dtype=np.int64) if ids else np.zeros(0, np.int64)
