@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -266,23 +267,23 @@ def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
 def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.ndarray]:
     """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and its
     lengths as [features, rows]."""
-    lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
+    bounds = list(itertools.accumulate((p.num_rows for p in parts), initial=0))  # each part's first row
+    lengths = np.ones((len(features), bounds[-1]), np.int64)
     ids = []  # feature after feature, part after part: the order of the values
+    # The ids per key, counted here on the host: TorchRec would read them back from the device
+    # (a host sync) to split the batch in the sharded tables' input dist. They are the sizes
+    # of the feature's pieces of ids, not a sum over its lengths (a pass over the batch).
+    per_key = []
     for row, s in zip(lengths, features):
-        start = 0
-        for p in parts:
-            stop = start + p.num_rows
-            ids.append(p.ids(s, row[start:stop]))
-            start = stop
+        pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
+        ids += pieces
+        per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values
     # first would cost more Python per batch than copying them
     values = np.concatenate(ids, dtype=np.int64) if ids else np.zeros(0, np.int64)
-    # The ids per key, counted here on the host: TorchRec would read them back from the device
-    # (a host sync) to split the batch in the sharded tables' input dist.
-    per_key = lengths.sum(axis=1)
     return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
-                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key.tolist(),
-                             offset_per_key=[0, *np.cumsum(per_key).tolist()]), lengths
+                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key,
+                             offset_per_key=[0, *itertools.accumulate(per_key)]), lengths
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
