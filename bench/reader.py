@@ -14,7 +14,8 @@
 
 Each figure is the best of --repeat interleaved runs (the machine may be shared).
 
-    python bench/reader.py [--rows 1000000] [--repeat 3] [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
+    python bench/reader.py [--rows 1000000] [--repeat 3] [--shuffle-buffers 0,65536] [--reader-only]
+                           [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from convert import SAMPLE, bench_converter, make_tsv  # noqa: E402  (bench/convert.py)
 
 
-def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3) -> dict:
+def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
+                 shuffle_buffers: tuple[int, ...] = (0, 65_536)) -> dict:
     import pyarrow.parquet as pq
 
     from dense.model_config import TaskSpec
@@ -73,11 +75,11 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3) -> dict
     wall: dict[str, float] = {}
     cpu: dict[str, float] = {}
     for _ in range(repeat):
-        for name, run in (("raw", raw), ("shuffle0", lambda: reader(0)), ("shuffle65536", lambda: reader(65_536))):
-            rows_in[name], w, c = run()
+        for name, buf in (("raw", None), *((f"shuffle{b}", b) for b in shuffle_buffers)):
+            rows_in[name], w, c = raw() if buf is None else reader(buf)
             wall[name], cpu[name] = min(wall.get(name, w), w), min(cpu.get(name, c), c)
     out["raw_iter_batches_rows_per_s"] = round(rows_in["raw"] / wall["raw"])
-    for buf in (0, 65_536):
+    for buf in shuffle_buffers:
         name = f"shuffle{buf}"
         out[f"reader_{name}_rows_per_s"] = round(rows_in[name] / wall[name])
         out[f"ratio_{name}"] = round(out[f"reader_{name}_rows_per_s"] / out["raw_iter_batches_rows_per_s"], 3)
@@ -105,14 +107,20 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best counts")
+    p.add_argument("--shuffle-buffers", default="0,65536",
+                   help="comma-separated shuffle buffers of the reader's runs (0: unshuffled)")
+    p.add_argument("--reader-only", action="store_true", help="skip the converter's benchmarks")
     p.add_argument("--tsv-mb", type=int, default=200)
     p.add_argument("--memory", default="", help="comma-separated input sizes in MB, e.g. 1000,5000")
     p.add_argument("--tmp", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
-        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat)}
+        buffers = tuple(int(b) for b in args.shuffle_buffers.split(","))
+        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat, buffers)}
         print(json.dumps(res["reader"]), flush=True)
+        if args.reader_only:
+            return
         if SAMPLE.is_file():
             res["converter"] = bench_converter(tmp, args.tsv_mb, args.repeat)
             print(json.dumps(res["converter"]), flush=True)
@@ -121,7 +129,6 @@ def main() -> None:
                 print(json.dumps(res["memory"]), flush=True)
         else:
             print(f"converter benchmark skipped: {SAMPLE} not found")
-
 
 
 if __name__ == "__main__":

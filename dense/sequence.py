@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dense.sequence_modules import SEQUENCE_MODULES, token_slots
-from embeddings.features import FeatureSpec, attended, attended_tables, default_candidate
+from embeddings.features import FeatureSpec, attended, attended_tables, default_candidate, unpooled_features
 
 _MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
 
@@ -235,15 +235,14 @@ class SequenceInputs(nn.Module):
 
     def __init__(self, features: list[FeatureSpec], cfg):
         super().__init__()
-        unpooled = set(attended_tables(features))
-        on = [f for f in features if f.kind != "numeric" and f.table in unpooled]
-        self.keys = [f.name for f in on]  # the reader's order of Batch.sequence_ids (trainer/data/encode.py)
+        on = unpooled_features(features)
+        self.keys = [f.name for f in on]  # the reader's order of Batch.sequence_ids, then managed_sequence_ids
         self.mean = {f.name for f in on if not attended(f) and f.kind != "id" and f.pooling == "mean"}
         self.attention = nn.ModuleDict({f.name: SEQUENCE_MODULES.get(f.sequence_module)(cfg, f)
                                         for f in on if attended(f)})
         self.candidates = {f.name: default_candidate(f, features) for f in on if attended(f)}
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
-        self.timed = [f.name for f in on if attended(f) and f.timestamps]
+        self.timed = [f.name for f in features if attended(f) and f.timestamps]  # schema order, as the gaps
 
     def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
                 gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:

@@ -108,6 +108,15 @@ def managed_tables(features: list[FeatureSpec]) -> list[str]:
     return sorted({f.table for f in features if f.hashing == "managed"})
 
 
+def unpooled_features(features: list[FeatureSpec]) -> list[FeatureSpec]:
+    """The features on attended sequences' tables, looked up unpooled: those on unmanaged tables,
+    then those on managed ones, each in schema order (`Batch.sequence_ids`, then
+    `Batch.managed_sequence_ids`: TorchRec's pipeline sends each collection its own)."""
+    unpooled = set(attended_tables(features))
+    on = [f for f in features if f.kind != "numeric" and f.table in unpooled]
+    return [f for f in on if f.hashing != "managed"] + [f for f in on if f.hashing == "managed"]
+
+
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
 """FeatureSpec fields that only id, id_list and sequence features read."""
 SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps")
@@ -178,7 +187,7 @@ def validate_features(features: list[FeatureSpec]) -> None:
 
 def _validate_sequences(features: list[FeatureSpec]) -> None:
     """Attended sequences: a bounded length, a candidate that is an id feature of the same width,
-    unmanaged tables of one width (TorchRec's EmbeddingCollection holds tables of one width)."""
+    tables of one width (TorchRec's EmbeddingCollection holds tables of one width)."""
     by_name = {f.name: f for f in features}
     width = None
     for f in features:
@@ -190,9 +199,6 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
                              "most recent last), got 0")
         if f.sequence_tokens < 1:
             raise ValueError(f"{where}.sequence_tokens must be at least 1, got {f.sequence_tokens}")
-        if f.hashing == "managed":
-            raise ValueError(f"{where}.sequence_module={f.sequence_module!r}: managed tables are pooled only so far; "
-                             "use hashing = 'modulo' or 'none' for an attended sequence's table")
         name = default_candidate(f, features)
         cand = by_name.get(name)
         if cand is None or cand.kind != "id":

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from embeddings.sharding import local_shards
+from embeddings.torchrec_compat import MC_SEQUENCE_WEIGHTS
 
 
 BLOCK_ROWS = 16_384
@@ -34,9 +35,9 @@ def init_embeddings(model: nn.Module, seed: int) -> None:
 
 def _table_of(key: str) -> str | None:
     """'<path>.embedding_bags.<table>.weight' (a bag collection's) or
-    'sequence_tables.embeddings.<table>.weight' (the attended sequences' collection) -> table:
-    a table draws the same values in either."""
-    for marker in (".embedding_bags.", "sequence_tables.embeddings."):
+    'sequence_tables.embeddings.<table>.weight' (the attended sequences' collection, or inside the
+    managed one) -> table: a table draws the same values in any."""
+    for marker in (".embedding_bags.", "sequence_tables.embeddings.", "sequence_tables." + MC_SEQUENCE_WEIGHTS):
         head, sep, tail = key.rpartition(marker)
         if sep and tail.endswith(".weight") and "." not in tail[:-len(".weight")]:
             return tail[:-len(".weight")]

@@ -27,11 +27,11 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.types import KernelConfig, PlannerError, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
-from embeddings.managed import managed_modules, managed_plans
+from embeddings.managed import managed_modules, managed_plans, managed_sharders
 from embeddings.tables import FUSED
-from embeddings.torchrec_compat import ManagedTablesSharder, ReplicateAcrossRanks
+from embeddings.torchrec_compat import ReplicateAcrossRanks
 from embeddings.sparse_config import EmbeddingsConfig
 from embeddings.registry import Registry
 
@@ -79,7 +79,7 @@ sequence's table under such a plan)."""
 
 def table_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's collections of plain tables and their paths: its EmbeddingBagCollection (not
-    the one inside the managed-collision collection, which has a plan of its own), then its
+    those inside the managed-collision collections, which have plans of their own), then its
     EmbeddingCollection of attended sequences' tables; either may be absent."""
     inside = [name + "." for name, _ in managed_modules(model)]
     found = [(name, m) for name, m in model.named_modules()
@@ -120,7 +120,7 @@ def planner_plan(model: nn.Module, cfg: EmbeddingsConfig, cluster: Cluster) -> S
         return ShardingPlan({})
     unmanaged = nn.Module()
     for name, child in model.named_children():
-        if not isinstance(child, ManagedCollisionEmbeddingBagCollection):
+        if not isinstance(child, BaseManagedCollisionEmbeddingCollection):
             unmanaged.add_module(name, child)
     return plan_tables(unmanaged, list(cfg.sharding_types), cluster)
 
@@ -238,7 +238,7 @@ def shard_model(model: nn.Module, cfg: EmbeddingsConfig, device: torch.device, c
     env = ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.GroupMember.WORLD, output_dtensor=output_dtensor)
     return DistributedModelParallel(model, env=env, device=device, plan=plan,
                                     sharders=[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder(),
-                                              ManagedTablesSharder()],
+                                              *managed_sharders()],
                                     data_parallel_wrapper=ReplicateAcrossRanks())
 
 

@@ -50,12 +50,16 @@ def table_configs(features: list[FeatureSpec], serving: bool = False) -> list[Em
     return list(tables.values())
 
 
-def sequence_table_configs(features: list[FeatureSpec], cfg: EmbeddingsConfig | None = None) -> list[EmbeddingConfig]:
+def sequence_table_configs(features: list[FeatureSpec], cfg: EmbeddingsConfig | None = None,
+                           managed: bool | None = None) -> list[EmbeddingConfig]:
     """One EmbeddingConfig per table of an attended sequence (features.<name>.sequence_module not
     pool), with every feature that names it: the item table exists once, and the candidate id is
-    looked up through it too (docs/design.md, "Sequence module"). `cfg` sets the data type."""
+    looked up through it too (docs/design.md, "Sequence module"). `cfg` sets the data type;
+    `managed` keeps only the managed tables (True) or the others (False), None all."""
     tables: dict[str, EmbeddingConfig] = {}
     wanted = set(attended_tables(features))
+    if managed is not None:
+        wanted = {t for t in wanted if (t in managed_tables(features)) == managed}
     for f in features:
         if f.kind == "numeric" or f.table not in wanted:
             continue
@@ -68,10 +72,12 @@ def sequence_table_configs(features: list[FeatureSpec], cfg: EmbeddingsConfig | 
     return list(tables.values())
 
 
-def build_sequence_tables(features: list[FeatureSpec], cfg: EmbeddingsConfig) -> EmbeddingCollection | None:
-    """An EmbeddingCollection of the attended sequences' tables (unpooled: one vector per id),
-    on the meta device, fused like the bags; None when no sequence is attended."""
-    tables = sequence_table_configs(features, cfg)
+def build_sequence_tables(features: list[FeatureSpec], cfg: EmbeddingsConfig,
+                          managed: bool = False) -> EmbeddingCollection | None:
+    """An EmbeddingCollection of the attended sequences' unmanaged tables, or of their `managed`
+    ones (unpooled: one vector per id), on the meta device, fused like the bags; None when
+    there are none."""
+    tables = sequence_table_configs(features, cfg, managed)
     if not tables:
         return None
     ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))

@@ -13,14 +13,18 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.mc_embedding import (ManagedCollisionEmbeddingCollectionSharder,
+                                               ShardedManagedCollisionEmbeddingCollection)
+from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 from torchrec.distributed.mc_embeddingbag import (ManagedCollisionEmbeddingBagCollectionSharder,
                                                    ShardedManagedCollisionEmbeddingBagCollection)
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
 
 
@@ -32,8 +36,8 @@ class Private(NamedTuple):
     why: str
 
 
-_MCH, _MC = MCHManagedCollisionModule, ManagedCollisionEmbeddingBagCollection
-_SHARDED_MC = ShardedManagedCollisionEmbeddingBagCollection
+_MCH, _MC = MCHManagedCollisionModule, BaseManagedCollisionEmbeddingCollection
+_SHARDED_MC = BaseShardedManagedCollisionEmbeddingCollection  # of bags and of unpooled tables alike
 
 PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(_MCH, "_current_iter", "rankmix sets it at the first step after a resume, to keep evictions on multiples "
@@ -75,10 +79,13 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
                                                                    "batch, reading its lengths back (a host sync)"),
     Private(ShardedEmbeddingBagCollection, "_table_name_to_config", "rankmix reads each table's init_fn, to "
                                                                     "re-initialise freed rows as TorchRec does"),
+    Private(ShardedEmbeddingCollection, "_table_name_to_config", "the same, for a managed attended sequence's table"),
     Private(ManagedCollisionEmbeddingBagCollectionSharder, "_e_sharder", "rankmix's shard() passes it on, as "
                                                                          "TorchRec's does"),
     Private(ManagedCollisionEmbeddingBagCollectionSharder, "_mc_sharder", "rankmix's shard() passes it on, as "
                                                                           "TorchRec's does"),
+    Private(ManagedCollisionEmbeddingCollectionSharder, "_e_sharder", "the same, for unpooled managed tables"),
+    Private(ManagedCollisionEmbeddingCollectionSharder, "_mc_sharder", "the same, for unpooled managed tables"),
     Private(TrainPipelineSparseDist, "_backward", "rankmix overrides it to check the loss before the fused sparse "
                                                   "update (inside backward) and the gradients after; no public hook"),
 )
@@ -87,8 +94,10 @@ FREE_SLOT = torch.iinfo(torch.int64).max  # MCH's mark of a free slot in its sor
 
 # State-dict paths inside a ManagedCollisionEmbeddingBagCollection (TorchRec's children are
 # private attributes, and their names are the keys): its tables' weights, "<table>.weight"
-# after MC_WEIGHTS; its MCH modules' buffers, "<table>.<buffer>" after MCH_BUFFERS.
+# after MC_WEIGHTS (MC_SEQUENCE_WEIGHTS in a ManagedCollisionEmbeddingCollection); its MCH
+# modules' buffers, "<table>.<buffer>" after MCH_BUFFERS (in either).
 MC_WEIGHTS = "_embedding_module.embedding_bags."
+MC_SEQUENCE_WEIGHTS = "_embedding_module.embeddings."
 MCH_BUFFERS = "_managed_collision_collection._managed_collision_modules."
 # The MCH buffers that make a table's id map: admitted ids (sorted, free slots last), each
 # one's row, and the row ranges of the ranks that trained it ([0, end of rank 0's rows, ...], then -1s).
@@ -149,14 +158,17 @@ class CountingMCH(MCHManagedCollisionModule):
         self._counts[0, 2] += self._evicted_emb_indices.numel() - (self.occupied() - before)
 
 
-class ResettingEvictions(ShardedManagedCollisionEmbeddingBagCollection):
-    """TorchRec's sharded managed-collision tables, whose evictions reset the freed rows'
-    optimizer state on every device. TorchRec's own reset (FBGEMM's reset_weight_momentum)
-    has no CPU kernel, and it leaves exact Adagrad's accumulator alone: a reused row kept
-    the old id's. Here the state is zeroed through the kernel's per-table views, in the
-    private step TorchRec calls with each admission's freed rows (it has no public hook)."""
+class ResettingEvictions(BaseShardedManagedCollisionEmbeddingCollection):
+    """TorchRec's sharded managed-collision tables (of bags, or unpooled: `bagged` says which),
+    whose evictions reset the freed rows' optimizer state on every device. TorchRec's own reset
+    (FBGEMM's reset_weight_momentum) has no CPU kernel, and it leaves exact Adagrad's
+    accumulator alone: a reused row kept the old id's. Here the state is zeroed through the
+    kernel's per-table views, in the private step TorchRec calls with each admission's freed
+    rows (it has no public hook). A mixin before TorchRec's concrete class, whose context and
+    input dist it keeps."""
 
     def _evict(self, evictions_per_table: dict[str, torch.Tensor | None]) -> None:
+        tables = self._embedding_module.embedding_bags if self.bagged else self._embedding_module.embeddings
         for table, rows in evictions_per_table.items():
             if rows is None:
                 continue
@@ -165,18 +177,36 @@ class ResettingEvictions(ShardedManagedCollisionEmbeddingBagCollection):
             with torch.no_grad():
                 for state in tbe.split_optimizer_states()[int(index)]:
                     state[rows] = 0
-                weight = self._embedding_module.embedding_bags.get_parameter(f"{table}.weight")
+                weight = tables.get_parameter(f"{table}.weight")
                 init = self._embedding_module._table_name_to_config[table].init_fn
                 weight.data[rows] = init(weight[rows])
 
 
+class ResettingBagEvictions(ResettingEvictions, ShardedManagedCollisionEmbeddingBagCollection):
+    """`ResettingEvictions` of managed tables of bags."""
+
+
+class ResettingSequenceEvictions(ResettingEvictions, ShardedManagedCollisionEmbeddingCollection):
+    """`ResettingEvictions` of managed attended sequences' tables (unpooled)."""
+
+
 class ManagedTablesSharder(ManagedCollisionEmbeddingBagCollectionSharder):
-    """Shards managed-collision tables as `ResettingEvictions`."""
+    """Shards managed-collision tables of bags as `ResettingBagEvictions`."""
 
     def shard(self, module, params, env, device=None, module_fqn=None):
         # as TorchRec's own shard(), which builds its own class; the sharders it passes are private
-        return ResettingEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
-                                  env=env, device=device or torch.device("cuda"))
+        return ResettingBagEvictions(module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
+                                     env=env, device=device or torch.device("cuda"))
+
+
+class ManagedSequenceTablesSharder(ManagedCollisionEmbeddingCollectionSharder):
+    """Shards managed attended sequences' tables (a ManagedCollisionEmbeddingCollection) as
+    `ResettingSequenceEvictions`."""
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        # as ManagedTablesSharder's
+        return ResettingSequenceEvictions(module, params, ec_sharder=self._e_sharder, mc_sharder=self._mc_sharder,
+                                          env=env, device=device or torch.device("cuda"))
 
 
 def input_feature_order(ebc: torch.nn.Module) -> list[str] | None:
@@ -187,13 +217,14 @@ def input_feature_order(ebc: torch.nn.Module) -> list[str] | None:
     return [name for sharding in ebc._embedding_shardings for name in sharding.feature_names()]
 
 
-def mc_table_configs(mc: ManagedCollisionEmbeddingBagCollection) -> list[EmbeddingBagConfig]:
-    """The table configs of a managed-collision collection (whose EmbeddingBagCollection
-    TorchRec keeps private)."""
-    return mc._embedding_module.embedding_bag_configs()
+def mc_table_configs(mc: BaseManagedCollisionEmbeddingCollection) -> list[EmbeddingBagConfig | EmbeddingConfig]:
+    """The table configs of a managed-collision collection (whose EmbeddingBagCollection or
+    EmbeddingCollection TorchRec keeps private)."""
+    tables = mc._embedding_module
+    return tables.embedding_bag_configs() if isinstance(tables, EmbeddingBagCollection) else tables.embedding_configs()
 
 
-def mch_module(mc: ManagedCollisionEmbeddingBagCollection, table: str) -> MCHManagedCollisionModule:
+def mch_module(mc: BaseManagedCollisionEmbeddingCollection, table: str) -> MCHManagedCollisionModule:
     """The MCH module of one table of a managed-collision collection (TorchRec keeps them
     private)."""
     return mc._managed_collision_collection._managed_collision_modules[table]

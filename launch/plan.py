@@ -42,7 +42,7 @@ from torchrec.distributed.types import ShardingPlan
 from dense.cost import activation_bytes
 from dense.heads import build_dense
 from embeddings.init import BLOCK_ROWS
-from embeddings.managed import build_managed_bags, managed_plans
+from embeddings.managed import build_managed_bags, build_managed_sequences, managed_plans
 from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
 from embeddings.tables import build_embedding_bags, build_sequence_tables, sequence_table_configs, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
@@ -293,15 +293,15 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
     A shard's estimate is its weights, optimizer state and MCH map; MCH's id history (ids of
     one eviction interval, allocated at the first step) is not counted."""
     world_size = len(memory)
-    collection = build_managed_bags(cfg.features, cfg.embeddings, buckets=world_size)  # meta device
-    if collection is None:
+    holder = nn.Module()  # training's attribute names: the plan's module paths; meta device
+    holder.managed_tables = build_managed_bags(cfg.features, cfg.embeddings, buckets=world_size)
+    holder.managed_sequence_tables = build_managed_sequences(cfg.features, cfg.embeddings, buckets=world_size)
+    plans = managed_plans(holder, torch.device(device), local_world_size, world_size)
+    if not plans:
         return []
-    holder = nn.Module()
-    holder.managed = collection
-    plans = managed_plans(holder, torch.device(device), local_world_size, world_size)["managed"]
     lines = ["", "managed table | sharding type | rows per rank"]
-    for table, sharding in plans.items():
-        per_row = mch_bytes_per_slot(mch_module(collection, table))
+    for path, table, sharding in [(path, t, s) for path, tables in plans.items() for t, s in tables.items()]:
+        per_row = mch_bytes_per_slot(mch_module(getattr(holder, path), table))
         _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings, per_row)
         sizes = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
         lines.append(f"{table} | row_wise | " + (f"{len(sizes)} x {sizes[0]:,}" if len(set(sizes)) == 1 else str(sizes)))

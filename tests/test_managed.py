@@ -142,7 +142,14 @@ def test_managed_tables_resume_only_at_the_world_size_that_trained_them(made_onc
         in proc.stderr
 
 
-def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
+# The managed table each collection's eviction is tested on, and the overrides that make it.
+EVICTED = {"managed_tables": ("user_id", ["--features.user_id.hashing=managed"]),
+           "managed_sequence_tables": ("item", ["--features.hist_items.sequence_module=target_attention",
+                                                "--features.item_id.hashing=managed",
+                                                "--features.hist_items.hashing=managed"])}
+
+
+def _evict_worker(rank: int, port: int, optimizer: str, collection: str, out: str) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -151,25 +158,28 @@ def _evict_worker(rank: int, port: int, optimizer: str, out: str) -> None:
     from embeddings.sharding import shard_model
 
     dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = load_config("configs/synth.toml", ["--features.user_id.hashing=managed",
-                                             f"--embeddings.optimizer={optimizer}"])
+    table, overrides = EVICTED[collection]
+    cfg = load_config("configs/synth.toml", [*overrides, f"--embeddings.optimizer={optimizer}"])
     model = shard_model(build_model(cfg), cfg.embeddings, torch.device("cpu"))
-    managed = model.module.managed_tables
-    tbe, index = managed._table_to_tbe_and_index["user_id"]
-    weight = managed._embedding_module.embedding_bags.get_parameter("user_id.weight")
+    managed = getattr(model.module, collection)
+    tbe, index = managed._table_to_tbe_and_index[table]
+    tables = managed._embedding_module
+    weight = (tables.embedding_bags if managed.bagged else tables.embeddings).get_parameter(f"{table}.weight")
     with torch.no_grad():
         for state in tbe.split_optimizer_states()[int(index)]:
             state.fill_(7.0)
         weight.fill_(5.0)
-    managed._evict({"user_id": torch.tensor([3, 11])})
+    managed._evict({table: torch.tensor([3, 11])})
     states = [s.clone() for s in tbe.split_optimizer_states()[int(index)]]
     torch.save({"states": states, "weight": weight.detach().clone()}, out)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
-def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, tmp_path):
-    spawn(_evict_worker, (rendezvous_port(), optimizer, str(tmp_path / "out.pt")), 1)
+@pytest.mark.parametrize("optimizer,collection", [("adagrad", "managed_tables"), ("rowwise_adagrad", "managed_tables"),
+                                                  ("adagrad", "managed_sequence_tables")])
+def test_an_evicted_row_starts_afresh_whatever_the_optimizer(optimizer, collection, tmp_path):
+    """In a collection of bags, and in one of an attended sequence's tables (unpooled)."""
+    spawn(_evict_worker, (rendezvous_port(), optimizer, collection, str(tmp_path / "out.pt")), 1)
     result = torch.load(tmp_path / "out.pt")
     evicted = torch.zeros(result["weight"].shape[0], dtype=torch.bool)
     evicted[[3, 11]] = True
@@ -230,31 +240,40 @@ def test_the_artifacts_id_map_remaps_as_each_ranks_mch_does(world, made_once, tm
         assert missed[len(logged):].all() and len(set(expected[len(logged):].tolist())) == world  # one miss row a rank
 
 
+def export_and_score(run: Path, valid: Path, out: Path, fmt: str = "pt2", compare: bool = False) -> tuple[dict, dict]:
+    """Export `run` in `fmt` and score `valid` with the artifact: its AUC and logloss are the
+    run's own evaluation's, on its ranks. With `compare`, `score --checkpoint` (one rank) too,
+    prediction by prediction within 1e-5. -> (the export's manifest, the checkpoint's scores or {})."""
+    manifest = json.loads(rankmix("export", "--checkpoint", str(run), "--out", str(out / "model"),
+                                  "--format", fmt).stdout.splitlines()[-1])
+    proc = rankmix("score", "--model", str(out / "model"), "--data", str(valid), "--out", str(out / "b"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.splitlines()[-1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert served["logloss"] == pytest.approx(summary["logloss"], abs=1e-6)
+    # Row-wise pooling sums each bag's rows rank by rank: float rounding may swap a pair's order.
+    assert served["auc"] == pytest.approx(summary["auc"], abs=2e-5)
+    if not compare:
+        return manifest, {}
+    proc = rankmix("score", "--checkpoint", str(run), "--data", str(valid), "--out", str(out / "a"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(pq.read_table(out / "b").column("pred_click").to_numpy(),
+                               pq.read_table(out / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)
+    return manifest, json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("world,fmt", [(1, "pt2"), (2, "torchscript")])
 def test_an_artifact_with_managed_tables_scores_as_its_training_run_evaluated(world, fmt, made_once, tmp_path):
     run, cache = trained(made_once, world)
     valid = next(cache.glob("*/valid"))
-    manifest = json.loads(rankmix("export", "--checkpoint", str(run), "--out", str(tmp_path / "model"),
-                                  "--format", fmt).stdout.splitlines()[-1])
+    # one rank: the same weights and map in TorchRec's modules, prediction by prediction
+    manifest, scored = export_and_score(run, valid, tmp_path, fmt, compare=world == 1)
     assert manifest["managed"]["user_id"]["ranks"] == world and manifest["managed"]["item"]["ranks"] == world
     assert 1000 < manifest["managed"]["user_id"]["ids"] <= 2000 - world
-    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(valid), "--out", str(tmp_path / "b"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    served = json.loads(proc.stdout.splitlines()[-1])
-    summary = json.loads((run / "summary.json").read_text())  # the run's own evaluation, on its ranks
-    assert served["logloss"] == pytest.approx(summary["logloss"], abs=1e-6)
-    # Row-wise pooling sums each bag's rows rank by rank: float rounding may swap a pair's order.
-    assert served["auc"] == pytest.approx(summary["auc"], abs=2e-5)
-    if world == 1:  # the same weights and map in TorchRec's modules, prediction by prediction
-        proc = rankmix("score", "--checkpoint", str(run), "--data", str(valid), "--out", str(tmp_path / "a"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        np.testing.assert_allclose(pq.read_table(tmp_path / "b").column("pred_click").to_numpy(),
-                                   pq.read_table(tmp_path / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)
-        # score reports the share of the scored users that fell on the miss row
+    if world == 1:  # score reports the share of the scored users that fell on the miss row
         _, maps = served_tables(model_tensors(run / "checkpoints" / "step-20"))
         users = torch.from_numpy(pq.read_table(valid).column("user_id").to_numpy().astype(np.int64))
         missed = torch.isin(ManagedRows(*maps["user_id"])(spread_ids(users)), maps["user_id"][2]).double().mean()
-        scored = json.loads(proc.stdout.splitlines()[-1])
         assert 0 < missed < 1 and scored["managed/user_id.miss_rate"] == pytest.approx(float(missed), abs=1e-6)
 
 
@@ -268,13 +287,7 @@ def test_a_model_whose_tables_are_all_managed_trains_on_two_ranks_and_serves(mad
     assert "module: ebc" not in (tmp_path / "run" / "plan.txt").read_text()
     tables = {f.table for f in load_config("configs/synth.toml").features if f.kind != "numeric"}
     assert {k.split("/")[1].split(".")[0] for k in summary if k.startswith("managed/")} == tables
-    rankmix("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "model"))
-    proc = rankmix("score", "--model", str(tmp_path / "model"), "--data", str(next(cache.glob("*/valid"))),
-                   "--out", str(tmp_path / "scored"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    served = json.loads(proc.stdout.splitlines()[-1])
-    assert served["logloss"] == pytest.approx(summary["logloss"], abs=1e-6)
-    assert served["auc"] == pytest.approx(summary["auc"], abs=2e-5)  # as above
+    export_and_score(tmp_path / "run", next(cache.glob("*/valid")), tmp_path)
 
 
 @pytest.mark.parametrize("start,evictions", [(0, [5, 10]), (10, [15, 20]), (13, [15, 20])])

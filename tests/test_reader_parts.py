@@ -91,3 +91,43 @@ def test_the_encoder_writes_the_pooled_features_in_the_order_it_is_given():
     assert [f.name for f in encoder.sparse] == [*pooled[::-1], *rest]
     encoder.order_pooled(pooled[:-1])  # not the same features: left as it was
     assert [f.name for f in encoder.sparse] == [*pooled[::-1], *rest]
+
+
+def test_attended_sequences_on_plain_and_managed_tables_ride_in_two_keyed_jagged_tensors():
+    """Each kind of sparse feature in its own KeyedJaggedTensor: plain bags, attended tables
+    (an EmbeddingCollection's), attended managed tables (a ManagedCollisionEmbeddingCollection's,
+    ids spread as every managed id) and managed bags; `sequence_max` per key in the order
+    SequenceInputs reads them."""
+    import pyarrow as pa
+
+    from dense.sequence import SequenceInputs
+    from dense.sequence_modules import SequenceConfig
+    from embeddings.features import FeatureSpec
+    from trainer.data.feature_ops import spread
+
+    f = FeatureSpec
+    attend = dict(kind="sequence", sequence_module="target_attention", embedding_dim=4)
+    features = [f(name="u", num_embeddings=10, hashing="managed"), f(name="plain", num_embeddings=5),
+                f(name="item", table="cat", num_embeddings=10, embedding_dim=4, hashing="managed"),
+                f(name="hist", table="cat", num_embeddings=10, hashing="managed", max_len=3, timestamps="hist_ts",
+                  **attend),
+                f(name="shop", table="shops", num_embeddings=10, embedding_dim=4),
+                f(name="shist", table="shops", num_embeddings=10, max_len=2, timestamps="shist_ts", **attend)]
+    table = pa.table({"u": [1, 2, 3], "plain": [0, 1, 2], "item": [7, 8, 2 ** 40], "shop": [1, 2, 3],
+                      "hist": [[1, 2, 3, 4], [], [2 ** 40]], "shist": [[1], [2, 3, 4], []], "click": [0, 1, 0],
+                      "hist_ts": [[1, 2, 3, 4], [], [5]], "shist_ts": [[9], [9, 9, 9], []], "now": [10, 10, 10]})
+    encoder = RowEncoder(features, [TaskSpec(name="click", label="click")], time_column="now")
+    assert [g.name for g in encoder.sparse] == ["plain", "shop", "shist", "item", "hist", "u"]
+    batch = encoder.encode(table, "t").to_batch()
+    assert batch.sparse.keys() == ["plain"] and batch.managed_ids.keys() == ["u"]
+    assert batch.sequence_ids.keys() == ["shop", "shist"] and batch.managed_sequence_ids.keys() == ["item", "hist"]
+    assert batch.sequence_ids["shist"].values().tolist() == [1, 3, 4]  # the last max_len, raw
+    assert batch.managed_sequence_ids["hist"].values().tolist() == spread(np.array([2, 3, 4, 2 ** 40])).tolist()
+    inputs = SequenceInputs(features, SequenceConfig())
+    assert inputs.keys == ["shop", "shist", "item", "hist"] and batch.sequence_max == (1, 2, 1, 3)
+    # the gaps in schema order, whichever collection the sequence is in: hist's 4 kept ids, then shist's 3
+    assert inputs.timed == ["hist", "shist"] and [g.numel() for g in batch.sequence_gaps] == [4, 3]
+    assert batch.sequence_gaps[1].tolist() == [batch.sequence_gaps[1][0].item()] * 3  # gap 1 each
+    moved = batch.to(torch.device("cpu"))  # as the pipeline moves a batch
+    assert moved.sequence_max == batch.sequence_max
+    assert moved.managed_sequence_ids["item"].values().tolist() == spread(np.array([7, 8, 2 ** 40])).tolist()

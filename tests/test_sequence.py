@@ -155,20 +155,28 @@ def test_each_token_of_a_sequence_is_a_group_of_its_own():
                      "most recent last), got 0"),
     ({"candidate": "user"}, "features.hist.candidate='user' has embedding_dim 4, the sequence 8: they must match"),
     ({"candidate": "also"}, "features.hist.candidate='also' is not an id feature"),
-    ({"hashing": "managed"}, "features.item: shares table 'catalog' with features.item"),
+    ({"hashing": "managed"}, "features.hist: shares table 'catalog' with features.item, so both must be managed with "
+                             "the same eviction_policy and eviction_interval, or neither"),
 ])
 def test_config_errors_name_the_option(change, message):
     features = schema()
-    if change.get("hashing"):
-        for f in features[1:]:
-            f.hashing = "managed"
-        message = ("features.hist.sequence_module='target_attention': managed tables are pooled only so far; use "
-                   "hashing = 'modulo' or 'none' for an attended sequence's table")
-    else:
-        features[3] = dataclasses.replace(features[3], **change)
+    features[3] = dataclasses.replace(features[3], **change)
     with pytest.raises(ValueError) as e:
         validate_features(features)
     assert str(e.value) == message
+
+
+def test_a_managed_table_holds_an_attended_sequence_in_a_collection_of_its_own():
+    """Managed, the item table leaves the plain EmbeddingCollection for the managed one
+    (embeddings/managed.py `build_managed_sequences`), with every feature on it."""
+    features = schema()
+    for f in features[1:]:
+        f.hashing = "managed"
+    validate_features(features)
+    assert sequence_table_configs(features, managed=False) == []
+    [table] = sequence_table_configs(features, managed=True)
+    assert table.name == "catalog" and table.feature_names == ["item", "also", "hist"]
+    assert [t.name for t in table_configs(features)] == ["user"]
 
 
 def test_an_unknown_module_name_lists_the_choices(tmp_path):

@@ -53,29 +53,41 @@ def _instances_worker(rank: int, port: int, out: str) -> None:
     themselves), one of each owner, sharded in a world of one; the members they lack, to `out`."""
     import torch.distributed as dist
     from torch import nn
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
+                                                       ManagedCollisionEmbeddingCollection)
     from torchrec.modules.mc_modules import ManagedCollisionCollection
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    tables = [EmbeddingBagConfig(name="t", feature_names=["f"], num_embeddings=8, embedding_dim=4)]
-    collection = ManagedCollisionCollection({"t": _mch(8, "meta")}, tables)
-    mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+    bags = [EmbeddingBagConfig(name="t", feature_names=["f"], num_embeddings=8, embedding_dim=4)]
+    unpooled = [EmbeddingConfig(name="s", feature_names=["g"], num_embeddings=8, embedding_dim=4)]
+    collection = ManagedCollisionCollection({"t": _mch(8, "meta")}, bags)
+    mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=bags, device=torch.device("meta")),
                                                 collection)
-    sharder = ManagedCollisionEmbeddingBagCollectionSharder()
+    mc_sequences = ManagedCollisionEmbeddingCollection(
+        EmbeddingCollection(tables=unpooled, device=torch.device("meta")),
+        ManagedCollisionCollection({"s": _mch(8, "meta")}, unpooled))
+    sharders = {"mc": ManagedCollisionEmbeddingBagCollectionSharder(),
+                "mc_sequences": ManagedCollisionEmbeddingCollectionSharder()}
     holder = nn.Module()
-    holder.mc = mc
-    plan = sp.construct_module_sharding_plan(mc, per_param_sharding={"t": sp.row_wise(compute_kernel="fused")},
-                                             sharder=sharder, local_size=1, world_size=1, device_type="cpu")
-    sharded = DistributedModelParallel(holder, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
-                                       device=torch.device("cpu"), plan=ShardingPlan({"mc": plan}),
-                                       sharders=[sharder]).module.mc
-    instances = {type(x): x for x in (_mch(4), collection, mc, sharder, sharded, sharded._embedding_module)}
+    holder.mc, holder.mc_sequences = mc, mc_sequences
+    plan = ShardingPlan({path: sp.construct_module_sharding_plan(
+        module, per_param_sharding={table: sp.row_wise(compute_kernel="fused")}, sharder=sharders[path],
+        local_size=1, world_size=1, device_type="cpu") for path, module, table in (("mc", mc, "t"),
+                                                                                  ("mc_sequences", mc_sequences, "s"))})
+    dmp = DistributedModelParallel(holder, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=list(sharders.values())).module
+    instances = {}  # each owner class, and the TorchRec classes it derives from, -> an instance
+    for x in (_mch(4), collection, mc, mc_sequences, *sharders.values(), dmp.mc, dmp.mc._embedding_module,
+              dmp.mc_sequences, dmp.mc_sequences._embedding_module):
+        for cls in type(x).__mro__:
+            instances.setdefault(cls, x)
     Path(out).write_text(json.dumps(missing_members(PRIVATE_MEMBERS, instances)))
     dist.destroy_process_group()
 

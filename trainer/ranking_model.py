@@ -16,7 +16,7 @@ from dense.heads import TaskHeads, build_dense
 from dense.layout import InputLayout
 from dense.sequence import SequenceInputs, build_sequences
 from embeddings.init import init_embeddings
-from embeddings.managed import build_managed_bags
+from embeddings.managed import build_managed_bags, build_managed_sequences
 from embeddings.sharding import shard_model
 from embeddings.tables import build_embedding_bags, build_sequence_tables
 from trainer.config import Config
@@ -30,8 +30,10 @@ class RankingModel(nn.Module):
     rest is replicated (DDP).
 
     `sequence_tables`, the attended sequences' tables (an EmbeddingCollection fed by
-    `batch.sequence_ids`, also sharded by DMP), feed `sequences` (dense/sequence.py), which
-    pads them to the batch's longest and runs each sequence module (None when no sequence is attended).
+    `batch.sequence_ids`, also sharded by DMP), and `managed_sequence_tables`, those of them that
+    are managed (a ManagedCollisionEmbeddingCollection fed by `batch.managed_sequence_ids`), feed
+    `sequences` (dense/sequence.py), which pads them to the batch's longest and runs each sequence
+    module (each None when there are none).
 
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32) for
     `autocast_device`, the type of the device the model runs on.
@@ -40,11 +42,12 @@ class RankingModel(nn.Module):
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cpu",
                  managed_tables: nn.Module | None = None, sequence_tables: nn.Module | None = None,
-                 sequences: SequenceInputs | None = None):
+                 sequences: SequenceInputs | None = None, managed_sequence_tables: nn.Module | None = None):
         super().__init__()
         self.ebc = ebc
         self.managed_tables = managed_tables
         self.sequence_tables = sequence_tables
+        self.managed_sequence_tables = managed_sequence_tables
         self.sequences = sequences
         self.layout = layout
         self.tower = tower
@@ -65,9 +68,20 @@ class RankingModel(nn.Module):
         """[B, E]: the bags' vectors, the sequence modules' (under autocast, where they run) and
         the numeric features."""
         if self.sequences is not None:
-            pooled.update(self.sequences(pooled, self.sequence_tables(batch.sequence_ids), batch.sequence_max,
-                                         batch.sequence_gaps))
+            pooled.update(self.sequences(pooled, self.unpooled(batch), batch.sequence_max, batch.sequence_gaps))
         return self.layout.assemble(pooled, batch.dense)
+
+    def unpooled(self, batch: Batch) -> dict:
+        """The attended sequences' tables' lookups by feature name (JaggedTensors of [N_f, D] rows),
+        from the plain and the managed collection. Merged in place, as `pooled`'s."""
+        if self.managed_sequence_tables is None:
+            return self.sequence_tables(batch.sequence_ids)
+        managed = self.managed_sequence_tables(batch.managed_sequence_ids)[0]
+        if self.sequence_tables is None:
+            return managed
+        looked_up = self.sequence_tables(batch.sequence_ids)
+        looked_up.update(managed)
+        return looked_up
 
     def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
@@ -92,7 +106,8 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
                         autocast_dtype=autocast_dtype, autocast_device=device_type,
                         managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world),
                         sequence_tables=build_sequence_tables(cfg.features, cfg.embeddings),
-                        sequences=build_sequences(cfg.features, cfg.model.sequence))
+                        sequences=build_sequences(cfg.features, cfg.model.sequence),
+                        managed_sequence_tables=build_managed_sequences(cfg.features, cfg.embeddings, buckets=world))
 
 
 def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,

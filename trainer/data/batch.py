@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +23,16 @@ class Batch(Pipelineable):
     weights: [B] float32, 0 for rows that only pad a rank's last evaluation batch.
     managed_ids: KeyedJaggedTensor of the features with managed tables (hashing = "managed"),
             or None: a second argument, so that TorchRec's pipeline can send each collection its own.
-    sequence_ids: KeyedJaggedTensor of the features on attended sequences' tables (looked up
-            unpooled, embeddings/tables.py `build_sequence_tables`), or None.
-    sequence_max: per key of `sequence_ids`, its longest bag in this batch, a Python int
-            computed by the reader on the host: sequences pad to it without reading the device.
+    sequence_ids: KeyedJaggedTensor of the features on attended sequences' unmanaged tables (looked
+            up unpooled, embeddings/tables.py `build_sequence_tables`), or None.
+    managed_sequence_ids: the same of attended sequences' managed tables (embeddings/managed.py
+            `build_managed_sequences`), or None.
+    sequence_max: per key of `sequence_ids`, then of `managed_sequence_ids`, its longest bag in this
+            batch, a Python int computed by the reader on the host: sequences pad to it without
+            reading the device.
     sequence_gaps: per attended sequence with timestamps (schema order), [N_f] int64 time-gap
-            buckets aligned with its ids in `sequence_ids` (trainer/data/timestamps.py).
+            buckets aligned with its ids in `sequence_ids` or `managed_sequence_ids`
+            (trainer/data/timestamps.py).
     """
 
     sparse: KeyedJaggedTensor
@@ -39,6 +44,7 @@ class Batch(Pipelineable):
     sequence_ids: KeyedJaggedTensor | None = None
     sequence_max: tuple[int, ...] = ()
     sequence_gaps: tuple[torch.Tensor, ...] = ()
+    managed_sequence_ids: KeyedJaggedTensor | None = None
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -56,11 +62,13 @@ class Batch(Pipelineable):
                                                                                     non_blocking=non_blocking),
             sequence_max=self.sequence_max,
             sequence_gaps=tuple(g.to(device=device, non_blocking=non_blocking) for g in self.sequence_gaps),
+            managed_sequence_ids=None if self.managed_sequence_ids is None else self.managed_sequence_ids.to(
+                device=device, non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.sparse.record_stream(stream)
-        for kjt in (self.managed_ids, self.sequence_ids):
+        for kjt in (self.managed_ids, self.sequence_ids, self.managed_sequence_ids):
             if kjt is not None:
                 kjt.record_stream(stream)
         for t in (self.dense, self.labels, self.users, self.weights, *self.sequence_gaps):
@@ -71,7 +79,8 @@ class Batch(Pipelineable):
                      self.users.pin_memory(), self.weights.pin_memory(),
                      None if self.managed_ids is None else self.managed_ids.pin_memory(),
                      None if self.sequence_ids is None else self.sequence_ids.pin_memory(), self.sequence_max,
-                     tuple(g.pin_memory() for g in self.sequence_gaps))
+                     tuple(g.pin_memory() for g in self.sequence_gaps),
+                     None if self.managed_sequence_ids is None else self.managed_sequence_ids.pin_memory())
 
 
 @dataclass
@@ -86,9 +95,11 @@ class Rows:
     `values[s]` is sliced like the other columns: no offsets to compute or gather.
 
     keys:    sparse feature names (the KeyedJaggedTensor keys); the last `num_managed` of them
-             have managed tables and go into the batch's `managed_ids`, the `num_sequence` before
-             those are on attended sequences' tables and go into its `sequence_ids`; after all
-             of them `num_gaps` columns of time-gap buckets (`sequence_gaps`), jagged like their ids.
+             have managed tables of bags and go into the batch's `managed_ids`, the
+             `num_managed_sequence` before those are on attended sequences' managed tables and go
+             into its `managed_sequence_ids`, the `num_sequence` before those are on attended
+             sequences' other tables and go into its `sequence_ids`; after all of them `num_gaps`
+             columns of time-gap buckets (`sequence_gaps`), jagged like their ids.
     offsets: S arrays of N + 1 int64, or None for one id per row.
     values:  S arrays of int64 ids.
     dense:   [N, F] float32.   labels: [N, K] float32.   users: [N] int64, or None.
@@ -103,18 +114,19 @@ class Rows:
     num_managed: int = 0
     num_sequence: int = 0
     num_gaps: int = 0
+    num_managed_sequence: int = 0
 
     @classmethod
     def build(cls, keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray | None],
               dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, num_managed: int = 0,
-              num_sequence: int = 0, num_gaps: int = 0) -> "Rows":
+              num_sequence: int = 0, num_gaps: int = 0, num_managed_sequence: int = 0) -> "Rows":
         """Rows from per-feature ids and bag sizes (None: one id per row)."""
         return cls(keys, [None if n is None else _offsets(n) for n in lengths], list(values), dense, labels, users,
-                   num_managed, num_sequence, num_gaps)
+                   num_managed, num_sequence, num_gaps, num_managed_sequence)
 
-    def counts(self) -> tuple[int, int, int]:
-        """(num_managed, num_sequence, num_gaps), which every copy keeps."""
-        return self.num_managed, self.num_sequence, self.num_gaps
+    def counts(self) -> tuple[int, int, int, int]:
+        """(num_managed, num_sequence, num_gaps, num_managed_sequence), which every copy keeps."""
+        return self.num_managed, self.num_sequence, self.num_gaps, self.num_managed_sequence
 
     @property
     def num_rows(self) -> int:
@@ -219,15 +231,18 @@ def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
     n = sum(p.num_rows for p in parts)
     gaps = len(first.keys) - first.num_gaps
     managed = gaps - first.num_managed
-    plain = managed - first.num_sequence
-    sequence_ids, sequence_max = None, ()
-    if first.num_sequence:
-        sequence_ids, lengths = _jagged(parts, range(plain, managed))
-        sequence_max = tuple(int(m) for m in lengths.max(axis=1)) if n else (0,) * first.num_sequence
+    managed_sequence = managed - first.num_managed_sequence
+    plain = managed_sequence - first.num_sequence
+    unpooled, sequence_max = [], ()
+    for features in (range(plain, managed_sequence), range(managed_sequence, managed)):
+        kjt, lengths = _jagged(parts, features) if len(features) else (None, None)
+        unpooled.append(kjt)
+        if kjt is not None:
+            sequence_max += tuple(int(m) for m in lengths.max(axis=1)) if n else (0,) * len(features)
     return Batch(
         sparse=_jagged(parts, range(plain))[0],
         managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
-        sequence_ids=sequence_ids, sequence_max=sequence_max,
+        sequence_ids=unpooled[0], managed_sequence_ids=unpooled[1], sequence_max=sequence_max,
         sequence_gaps=tuple(_jagged(parts, range(s, s + 1))[0].values() for s in range(gaps, len(first.keys))),
         dense=_column(parts, lambda r: r.dense) if first.dense.shape[1] else torch.zeros(n, 0),
         labels=_column(parts, lambda r: r.labels) if first.labels.shape[1] else torch.zeros(n, 0),
@@ -252,23 +267,23 @@ def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
 def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.ndarray]:
     """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and its
     lengths as [features, rows]."""
-    lengths = np.ones((len(features), sum(p.num_rows for p in parts)), np.int64)
+    bounds = list(itertools.accumulate((p.num_rows for p in parts), initial=0))  # each part's first row
+    lengths = np.ones((len(features), bounds[-1]), np.int64)
     ids = []  # feature after feature, part after part: the order of the values
+    # The ids per key, counted here on the host: TorchRec would read them back from the device
+    # (a host sync) to split the batch in the sharded tables' input dist. They are the sizes
+    # of the feature's pieces of ids, not a sum over its lengths (a pass over the batch).
+    per_key = []
     for row, s in zip(lengths, features):
-        start = 0
-        for p in parts:
-            stop = start + p.num_rows
-            ids.append(p.ids(s, row[start:stop]))
-            start = stop
+        pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
+        ids += pieces
+        per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values
     # first would cost more Python per batch than copying them
     values = np.concatenate(ids, dtype=np.int64) if ids else np.zeros(0, np.int64)
-    # The ids per key, counted here on the host: TorchRec would read them back from the device
-    # (a host sync) to split the batch in the sharded tables' input dist.
-    per_key = lengths.sum(axis=1)
     return KeyedJaggedTensor(keys=[parts[0].rows.keys[s] for s in features], values=torch.from_numpy(values),
-                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key.tolist(),
-                             offset_per_key=[0, *np.cumsum(per_key).tolist()]), lengths
+                             lengths=torch.from_numpy(lengths.reshape(-1)), length_per_key=per_key,
+                             offset_per_key=[0, *itertools.accumulate(per_key)]), lengths
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec, attended_tables
+from embeddings.features import FeatureSpec, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.timestamps import TimeGaps
@@ -22,13 +22,17 @@ class RowEncoder:
 
     def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = "",
                  time_column: str = "", time_buckets: int = 32):
-        # Attended sequences' tables' features, then managed tables' features last: the batch
-        # carries each kind in a KeyedJaggedTensor of its own.
+        # Attended sequences' tables' features (unmanaged, then managed), then the managed bags'
+        # features last: the batch carries each kind in a KeyedJaggedTensor of its own.
         sparse = [f for f in features if f.kind != "numeric"]
-        unpooled = set(attended_tables(features))
-        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.table not in unpooled]
-                       + [f for f in sparse if f.table in unpooled] + [f for f in sparse if f.hashing == "managed"])
-        self.num_sequence = sum(f.table in unpooled for f in sparse)
+        unpooled = unpooled_features(features)
+        on_unpooled = {f.name for f in unpooled}
+        managed = [f for f in sparse if f.hashing == "managed" and f.name not in on_unpooled]
+        self.sparse = ([f for f in sparse if f.hashing != "managed" and f.name not in on_unpooled]
+                       + unpooled + managed)
+        self.num_managed_sequence = sum(f.hashing == "managed" for f in unpooled)
+        self.num_sequence = len(unpooled) - self.num_managed_sequence
+        self.num_managed = len(managed)
         self.gaps = TimeGaps(features, time_column, time_buckets)  # model.sequence.time_buckets
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
@@ -38,7 +42,7 @@ class RowEncoder:
         """Write the pooled features (a batch's `sparse` keys) in the order of `names`, where they
         are the same features: the sharded tables' input order, so that TorchRec's input dist does
         not permute every batch (embeddings/torchrec_compat.py `input_feature_order`)."""
-        pooled = len(self.sparse) - self.num_sequence - sum(f.hashing == "managed" for f in self.sparse)
+        pooled = len(self.sparse) - self.num_sequence - self.num_managed_sequence - self.num_managed
         by_name = {f.name: f for f in self.sparse[:pooled]}
         if sorted(by_name) == sorted(names):
             self.sparse[:pooled] = [by_name[name] for name in names]
@@ -98,8 +102,8 @@ class RowEncoder:
         timed = [keys.index(f.name) for f in self.gaps.features]
         return Rows.build(keys + [f"{f.name}@gaps" for f in self.gaps.features], ids + gaps,
                           lengths + [lengths[i] for i in timed], dense, labels, users,
-                          num_managed=sum(f.hashing == "managed" for f in self.sparse), num_sequence=self.num_sequence,
-                          num_gaps=len(gaps))
+                          num_managed=self.num_managed, num_sequence=self.num_sequence, num_gaps=len(gaps),
+                          num_managed_sequence=self.num_managed_sequence)
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:
@@ -117,38 +121,45 @@ def _is_number(typ: pa.DataType) -> bool:
 
 def raw_numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
     """A numeric column as float64 with NaN for its nulls, checked: a null needs
-    features.<name>.fill_null, every other value must be finite."""
-    values = column.to_numpy().astype(np.float64)  # nulls arrive as NaN
-    nulls = np.asarray(column.is_null()) if column.null_count else np.zeros(len(values), bool)
-    if nulls.any() and f.fill_null is None:
-        raise ValueError(f"{where}, column {f.column!r}: null value at row {np.flatnonzero(nulls)[0]} "
-                         f"(set features.{f.name}.fill_null to replace nulls)")
-    bad = np.flatnonzero(~np.isfinite(values) & ~nulls)
-    if bad.size:
-        raise ValueError(f"{where}, column {f.column!r}: non-finite value {values[bad[0]]} at row {bad[0]}")
+    features.<name>.fill_null, every other value must be finite. A float64 column without
+    nulls comes back as a read-only view of its Arrow buffer."""
+    values = column.to_numpy().astype(np.float64, copy=False)  # nulls arrive as NaN
+    if column.null_count:
+        nulls = np.asarray(column.is_null())
+        if f.fill_null is None:
+            raise ValueError(f"{where}, column {f.column!r}: null value at row {np.flatnonzero(nulls)[0]} "
+                             f"(set features.{f.name}.fill_null to replace nulls)")
+        finite = np.isfinite(values) | nulls
+    else:
+        finite = np.isfinite(values)
+    if not finite.all():  # the rows are only looked for when there is an error
+        bad = np.flatnonzero(~finite)[0]
+        raise ValueError(f"{where}, column {f.column!r}: non-finite value {values[bad]} at row {bad}")
     return values
 
 
 def _numeric(column: pa.ChunkedArray, f: FeatureSpec, where: str) -> np.ndarray:
     values = raw_numeric(column, f, where)
     if column.null_count:  # raw_numeric refused every other NaN: a NaN is a null here
-        np.copyto(values, f.fill_null, where=np.isnan(values))
+        values = np.where(np.isnan(values), f.fill_null, values)
     for op in f.transform:
         transform = TRANSFORMS[op]
         if transform.valid is not None:
-            outside = np.flatnonzero(~transform.valid(values))
-            if outside.size:
+            valid = transform.valid(values)
+            if not valid.all():
+                outside = np.flatnonzero(~valid)[0]
                 raise ValueError(f"{where}, column {f.column!r}: {op} needs {transform.needs}, "
-                                 f"got {values[outside[0]]} at row {outside[0]}")
+                                 f"got {values[outside]} at row {outside}")
         values = transform.numpy(values, f)
     # A value finite in float64 may not be in float32 (1e39): the model would see inf. The
     # cast's overflow warning is the check below, as an error naming the row.
     with np.errstate(over="ignore"):
         out = values.astype(np.float32)
-    bad = np.flatnonzero(~np.isfinite(out))
-    if bad.size:
+    finite = np.isfinite(out)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)[0]
         after = f" (after {', '.join(f.transform)})" if f.transform else ""
-        raise ValueError(f"{where}, column {f.column!r}: {values[bad[0]]:g} at row {bad[0]} is beyond "
+        raise ValueError(f"{where}, column {f.column!r}: {values[bad]:g} at row {bad} is beyond "
                          f"float32's range{after}")
     return out
 
@@ -158,8 +169,9 @@ def _labels(column: pa.ChunkedArray, t: TaskSpec, where: str) -> np.ndarray:
         row = int(np.flatnonzero(np.asarray(column.is_null()))[0])
         raise ValueError(f"{where}, column {t.label!r}: null label at row {row}")
     values = column.to_numpy().astype(np.float32)
-    bad = np.flatnonzero((values != 0) & (values != 1))
-    if bad.size:
+    binary = (values == 0) | (values == 1)
+    if not binary.all():
+        bad = np.flatnonzero(~binary)[0]
         raise ValueError(f"{where}, column {t.label!r}: label must be 0 or 1, "
-                         f"got {values[bad[0]]} at row {bad[0]}")
+                         f"got {values[bad]} at row {bad}")
     return values

@@ -33,7 +33,10 @@ def encode_ids(column: pa.ChunkedArray | pa.Array, spec: FeatureSpec, where: str
         # Hash with nulls as 0 (a valid id in every mode), so that error rows stay row numbers.
         values = _hash(pc.fill_null(arr, 0).to_numpy(zero_copy_only=False), None, spec, where, reduce)
         return values[present], present.astype(np.int64)
-    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
+    lengths = pc.list_value_length(arr)
+    if arr.null_count:
+        lengths = pc.fill_null(lengths, 0)
+    lengths = lengths.to_numpy().astype(np.int64)
     flat = pc.list_flatten(arr)
     if flat.null_count:
         row = _row_of(np.flatnonzero(np.asarray(flat.is_null()))[0], lengths)
@@ -64,7 +67,8 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     # One pass for the common case, every id already valid: seen as unsigned, a negative id
     # is at least 2^(bits-1) (int8 -128 is 128, below num_embeddings=1000), so `max < bound`
     # rules out both errors and makes modulo a no-op.
-    bound = min(spec.num_embeddings, int(np.iinfo(values.dtype).max) + 1)
+    bits = 8 * values.itemsize - (values.dtype.kind == "i")  # of the type's largest value
+    bound = min(spec.num_embeddings, 1 << bits)
     if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < bound:
         return values.astype(np.int64, copy=False)
     _refuse_negative(values, lengths, spec, where)

@@ -42,7 +42,7 @@ from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTra
 from torchrec.distributed.model_tracker.types import Trackers
 from torchrec.distributed.types import ShardingPlan
 
-from embeddings.managed import served_tables
+from embeddings.managed import MANAGED_COLLECTIONS, served_tables
 from trainer.checkpoint.manager import model_tensors, save_weights
 from trainer.config import ArtifactFormat, Config, ServedTables
 from trainer.loop_hooks import LoopComponent
@@ -193,11 +193,13 @@ def track_lookups(model: DistributedModelParallel) -> ModelDeltaTrackerTrec:
 
     Built here rather than by DistributedModelParallel.init_torchrec_delta_tracker, which reads
     `.module` of the model it wraps: there is none at world size 1, where the dense side is not
-    DDP-wrapped (embeddings/torchrec_compat.py `ReplicateAcrossRanks`). The managed tables are
-    skipped: their sharded collection runs its tables' compute and output dist as two calls,
-    and the tracker records lookups in `compute_and_output_dist` only, so it would see none of
-    theirs (and their table names, which their MCH modules share, map to the wrong module)."""
-    tracker = ModelDeltaTrackerTrec(model, delete_on_read=True, auto_compact=True, fqns_to_skip=["managed_tables"])
+    DDP-wrapped (embeddings/torchrec_compat.py `ReplicateAcrossRanks`). The managed tables (of
+    bags and of attended sequences) are skipped: their sharded collections run their tables'
+    compute and output dist as two calls, and the tracker records lookups in
+    `compute_and_output_dist` only, so it would see none of theirs (and their table names, which
+    their MCH modules share, map to the wrong module)."""
+    managed = [path for path, _, _ in MANAGED_COLLECTIONS]
+    tracker = ModelDeltaTrackerTrec(model, delete_on_read=True, auto_compact=True, fqns_to_skip=managed)
     model.model_trackers[Trackers.DELTA_TRACKER.name] = tracker  # DMP's forward steps it
     return tracker
 
