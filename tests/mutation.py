@@ -150,6 +150,8 @@ _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (
                     "mean() and isnan read alike)")
 _HEAD_DTYPE = "torch makes Python floats float32, the heads' dtype, and copy_ casts to the buffer's dtype anyway"
 EQUIVALENT: list[tuple[str, str, str]] = [
+    ("launch.plan.x_dense_activations", "activation_bytes(model, width, cfg.data.eval_batch_size, None, precision))",
+     "None is as false as False: the probe runs without gradients either way"),
     ("dense.cost.x_activation_bytes",
      'precision = torch.autocast("cpu", dtype=None) if autocast else contextlib.nullcontext()',
      "the CPU's autocast dtype is bfloat16 by default, and every 16-bit dtype keeps the same bytes"),

@@ -56,5 +56,7 @@ def test_the_plan_measures_training_at_the_ranks_batch_and_evaluation_at_its_own
     assert dense_activations(cfg, model, WIDTH, 128, "cpu") == (
         activation_bytes(model, WIDTH, 128, True), activation_bytes(model, WIDTH, 2048, False))
     # a GPU rank steps in bf16 by default, a CPU rank in fp32
-    assert dense_activations(cfg, model, WIDTH, 128, "cuda")[1] == \
-        activation_bytes(model, WIDTH, 2048, False, torch.bfloat16)
+    on_gpu = dense_activations(cfg, model, WIDTH, 128, "cuda")
+    assert on_gpu == (activation_bytes(model, WIDTH, 128, True, torch.bfloat16),
+                      activation_bytes(model, WIDTH, 2048, False, torch.bfloat16))
+    assert on_gpu[0] < activation_bytes(model, WIDTH, 128, True)
