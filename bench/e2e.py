@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
 import tempfile
@@ -381,6 +382,8 @@ def main() -> None:
     parser.add_argument("--tower-set", action="append", default=[], metavar="TOWER:SECTION.KEY=VALUE",
                         help="with --towers: an override for one tower only, repeatable")
     parser.add_argument("--steps", type=int, default=5, help="with --towers: whole steps per tower per round")
+    parser.add_argument("--json", action="store_true",
+                        help="also print the parts' (wall, CPU) ms and the forward FLOPs a row as a JSON line")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec's ShardedTensor deprecation
     base = () if args.config else DEFAULT_SET
@@ -413,6 +416,9 @@ def main() -> None:
             print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}"
                   f"; {env.world_size} rank(s); forward FLOPs per sample {parts.trainer.cost.flops:,.0f}")
             print(table(times, parts.trainer.batch_size * env.world_size))
+            if args.json:
+                print(json.dumps({"flops": parts.trainer.cost.flops,
+                                  "ms": {name: [1e3 * t for t in wall_cpu] for name, wall_cpu in times.items()}}))
         if args.profile:
             text = profile(parts.time_step, args.profile, rows=30)
             print(text if env.rank == 0 else "", end="")

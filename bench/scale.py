@@ -488,45 +488,26 @@ def rehearse(args: argparse.Namespace, tmp: Path, table: Table) -> None:
     table.add("whole rehearsal", f"{elapsed / 60:.1f} min", "budget 45 min", elapsed / BUDGET_S)
 
 
-SPLIT_ROW = re.compile(r"^(\S+(?: \S+)*?)\s+([\d.]+)\s+[\d.]+%\s+([\d.]+)\s+[\d.]+%$", re.M)
-
-
 def step_split(config: Path, rounds: int) -> tuple[dict[str, tuple[float, float]], int]:
     """bench/e2e.py's parts of rank 0's step under torchrun at 4 ranks (the plain loop: the parts
-    cannot run inside TorchRec's pipeline): {part: (wall ms, CPU ms)} with "sum of parts" and
-    "end-to-end", and the tower's forward FLOPs per sample."""
+    cannot run inside TorchRec's pipeline): {part: (wall ms, CPU ms)} with "end-to-end", and the
+    tower's forward FLOPs per sample."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-               str(_free_port()), "bench/e2e.py", "--config", str(config), "--rounds", str(rounds), "--warmup", "1"]
+               str(_free_port()), "bench/e2e.py", "--config", str(config), "--rounds", str(rounds), "--warmup", "1",
+               "--json"]
     proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    flops = int(re.search(r"forward FLOPs per sample ([\d,]+)", proc.stdout).group(1).replace(",", ""))
-    return {m.group(1): (float(m.group(2)), float(m.group(3))) for m in SPLIT_ROW.finditer(proc.stdout)}, flops
-
-
-def matmul_flops_per_s() -> float:
-    """This machine's FLOP/s in bench/tower.py's reference product (2048^3, fp32, every core),
-    the best of 5: the peak MFU is taken against."""
-    import torch
-    from tower import matmul_step  # bench/tower.py, this script's folder
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    fn, flops = matmul_step(torch.device("cpu"), torch.float32)
-    fn()
-    seconds = []
-    for _ in range(5):
-        t = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t)
-    return flops / min(seconds)
+    split = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: tuple(ms) for name, ms in split["ms"].items()}, split["flops"]
 
 
 def rankmixer_stage(args: argparse.Namespace, tmp: Path, data: Path, table: Table, mlp_rate: float) -> None:
     """The product's tower (RANKMIXER) on the same log and tables at 4 ranks: rows/s beside the
     MLP's, MFU against this machine's matmul, rank 0's step split, and each rank's peak RSS
     against the plan. No checkpoint: the MLP's stages measure those."""
-    config, shape = tmp / "scale_rankmixer.toml", "RankMixer T{num_tokens} D{hidden_dim} L{num_layers} k{ffn_ratio}"
-    shape = shape.format(**RANKMIXER)
+    config = tmp / "scale_rankmixer.toml"
+    shape = "RankMixer T{num_tokens} D{hidden_dim} L{num_layers} k{ffn_ratio}".format(**RANKMIXER)
     write_config(config, data, args.table_rows, args.batch_size, tower="rankmixer")
     plan = plan_host_gb(config, 4, False)
     out, seconds, rss = rankmix("--config", str(config), f"--train.run_dir={tmp / 'run_rankmixer'}",
@@ -536,14 +517,17 @@ def rankmixer_stage(args: argparse.Namespace, tmp: Path, data: Path, table: Tabl
     table.add(f"{shape}, 4 ranks: rows/s", f"{rate:,.0f}: {args.rankmixer_steps} steps x {4 * args.batch_size} "
               f"rows, {seconds:.0f} s in all", f"MLP {mlp_rate:,.0f}", rate / mlp_rate)
     parts, flops = step_split(config, args.split_rounds)
-    peak = matmul_flops_per_s()
+    import torch
+
+    from dense.cost import peak_flops
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    peak = peak_flops(torch.device("cpu"))  # the 2048^3 fp32 product on every core, MFU's reference
     achieved = 3 * flops * rate  # forward and backward: 3x the forward's FLOPs
     table.add(f"{shape}, 4 ranks: MFU", f"{achieved / 1e9:,.1f} GFLOP/s (3 x {flops / 1e6:.1f} MFLOP a row)",
               f"matmul {peak / 1e9:,.1f} GFLOP/s, {os.cpu_count()} cores", achieved / peak)
-    total = parts["sum of parts"][0]
+    total = sum(wall for name, (wall, _) in parts.items() if name != "end-to-end")
     for name, (wall, cpu) in parts.items():
-        if name == "sum of parts":
-            continue
         what = "lookup + fused update" if name == "embedding" else name
         table.add(f"{shape}, step split (rank 0): {what}", f"{wall:,.1f} ms wall, {cpu:,.1f} ms CPU",
                   f"sum of parts {total:,.1f} ms", wall / total)

@@ -59,7 +59,8 @@ def sequence_table_configs(features: list[FeatureSpec], cfg: EmbeddingsConfig | 
     tables: dict[str, EmbeddingConfig] = {}
     wanted = set(attended_tables(features))
     if managed is not None:
-        wanted = {t for t in wanted if (t in managed_tables(features)) == managed}
+        held = set(managed_tables(features))
+        wanted = {t for t in wanted if (t in held) == managed}
     for f in features:
         if f.kind == "numeric" or f.table not in wanted:
             continue

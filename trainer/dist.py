@@ -71,7 +71,7 @@ def memory_returned():
         yield
     finally:
         libc.malloc_trim(0)
-        libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_KEPT))
+        tune_malloc()
 
 
 def init_distributed(backend: str = "auto", device: str = "auto", timeout_minutes: float = 30.0) -> DistEnv:
