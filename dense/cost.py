@@ -69,56 +69,57 @@ def measure_cost(tower: nn.Module, heads: nn.Module, width: int, device: torch.d
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """Measured FLOP/s of a plain square matrix multiply on `device` in `dtype`: 2048^3 on
-    the CPU, 8192^3 on a GPU; the best of a few after a warm-up."""
-    n = 8192 if device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    """Measured FLOP/s of a plain square matrix multiply on `device` in `dtype`, the best of a
+    few after a warm-up: 8192^3 on a GPU; on the CPU the size doubles from 256 until one product
+    takes _PROBE_SECONDS (at most 2048): a CPU without bf16 units multiplies bf16 at a few
+    GFLOP/s, where a fixed 2048^3 took minutes of every bf16 run's start-up."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(3):
+
+    def seconds(a: torch.Tensor, b: torch.Tensor) -> float:
         sync()
         tic = time.perf_counter()
         torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - tic)
-    return 2 * n**3 / best
+        return time.perf_counter() - tic
+
+    n = 8192 if device.type == "cuda" else 256
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        first = seconds(a, b)  # the warm-up
+        if device.type == "cuda" or n >= 2048 or first >= _PROBE_SECONDS:
+            break
+        n *= 2
+    return 2 * n**3 / min(seconds(a, b) for _ in range(3))
 
 
-# Batches the activations are measured at: small enough to cost a fraction of a second on a
-# CPU for the paper's towers, large enough that per-row work dominates what is fixed.
-_PROBE_BATCHES = (32, 64)
+_PROBE_SECONDS = 0.05
 
 
 def activation_bytes(model: nn.Module, width: int, batch: int, training: bool,
                      autocast: torch.dtype | None = None) -> int:
     """Peak bytes that `model` ([B, width] -> [B, K]) holds besides its parameters and their
     gradients at `batch` rows: training, the tensors saved for backward and the backward's
-    temporaries; evaluation (no_grad), the forward's live intermediates. Measured on the CPU
-    by torch's MemTracker at two small batches and extrapolated linearly in the rows, under
-    `autocast` (the step's mixed precision) when given."""
+    temporaries; evaluation (no_grad), the forward's live intermediates. Measured on the CPU by
+    torch's MemTracker on fake tensors (the sizes without the arithmetic) at the batch itself,
+    under `autocast` (the step's mixed precision) when given: where the peak falls moves with the
+    batch (late in the backward, among the gradients, at tens of rows; at its start at
+    thousands), so small batches extrapolated under-count (RankMixer T16 D256 at 2,048 rows:
+    0.55 GB extrapolated from 32 and 64 rows, 0.91 GB at the batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    def peak(rows: int) -> int:
-        tracker = MemTracker()  # the gradients are told apart without track_external(model)
-        grad_mode = contextlib.nullcontext() if training else torch.no_grad()
-        precision = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
-        # fake tensors: the sizes without the arithmetic (the parameters stay real)
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker, grad_mode, precision:
-            x = torch.randn(rows, width)
-            out = model(x)
-            if training:
-                out.float().sum().backward()
-        model.zero_grad(set_to_none=True)
-        at_peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        return at_peak[_MemRefType.ACT] + at_peak[_MemRefType.TEMP]
-
-    small, large = _PROBE_BATCHES
-    low, high = peak(small), peak(large)
-    per_row = (high - low) / (large - small)
-    return int(max(low - small * per_row, 0) + batch * per_row)
+    tracker = MemTracker()  # the gradients are told apart without track_external(model)
+    grad_mode = contextlib.nullcontext() if training else torch.no_grad()
+    precision = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    # fake tensors: the parameters stay real, every tensor made from them is a size without data
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker, grad_mode, precision:
+        out = model(torch.randn(batch, width))
+        if training:
+            out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    at_peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return at_peak[_MemRefType.ACT] + at_peak[_MemRefType.TEMP]
 
 
 def mfu(examples_per_sec: float, flops: int, peak: float) -> float:

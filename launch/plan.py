@@ -20,9 +20,10 @@ otherwise than this plan's is read a saved shard at a time, whole, which is not 
 save makes no copy of its own: DCP's writer would clone every table shard, all views of
 FBGEMM's fused buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`).
 On a CPU rank the shards and the dense state live on the host too, and so do the dense model's
-activations (`dense_activations`: training's at the rank's batch or evaluation's at its own,
-whichever is larger; evaluation hands training's kept heap back first, trainer/dist.py
-`memory_returned`); a GPU rank's are counted in its HBM. The sum is an upper bound
+activations (`dense_activations`: training's at the rank's batch, or RMSProp's temporaries, or
+evaluation's at its own batch, whichever is larger; evaluation hands training's kept heap back
+and runs in a malloc arena of its own, trainer/dist.py `memory_returned` and `on_own_arena`); a
+GPU rank's are counted in its HBM. The sum is an upper bound
 (the init's blocks are freed before the first read); a node fits when its ranks' sums fit in
 local_world_size x --ddr-gb.
 """
@@ -187,10 +188,18 @@ def plan_cluster(cfg: Config, world_size: int, device: str, hbm_gb: float, ddr_g
 def dense_activations(cfg: Config, model: nn.Module, width: int, batch: int, device: str) -> tuple[int, int]:
     """(training, evaluation) bytes of the dense model's activations on a rank: forward and
     backward at the rank's batch, the forward alone at data.eval_batch_size, each in the step's
-    precision on `device` (dense/cost.py `activation_bytes`: measured on fake tensors)."""
+    precision on `device` (dense/cost.py `activation_bytes`: measured on fake tensors). Training's
+    are at least RMSProp's temporaries, which its step makes once the activations are gone."""
     precision = autocast_dtype(cfg.train.mixed_precision, torch.device(device))
-    return (activation_bytes(model, width, batch, True, precision),
+    return (max(activation_bytes(model, width, batch, True, precision), rmsprop_temporaries(cfg, model)),
             activation_bytes(model, width, cfg.data.eval_batch_size, False, precision))
+
+
+def rmsprop_temporaries(cfg: Config, model: nn.Module) -> int:
+    """Bytes of the parameter-sized tensors torch's foreach RMSProp makes within its step: the
+    square average's root, and the gradient plus the decayed weight when optim.weight_decay is set."""
+    params = sum(p.numel() for p in model.parameters()) * 4
+    return params * (1 + (cfg.optim.weight_decay > 0))
 
 
 def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params: int, device: str,

@@ -120,7 +120,7 @@ MODULES = {
         "UserBuckets._flush", "UserBuckets._read", "UserBuckets.uauc", "UserBuckets.close", "_allow_open_files",
         "TrainingWindow.__init__", "TrainingWindow._record", "TrainingWindow.compute")),
     "plan_host": Target("launch/plan.py", ("tests/test_plan_host_unit.py", "tests/test_activations.py"), (
-        "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node", "dense_activations")),
+        "host_memory", "row_bytes", "evaluation_bytes", "_fullest_node", "dense_activations", "rmsprop_temporaries")),
     "cost": Target("dense/cost.py", ("tests/test_activations.py",), ("activation_bytes",)),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
