@@ -1,6 +1,7 @@
 """Training keeps freed memory in the process (trainer/dist.py `tune_malloc`: no page faults per
-step), and evaluation hands it back (`memory_returned`), so that a rank's peak is what
-`rankmix plan` counts. Run in a child: mallopt's settings are the whole process's."""
+step), and evaluation hands it back (`memory_returned`) and runs in a malloc arena of its own
+(`on_own_arena`), so that a rank's peak is what `rankmix plan` counts. Run in a child:
+mallopt's settings are the whole process's."""
 
 import json
 import subprocess
@@ -8,11 +9,11 @@ import sys
 
 from cli import run_env
 
-CHILD = """
-import json, re
+HELPERS = """
+import json, re, threading
 from pathlib import Path
 import torch
-from trainer.dist import memory_returned, tune_malloc
+from trainer.dist import memory_returned, on_own_arena, tune_malloc
 
 def rss_mb():
     return int(re.search(r"^VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
@@ -23,7 +24,9 @@ def freed_block_mb():
     block = torch.ones(64 << 20)
     del block
     return rss_mb() - before
+"""
 
+CHILD = HELPERS + """
 tune_malloc()
 kept = freed_block_mb()
 before = rss_mb()
@@ -37,10 +40,40 @@ print(json.dumps(out))
 """
 
 
-def test_training_keeps_a_freed_block_and_evaluation_returns_it():
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=run_env(), capture_output=True, text=True, timeout=120)
+# Training's heap with a free range in its middle (a freed 320 MB block below a live one): trimmed,
+# its pages go back, but malloc fills the range again before it maps anything.
+HOLE = HELPERS + """
+tune_malloc()
+hole = torch.ones(80 << 20)
+above = torch.ones(4 << 20)  # live, above the hole (no free range of the young heap holds 16 MB)
+del hole
+with memory_returned():
+    out = {"main": freed_block_mb(), "own": on_own_arena(freed_block_mb),
+           "thread": on_own_arena(threading.current_thread).name}
+    try:
+        on_own_arena(torch.ones, -1)
+    except RuntimeError as e:
+        out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def _child(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_evaluation_on_its_own_arena_does_not_refill_trainings_heap():
+    got = _child(HOLE)
+    assert got["main"] > 200  # on the caller's thread the 256 MB land in the trimmed range and stay resident
+    assert got["own"] < 20  # on its own arena they are mapped, and unmapped when freed
+    assert got["thread"] == "rankmix-own-arena"
+    assert got["error"] == "Trying to create tensor with negative dimension -1: [-1]"  # raised to the caller
+
+
+def test_training_keeps_a_freed_block_and_evaluation_returns_it():
+    got = _child(CHILD)
     assert got["kept"] > 200  # tuned: the freed 256 MB stay in the heap, resident
     assert got["trimmed"] > 200  # entering hands the kept block back
     assert got["during"] < 20  # within memory_returned: mapped, and unmapped when freed

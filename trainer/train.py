@@ -35,7 +35,7 @@ from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.partitions import PartitionedReader, complete_partitions
 from trainer.data.reader import ParquetReader
-from trainer.dist import DistEnv, init_distributed, memory_returned
+from trainer.dist import DistEnv, init_distributed, memory_returned, on_own_arena
 from trainer.errors import Interrupted
 from trainer.lifecycle import GRADIENT, LOSS, StepChecks
 from trainer.loop_hooks import LoopComponent
@@ -350,7 +350,7 @@ class Trainer:
             self.pipeline.detach()  # the original forward; the next progress() re-attaches
         self.model.eval()
         with memory_returned():
-            metrics = self.evaluator(path, **split)
+            metrics = on_own_arena(self.evaluator, path, **split)
         # Back to training mode now: the pipeline decides whether to zero gradients from
         # the mode the model is in when its next step begins.
         self.model.train()
