@@ -522,7 +522,7 @@ def rankmixer_stage(args: argparse.Namespace, tmp: Path, data: Path, table: Tabl
     from dense.cost import peak_flops
 
     torch.set_num_threads(os.cpu_count() or 1)
-    peak = peak_flops(torch.device("cpu"))  # the 2048^3 fp32 product on every core, MFU's reference
+    peak = peak_flops(torch.device("cpu"))  # fp32 products of up to 2048^3 on every core, MFU's reference
     achieved = 3 * flops * rate  # forward and backward: 3x the forward's FLOPs
     table.add(f"{shape}, 4 ranks: MFU", f"{achieved / 1e9:,.1f} GFLOP/s (3 x {flops / 1e6:.1f} MFLOP a row)",
               f"matmul {peak / 1e9:,.1f} GFLOP/s, {os.cpu_count()} cores", achieved / peak)
