@@ -82,10 +82,13 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> floa
         sync()
         return time.perf_counter() - tic
 
+    # its own generator: the sizes tried depend on the machine's speed, and the run's seeded
+    # generator must not draw a number of values that does
+    generator = torch.Generator(device=device).manual_seed(0)
     n = 8192 if device.type == "cuda" else 256
     while True:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
         first = seconds(a, b)  # the warm-up
         if device.type == "cuda" or n >= 2048 or first >= _PROBE_SECONDS:
             break

@@ -96,3 +96,14 @@ def test_a_wide_model_at_a_tiny_batch_is_planned_at_its_optimizers_step():
     cfg = load_config(None, ["--data.batch_size=1", "--optim.weight_decay=0.01"])
     training, _ = dense_activations(cfg, wide, WIDTH, 1, "cpu")
     assert training == rmsprop_temporaries(cfg, wide) > activation_bytes(wide, WIDTH, 1, True)
+
+
+def test_measuring_the_peak_draws_nothing_from_the_runs_seeded_generator():
+    # the Trainer measures it after seeding, and the sizes it tries depend on the machine's speed:
+    # drawing from the global generator made a resumed run's RNG state differ from an unbroken one's
+    from dense.cost import peak_flops
+
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert peak_flops(torch.device("cpu")) > 0
+    assert torch.equal(torch.get_rng_state(), before)
