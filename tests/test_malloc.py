@@ -1,5 +1,5 @@
 """Training keeps freed memory in the process (trainer/dist.py `tune_malloc`: no page faults per
-step), and evaluation hands it back (`memory_returned`) and runs in a malloc arena of its own
+step) and trims it every fifth step (`trim_heap`: no creep), and evaluation hands it back (`memory_returned`) and runs in a malloc arena of its own
 (`on_own_arena`), so that a rank's peak is what `rankmix plan` counts. Run in a child:
 mallopt's settings are the whole process's."""
 
@@ -13,7 +13,7 @@ HELPERS = """
 import json, re, threading
 from pathlib import Path
 import torch
-from trainer.dist import memory_returned, on_own_arena, tune_malloc
+from trainer.dist import memory_returned, on_own_arena, trim_heap, tune_malloc
 
 def rss_mb():
     return int(re.search(r"^VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
@@ -58,6 +58,18 @@ print(json.dumps(out))
 """
 
 
+# Training's kept heap, trimmed at every fifth step only.
+TRIM = HELPERS + """
+tune_malloc()
+kept = freed_block_mb()
+before = rss_mb()
+out = {"kept": kept, "step_4": trim_heap(4), "after_4": before - rss_mb(), "step_10": trim_heap(10)}
+out["after_10"] = before - rss_mb()
+out["every_3"] = [s for s in range(1, 10) if trim_heap(s, every=3)]
+print(json.dumps(out))
+"""
+
+
 def _child(code: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -78,3 +90,11 @@ def test_training_keeps_a_freed_block_and_evaluation_returns_it():
     assert got["trimmed"] > 200  # entering hands the kept block back
     assert got["during"] < 20  # within memory_returned: mapped, and unmapped when freed
     assert got["kept_again"] > 200  # training's tuning is back after it
+
+
+def test_training_trims_its_kept_heap_every_fifth_step():
+    got = _child(TRIM)
+    assert got["kept"] > 200  # the freed 256 MB stay resident between trims
+    assert got["step_4"] is False and got["after_4"] < 20
+    assert got["step_10"] is True and got["after_10"] > 200  # handed back
+    assert got["every_3"] == [3, 6, 9]

@@ -39,6 +39,7 @@ class DistEnv:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEPT = 1 << 30  # blocks below 1 GiB come from the heap, and the heap is never trimmed
 _RETURNED = 32 << 20  # glibc's own largest threshold: larger blocks are mapped, and unmapped when freed
+HEAP_TRIM_EVERY = 5  # training steps between trims of the kept heap (`trim_heap`)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -57,6 +58,20 @@ def tune_malloc() -> str:
         return "malloc untouched (no glibc)"
     ok = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(_KEPT)) and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(_KEPT))
     return "malloc keeps freed memory" if ok else "malloc tuning refused"
+
+
+def trim_heap(step: int, every: int = HEAP_TRIM_EVERY) -> bool:
+    """At every `every`-th step, hand the free pages of training's kept heap back (glibc's
+    malloc_trim); True if it did. Batches differ in size (lookups, all-to-all buffers), so
+    the kept heap fragments and each step touches some free range it had not: untrimmed, a
+    4-rank RankMixer T16 D256 run crept to 1.23-1.36 of `rankmix plan` in 40 steps, trimmed
+    every 5 steps 0.98 on every rank. A trim costs the next step's page faults of what it
+    returned (about 1 GB there, a few percent of one step), so not every step."""
+    libc = _libc()
+    if step % every or libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
 from trainer.data.partitions import PartitionedReader, complete_partitions
 from trainer.data.reader import ParquetReader
-from trainer.dist import DistEnv, init_distributed, memory_returned, on_own_arena
+from trainer.dist import DistEnv, init_distributed, memory_returned, on_own_arena, trim_heap
 from trainer.errors import Interrupted
 from trainer.lifecycle import GRADIENT, LOSS, StepChecks
 from trainer.loop_hooks import LoopComponent
@@ -241,6 +241,7 @@ class Trainer:
             task_losses = task_losses.detach()
         self.scheduler.step()
         self.step += 1
+        trim_heap(self.step)
         for hook in self.hooks.after_optimizer_step:
             hook(self.step)
         self.position.advance()
