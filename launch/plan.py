@@ -21,9 +21,9 @@ save makes no copy of its own: DCP's writer would clone every table shard, all v
 FBGEMM's fused buffers, but is handed them as tensors of their own bytes (`ViewSavePlanner`).
 On a CPU rank the shards and the dense state live on the host too, and so do the dense model's
 activations (`dense_activations`: training's at the rank's batch, or RMSProp's temporaries, or
-evaluation's at its own batch, whichever is larger; evaluation hands training's kept heap back
-and runs in a malloc arena of its own, trainer/dist.py `memory_returned` and `on_own_arena`); a
-GPU rank's are counted in its HBM. The sum is an upper bound
+evaluation's at its own batch, whichever is larger; training trims its kept heap every fifth
+step, and evaluation hands it back and runs in a malloc arena of its own, trainer/dist.py
+`trim_heap`, `memory_returned` and `on_own_arena`); a GPU rank's are counted in its HBM. The sum is an upper bound
 (the init's blocks are freed before the first read); a node fits when its ranks' sums fit in
 local_world_size x --ddr-gb.
 """

@@ -1,7 +1,7 @@
 """Training keeps freed memory in the process (trainer/dist.py `tune_malloc`: no page faults per
-step) and trims it every fifth step (`trim_heap`: no creep), and evaluation hands it back (`memory_returned`) and runs in a malloc arena of its own
-(`on_own_arena`), so that a rank's peak is what `rankmix plan` counts. Run in a child:
-mallopt's settings are the whole process's."""
+step) and trims it every fifth step (`trim_heap`: no creep); evaluation hands it back
+(`memory_returned`) and runs in a malloc arena of its own (`on_own_arena`), so that a rank's
+peak is what `rankmix plan` counts. Run in a child: mallopt's settings are the whole process's."""
 
 import json
 import subprocess
