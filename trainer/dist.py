@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -42,6 +43,7 @@ _RETURNED = 32 << 20  # glibc's own largest threshold: larger blocks are mapped,
 HEAP_TRIM_EVERY = 5  # training steps between trims of the kept heap (`trim_heap`)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -67,8 +69,8 @@ def trim_heap(step: int, every: int = HEAP_TRIM_EVERY) -> bool:
     4-rank RankMixer T16 D256 run crept to 1.23-1.36 of `rankmix plan` in 40 steps, trimmed
     every 5 steps 0.98 on every rank. A trim costs the next step's page faults of what it
     returned (about 1 GB there, a few percent of one step), so not every step."""
-    libc = _libc()
-    if step % every or libc is None:
+    libc = None if step % every else _libc()
+    if libc is None:
         return False
     libc.malloc_trim(0)
     return True
