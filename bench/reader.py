@@ -3,7 +3,10 @@
 (a) ParquetReader rows/s (decode + validate + encode + shuffle + batch assembly) against
     pyarrow's bare `ParquetFile.iter_batches` decode of the same files and columns, in the
     same run, on synthetic data (`write_synthetic`). Targets: >= 0.8 unshuffled, >= 0.5 with the
-    65,536-row shuffle buffer.
+    65,536-row shuffle buffer. `ratio` is by wall time (rows/s), each side with the threads it
+    has: the reader its decoding and encoding threads beside the consumer, pyarrow its pool
+    (OMP_NUM_THREADS of them, else one a core); `cpu_ratio` is by the CPU seconds of all threads,
+    the work each side does for a row.
 (b) The Criteo converter's MB/s in one process against plain reading of the same TSV
     (bytes read and lines counted; and pyarrow's CSV parse of every field as a string),
     on a TSV made by repeating the sample day file's rows (bench/convert.py, which also

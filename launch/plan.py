@@ -52,7 +52,7 @@ from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
 from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
+from trainer.data.reader import DECODE_AHEAD, PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
 from trainer.train import autocast_dtype
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
 
@@ -210,12 +210,13 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
     row = row_bytes(cfg)
     widest = max((f.embedding_dim for f in cfg.features if f.kind != "numeric"), default=0)
     init = 2 * BLOCK_ROWS * widest * 4  # a block's fp32 draw and its scaled copy (embeddings/init.py `_block`)
-    # the window being consumed, the next one and its permuted copy, one decoded slice, the batch
-    # being assembled (and PREFETCH_BATCHES pinned ones on a GPU rank), a read buffer per column
+    # the window being consumed, the next one and its permuted copy, the slice being encoded and
+    # DECODE_AHEAD decoded after it, the batch being assembled (and PREFETCH_BATCHES pinned ones on a
+    # GPU rank), a read buffer per column
     window = cfg.data.shuffle_buffer + SLICE_ROWS
     batches = 1 + (PREFETCH_BATCHES if device == "cuda" else 0)
     columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column).columns
-    reader = (3 * window + SLICE_ROWS + batches * batch) * row + READ_BUFFER * len(columns)
+    reader = (3 * window + (1 + DECODE_AHEAD) * SLICE_ROWS + batches * batch) * row + READ_BUFFER * len(columns)
     evaluation = evaluation_bytes(cfg, batch, row)
     out = []
     for m in memory:
@@ -240,12 +241,13 @@ def row_bytes(cfg: Config) -> int:
 def evaluation_bytes(cfg: Config, batch: int, row: int) -> int:
     """Evaluation's fixed state: `SplitMetrics`' float64 histograms, UAUC's bucket of rows with
     the sort's copies, the training window's histogram codes, and the evaluation reader
-    (unshuffled: windows of one slice; the window, the next one and a decoded slice)."""
+    (unshuffled: windows of one slice; the window, the next one, the slice being encoded and
+    DECODE_AHEAD decoded after it)."""
     tasks = len(cfg.model.tasks)
     histograms = tasks * 2 * LIFETIME_BINS * 8
     uauc = 3 * BUCKET_ROWS * (8 + 8 * tasks) if cfg.data.user_column else 0
     window = cfg.metrics.window_batches * batch * tasks * 8
-    return histograms + uauc + window + (3 * SLICE_ROWS + cfg.data.eval_batch_size) * row
+    return histograms + uauc + window + ((3 + DECODE_AHEAD) * SLICE_ROWS + cfg.data.eval_batch_size) * row
 
 
 def _host_lines(host: list[HostMemory]) -> list[str]:

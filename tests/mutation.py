@@ -91,8 +91,9 @@ MODULES = {
     "config": Target("trainer/config_loader.py", ("tests/test_config.py", "tests/test_config_coercion.py"), (
         "apply_override", "_child", "_parse_scalar", "_build", "_coerce", "_entry", "_join")),
     "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
-                                                  "tests/test_reader_assignment.py", "tests/test_elastic_resume.py"), (
-        "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
+                                                  "tests/test_reader_assignment.py", "tests/test_elastic_resume.py",
+                                                  "tests/test_reader_bounded.py"), (
+        "_ahead", "_concurrently", "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
         "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
         "ParquetReader._windows", "ParquetReader._order", "ParquetReader._epoch_size", "ParquetReader._placed",
         "ParquetReader.with_units_left", "ParquetReader._checked_resumed")),

@@ -30,11 +30,12 @@ def expected_host() -> dict[str, int]:
     """Every rank's init, reader and evaluation bytes for OPTIONS on 2 CPU ranks."""
     return {
         "init": 2 * BLOCK * 16 * 4,  # two fp32 blocks of the widest table (dim 16)
-        # three windows of shuffle_buffer + a slice, a decoded slice, one batch; a 1 MiB read buffer per column
-        "reader": (3 * (8192 + SLICE) + SLICE + 32) * ROW + COLUMNS * 2**20,
+        # three windows of shuffle_buffer + a slice, the slice being encoded and one decoded ahead, one
+        # batch; a 1 MiB read buffer per column
+        "reader": (3 * (8192 + SLICE) + 2 * SLICE + 32) * ROW + COLUMNS * 2**20,
         # one task: 2 x 2^20 float64 bins, UAUC's bucket of (user, logit, label) rows thrice,
-        # 10 windowed batches of int64 codes, the evaluation reader's 3 slices and batch
-        "evaluation": 2 * BINS * 8 + 3 * BUCKET * 16 + 10 * 32 * 8 + (3 * SLICE + 1024) * ROW,
+        # 10 windowed batches of int64 codes, the evaluation reader's 4 slices and batch
+        "evaluation": 2 * BINS * 8 + 3 * BUCKET * 16 + 10 * 32 * 8 + (4 * SLICE + 1024) * ROW,
     }
 
 

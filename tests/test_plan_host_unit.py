@@ -78,7 +78,7 @@ def test_evaluation_holds_histograms_a_uauc_bucket_the_window_and_its_reader(tmp
     histograms = 2 * 2 * BINS * 8  # two tasks, two labels, float64 bins
     uauc = 3 * BUCKET * (8 + 2 * 8)  # a bucket of (user, two logits, two labels) rows and the sort's copies
     window = 7 * 32 * 2 * 8  # 7 batches of int64 codes for two tasks
-    reader = (3 * SLICE + 1000) * ROW
+    reader = (4 * SLICE + 1000) * ROW  # the window, the next, the slice being encoded and one decoded ahead
     assert evaluation_bytes(cfg, 32, ROW) == histograms + uauc + window + reader
     # no user column: no UAUC; another batch changes only the window
     assert evaluation_bytes(_config(tmp_path, "--data.user_column="), 48, ROW) == \
@@ -96,9 +96,9 @@ def test_each_ranks_host_memory(tmp_path, device, prefetched, async_save):
     cfg = _config(tmp_path, f"--checkpoint.async_save={str(async_save).lower()}")
     host = host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, device, 32)
     init = 2 * BLOCK * 12 * 4  # two fp32 blocks of the widest table (tags, 12), numeric features have none
-    # the window consumed, the next one and its permuted copy, a decoded slice, the batch (and
-    # on a GPU the pinned ones), a read buffer per column
-    reader = (3 * (5000 + SLICE) + SLICE + (1 + prefetched) * 32) * ROW + COLUMNS * READ_BUFFER
+    # the window consumed, the next one and its permuted copy, the slice being encoded and one
+    # decoded ahead, the batch (and on a GPU the pinned ones), a read buffer per column
+    reader = (3 * (5000 + SLICE) + 2 * SLICE + (1 + prefetched) * 32) * ROW + COLUMNS * READ_BUFFER
     evaluation = evaluation_bytes(cfg, 32, ROW)
     want = []
     for m in MEMORY:

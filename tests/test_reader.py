@@ -360,11 +360,12 @@ def test_bounded_memory(tmp_path):
     assert buffer <= reader.peak_buffered_rows <= buffer + rg
     data_bytes = sum(pq.ParquetFile(p).read().nbytes for p in sorted(tmp_path.glob("*.parquet")))
     assert data_bytes > 15_000_000
-    # Arrow holds at most the window being read (buffer + rg rows, 6.25% of the data) and the
-    # row group being decoded; measured, 2.3 to 3.5 row groups of 5,000 rows (2.8% to 4.4%).
-    # The bound, 8.75%, allows one more row group; a buffer of a whole 100,000-row file holds
-    # 25% (measured: 36% to 54%), a read-ahead of 10 row groups 19% to 32%, and the bound of
-    # half the data let both through.
+    # Arrow holds at most the window being encoded (buffer + rg rows, 6.25% of the data: its
+    # pieces' id columns are views of Arrow's buffers until the window is concatenated) and the
+    # row group decoded ahead of the encoder (DECODE_AHEAD); measured, 4.0 to 5.9 row groups of
+    # 5,000 rows (5% to 7.3%). The bound, 8.75%, allows one more row group; a buffer of a whole
+    # 100,000-row file holds 25% (measured: 36% to 54%), a read-ahead of 10 row groups 19% to
+    # 32%, and the bound of half the data let both through.
     row_bytes = data_bytes / (files * rows_per_file)
     assert max(samples) < (buffer + 3 * rg) * row_bytes, (max(samples), row_bytes)
 
@@ -701,6 +702,14 @@ def test_not_a_parquet_file(tmp_path):
     path = tmp_path / "part-001.parquet"
     path.write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(ValueError, match=err(f"cannot read Parquet file {path}")):
+        read_all(tmp_path)
+
+
+def test_of_two_unreadable_files_the_first_is_named(tmp_path):
+    write_files(tmp_path, [30, 30, 30, 30], 10)  # footers are read concurrently: the error is still the first's
+    for name in ("part-001.parquet", "part-003.parquet"):
+        (tmp_path / name).write_bytes(b"not parquet" * 100)
+    with pytest.raises(ValueError, match=err(f"cannot read Parquet file {tmp_path / 'part-001.parquet'}")):
         read_all(tmp_path)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import SLICE_ROWS, ParquetReader, Piece, RowGroup, _sliced
+from trainer.data.reader import (METADATA_THREADS, SLICE_ROWS, ParquetReader, Piece, RowGroup, _ahead, _concurrently,
+                                 _sliced)
 
 BIG = 2 * SLICE_ROWS + 1_234  # rows of the one row group of `big_file`: three slices, the last short
 
@@ -170,3 +173,94 @@ def test_a_data_error_in_the_prefetch_thread_is_raised_to_the_consumer(tmp_path,
                                          r"got 7.0 at row 50$"):
         list(reader)
     assert [t.name for t in threading.enumerate()] == ["MainThread"]
+
+
+# ----------------------------------------------------------------------------- decoding ahead
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_results_come_in_order_each_call_submitted_ahead_places_before_its_result_is_taken(ahead):
+    pulled = []  # calls taken from the iterator, that is submitted
+
+    def calls():
+        for i in range(8):
+            pulled.append(i)
+            yield lambda i=i: i * i
+    with ThreadPoolExecutor(1) as pool:
+        results = _ahead(pool, calls(), ahead)
+        for i in range(8):
+            assert next(results) == i * i
+            assert len(pulled) == min(i + ahead + 1, 8)
+        assert next(results, None) is None
+
+
+def test_a_failed_call_raises_at_its_place_after_the_results_before_it():
+    def fail():
+        raise ValueError("call 2 failed")
+    with ThreadPoolExecutor(1) as pool:
+        results = _ahead(pool, iter([lambda: 0, lambda: 1, fail, lambda: 3]), 2)
+        assert [next(results), next(results)] == [0, 1]
+        with pytest.raises(ValueError, match="^call 2 failed$"):
+            next(results)
+
+
+def test_the_next_slice_is_decoded_while_one_is_encoded(tmp_path, monkeypatch):
+    pq.write_table(make_table(0, 40), tmp_path / "f.parquet", row_group_size=10)  # 4 slices, 4 windows
+    decoding = {g: threading.Event() for g in range(4)}
+    overlapped = []
+    decode, encode = ParquetReader._decode, ParquetReader._encode
+
+    def decoded(self, p, files):
+        decoding[p.group.index].set()
+        return decode(self, p, files)
+
+    def encoded(self, p, table):
+        # a serial reader would decode the next slice only after this: the wait would time out
+        overlapped.append(p.group.index == 3 or decoding[p.group.index + 1].wait(timeout=10))
+        return encode(self, p, table)
+    monkeypatch.setattr(ParquetReader, "_decode", decoded)
+    monkeypatch.setattr(ParquetReader, "_encode", encoded)
+    batches = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), batch_size=10, shuffle=False,
+                                              num_epochs=1)]
+    assert overlapped == [True] * 4
+    assert users_of(batches).tolist() == list(range(40))
+
+
+def test_closing_a_reader_mid_epoch_stops_its_decoding_and_encoding_threads(tmp_path):
+    pq.write_table(make_table(0, 400), tmp_path / "f.parquet", row_group_size=50)
+    batches = iter(ParquetReader(str(tmp_path), make_encoder(), batch_size=20, shuffle=False, num_epochs=1))
+    next(batches)
+    assert {"rankmix-reader-decode_0", "rankmix-reader-encode_0"} <= {t.name for t in threading.enumerate()}
+    batches.close()
+    assert [t.name for t in threading.enumerate()] == ["MainThread"]
+
+
+# ----------------------------------------------------------------------------- files' metadata
+
+
+@pytest.mark.parametrize("calls", [2, 2 * METADATA_THREADS])
+def test_files_metadata_is_read_metadata_threads_at_a_time_results_in_order(calls):
+    together = threading.Barrier(min(calls, METADATA_THREADS), timeout=5)  # passes only when that many run at once
+    running, peak, lock = 0, 0, threading.Lock()
+
+    def call(i: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        together.wait()
+        time.sleep(0.05)  # still running while the next ones would start, were there more threads
+        with lock:
+            running -= 1
+        return i
+    assert _concurrently([lambda i=i: call(i) for i in range(calls)]) == list(range(calls))
+    assert peak == min(calls, METADATA_THREADS)
+
+
+def test_a_failed_metadata_call_is_its_result_the_others_still_come():
+    def fail():
+        raise OSError("no footer")
+    results = _concurrently([lambda: 1, fail, lambda: 3])
+    assert results[0] == 1 and results[2] == 3
+    assert isinstance(results[1], OSError) and str(results[1]) == "no footer"
+    assert _concurrently([]) == [] and _concurrently([lambda: 5]) == [5]

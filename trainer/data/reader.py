@@ -44,16 +44,17 @@ epoch fix its position exactly: the state is just (epoch, step), and resuming re
 window and skips into it.
 
 Memory: O(shuffle_buffer + SLICE_ROWS) rows, whatever the row groups' size: the window
-being consumed and the next window being loaded, each below `shuffle_buffer + SLICE_ROWS`
-rows, one decoded slice, and a READ_BUFFER per column being read. A row group is decoded a
-slice at a time (`iter_batches`); the slices before a piece's first row are decoded and
-dropped. A window is held encoded, as numpy columns
-(`Rows`): encoding works on whole columns, and a batch's rows are copied (in order) or
-gathered (by the permutation) once, straight from the window into its tensors; the window
-itself is never copied in shuffled order. A slice is decoded on one thread (the loader's):
-pyarrow's pool spent 10-20% more CPU on row-group-sized reads, and would compete with the
-training step's threads. With `pin_memory`, PREFETCH_BATCHES more batches wait in pinned
-memory.
+being consumed and the next window being encoded, each below `shuffle_buffer + SLICE_ROWS`
+rows, the slice being encoded and DECODE_AHEAD decoded after it, and a READ_BUFFER per
+column being read. A row group is decoded a slice at a time (`iter_batches`); the slices
+before a piece's first row are decoded and dropped. A window is held encoded, as numpy
+columns (`Rows`): encoding works on whole columns, and a batch's rows are copied (in order)
+or gathered (by the permutation) once, straight from the window into its tensors; the window
+itself is never copied in shuffled order. Slices are decoded on one thread and encoded on
+another, so that decoding (mostly outside the GIL) does not wait for encoding, nor encoding
+for the consumer: pyarrow's own pool spent 10-20% more CPU on row-group-sized reads, and
+would compete with the training step's threads. With `pin_memory`, PREFETCH_BATCHES more
+batches wait in pinned memory.
 
 Object stores: trainer/data/store.py (retries with backoff, then DataUnavailableError).
 """
@@ -61,6 +62,7 @@ Object stores: trainer/data/store.py (retries with backoff, then DataUnavailable
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import itertools
 import json
@@ -69,7 +71,7 @@ import queue
 import struct
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -94,11 +96,15 @@ SLICE_ROWS = 65_536  # rows decoded at once: a larger row group is read in slice
 # chunks, even compressed, can be far larger than a slice.
 READ_BUFFER = 1 << 20
 PREFETCH_BATCHES = 2  # pinned batches made ahead of the consumer
+DECODE_AHEAD = 1  # slices decoded ahead of the one being encoded
 # `content_digest`: a file up to FULL_HASH_BYTES is hashed whole; of a larger one, its footer
 # (from a first read of its last TAIL_BYTES) and the first and last SAMPLE_BYTES of each column chunk.
 FULL_HASH_BYTES = 8 << 20
 TAIL_BYTES = 64 << 10
 SAMPLE_BYTES = 4096
+# Files' footers and digests are read this many at a time: on an object store each file costs
+# round trips, and hashing and local reads run outside the GIL.
+METADATA_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -212,15 +218,12 @@ class ParquetReader:
         shared = self.world_size > 1 and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
         mine, failure = {}, None
-        for i in range(rank, len(infos), world):
-            try:
-                mine[i] = self.store.call(partial(_file_digest, self.fs, infos[i]), infos[i].path)
-            except DataUnavailableError as e:
-                failure = e
-            except (pa.ArrowException, OSError, ValueError) as e:
-                failure = ValueError(f"cannot read Parquet file {infos[i].path}: {e}")
-            if failure is not None:
+        ours = range(rank, len(infos), world)
+        for i, digest in zip(ours, _concurrently([partial(self._digest, infos[i]) for i in ours])):
+            if isinstance(digest, Exception):
+                failure = digest
                 break
+            mine[i] = digest
         if not shared:
             if failure is not None:
                 raise failure
@@ -235,13 +238,24 @@ class ParquetReader:
         merged = {i: digest for part, _, _ in parts for i, digest in part.items()}
         return [merged[i] for i in range(len(infos))]
 
+    def _digest(self, info: pafs.FileInfo) -> str:
+        try:
+            return self.store.call(partial(_file_digest, self.fs, info), info.path)
+        except DataUnavailableError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise ValueError(f"cannot read Parquet file {info.path}: {e}") from None
+
     def _discover(self) -> list[RowGroup]:
         groups = []
-        for path in self.files:
-            try:
-                schema, infos = self.store.call(partial(_footer, self.fs, path), path)
-            except (pa.ArrowException, OSError) as e:
-                raise ValueError(f"cannot read Parquet file {path}: {e}") from None
+        footers = _concurrently([partial(self.store.call, partial(_footer, self.fs, path), path)
+                                 for path in self.files])
+        for path, footer in zip(self.files, footers):
+            if isinstance(footer, (pa.ArrowException, OSError)):
+                raise ValueError(f"cannot read Parquet file {path}: {footer}") from None
+            if isinstance(footer, BaseException):
+                raise footer
+            schema, infos = footer
             self.encoder.check_schema(schema, path)
             groups += [RowGroup(path, rg.id, rg.num_rows) for rg in infos if rg.num_rows]
         return groups
@@ -393,9 +407,10 @@ class ParquetReader:
             yield self._padded(_take_front(held, self.batch_size))
 
     def _window_stream(self, windows: list[list[Piece]], epoch: int, skip: int) -> Iterator[Part]:
-        """Encoded, shuffled rows of `windows`, starting `skip` rows in. The next window is
-        read and encoded in a background thread while this one is consumed: Parquet decode
-        and most of the encoding run outside the GIL."""
+        """Encoded, shuffled rows of `windows`, starting `skip` rows in. Two threads work ahead of
+        the consumer: one encodes the next window while the other decodes the pieces after it,
+        DECODE_AHEAD ahead of the encoder, so that decoding (mostly outside the GIL) does not
+        wait for encoding and the consumer only assembles batches."""
         todo = []
         for i, window in enumerate(windows):
             size = sum(p.num_rows for p in window)
@@ -408,13 +423,20 @@ class ParquetReader:
             return
         files = _LastFile(self.fs)
         try:
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                load = partial(self._load_window, epoch=epoch, files=files)
-                future = pool.submit(load, todo[0][1], todo[0][0])
+            with ThreadPoolExecutor(1, "rankmix-reader-decode") as decoder, \
+                    ThreadPoolExecutor(1, "rankmix-reader-encode") as encoder:
+                tables = _ahead(decoder, (partial(self._decode, p, files) for _, w, _ in todo for p in w),
+                                DECODE_AHEAD)
+
+                def load(k: int) -> Future:
+                    index, window, _ = todo[k]
+                    return encoder.submit(lambda: self._encode_window(
+                        [self._encode(p, next(tables)) for p in window], index, epoch))
+                ahead = load(0)
                 for k, (_, _, start) in enumerate(todo):
-                    rows = future.result()
+                    rows = ahead.result()
                     if k + 1 < len(todo):
-                        future = pool.submit(load, todo[k + 1][1], todo[k + 1][0])
+                        ahead = load(k + 1)
                     yield rows.slice(start)
         finally:
             files.close()
@@ -431,30 +453,35 @@ class ParquetReader:
         weights[:real] = 1.0
         return assemble([Part(source, np.resize(np.arange(source.num_rows), self.batch_size))], weights)
 
-    def _load_window(self, pieces: list[Piece], index: int, epoch: int, files: "_LastFile") -> Part:
+    def _encode_window(self, parts: list[Rows], index: int, epoch: int) -> Part:
         """The window's rows, with their permutation where they are shuffled: batches gather
         from the window by it, rather than the whole window being copied in shuffled order."""
-        rows = Rows.concat([self._read(p, files) for p in pieces])
+        rows = Rows.concat(parts)
         self.peak_buffered_rows = max(self.peak_buffered_rows, rows.num_rows)
         if self.shuffle and self.shuffle_buffer:
             return Part(rows, np.random.default_rng([self.seed, epoch, self.rank, index]).permutation(rows.num_rows))
         return Part(rows)
 
-    def _read(self, p: Piece, files: "_LastFile | None" = None) -> Rows:
+    def _read(self, p: Piece) -> Rows:
+        """One piece's rows, decoded and encoded (a file opened for it alone)."""
+        files = _LastFile(self.fs)
+        try:
+            return self._encode(p, self._decode(p, files))
+        finally:
+            files.close()
+
+    def _decode(self, p: Piece, files: "_LastFile") -> pa.Table:
+        where = f"{p.group.path}, row group {p.group.index}"
+        try:
+            return self.store.call(partial(files.read, p, self.encoder.columns), where)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"cannot read {where}: {e}") from None
+
+    def _encode(self, p: Piece, table: pa.Table) -> Rows:
         g = p.group
         where = f"{g.path}, row group {g.index}"
         # the encoder numbers rows from the piece's first row
-        shown = f"{where} from row {g.first + p.start}" if g.first + p.start else where
-        own = files is None
-        files = _LastFile(self.fs) if own else files
-        try:
-            raw = self.store.call(partial(files.read, p, self.encoder.columns), where)
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"cannot read {where}: {e}") from None
-        finally:
-            if own:
-                files.close()
-        return self.encoder.encode(raw, shown)
+        return self.encoder.encode(table, f"{where} from row {g.first + p.start}" if g.first + p.start else where)
 
     # ------------------------------------------------------------------ state
 
@@ -508,6 +535,20 @@ class ParquetReader:
             raise ValueError("data reader state: its resumed epoch's units are not row ranges of this input's "
                              f"{len(groups)} row groups")
         return {"epoch": resumed["epoch"], "units": units, "rows": resumed["rows"]}
+
+
+def _concurrently(calls: list) -> list:
+    """The results of `calls`, in order, made up to METADATA_THREADS at a time; a call that raises
+    gives its exception as its result (the caller decides which one to raise)."""
+    def outcome(call):
+        try:
+            return call()
+        except Exception as e:  # returned, not raised: the caller picks the first in file order
+            return e
+    if len(calls) < 2:
+        return [outcome(call) for call in calls]
+    with ThreadPoolExecutor(max_workers=min(METADATA_THREADS, len(calls))) as pool:
+        return list(pool.map(outcome, calls))
 
 
 def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tuple[str, int, list[int]]]:
@@ -673,6 +714,18 @@ def _sliced(pieces: list[Piece]) -> list[Piece]:
 
 
 _END = object()
+
+
+def _ahead(pool: ThreadPoolExecutor, calls: Iterator, ahead: int) -> Iterator:
+    """The results of `calls`, in order, each call submitted to `pool` when the result `ahead`
+    places before it is taken: at most `ahead` + 1 results wait or are being made."""
+    pending: collections.deque[Future] = collections.deque()
+    for call in calls:
+        pending.append(pool.submit(call))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _pinned_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
