@@ -18,6 +18,7 @@
 Each figure is the best of --repeat interleaved runs (the machine may be shared).
 
     python bench/reader.py [--rows 1000000] [--repeat 3] [--shuffle-buffers 0,65536] [--reader-only]
+                           [--batch-size 4096] [--row-group-size 16384]
                            [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
 """
 
@@ -39,7 +40,7 @@ from convert import SAMPLE, bench_converter, make_tsv  # noqa: E402  (bench/conv
 
 
 def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
-                 shuffle_buffers: tuple[int, ...] = (0, 65_536)) -> dict:
+                 shuffle_buffers: tuple[int, ...] = (0, 65_536), row_group_size: int = 16_384) -> dict:
     import pyarrow.parquet as pq
 
     from dense.model_config import TaskSpec
@@ -49,7 +50,7 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
     from trainer.offline.synth import write_synthetic
 
     t0 = time.perf_counter()
-    write_synthetic(tmp / "synth", rows=rows, valid_fraction=0.01, files=4, row_group_size=16_384)
+    write_synthetic(tmp / "synth", rows=rows, valid_fraction=0.01, files=4, row_group_size=row_group_size)
     gen_s = time.perf_counter() - t0
     train = tmp / "synth" / "train"
     encoder = RowEncoder(synth_features(), [TaskSpec(name="click")], user_column="user_id")
@@ -71,7 +72,8 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
         return timed(lambda: sum(len(b) for b in r))
 
     raw()  # warm the page cache
-    out = {"rows": rows, "generate_s": round(gen_s, 1), "batch_size": batch_size, "repeat": repeat}
+    out = {"rows": rows, "row_group_size": row_group_size, "generate_s": round(gen_s, 1), "batch_size": batch_size,
+           "repeat": repeat}
     # Best of `repeat` interleaved runs: a busy neighbour then slows every contender alike.
     # CPU seconds are reported too: on a shared machine they vary far less than wall time.
     rows_in: dict[str, int] = {}  # the reader drops the last partial batch
@@ -109,6 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--row-group-size", type=int, default=16_384,
+                   help="rows per row group of the generated files (the rehearsal's: 262144, read in slices)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best counts")
     p.add_argument("--shuffle-buffers", default="0,65536",
                    help="comma-separated shuffle buffers of the reader's runs (0: unshuffled)")
@@ -120,7 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
         buffers = tuple(int(b) for b in args.shuffle_buffers.split(","))
-        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat, buffers)}
+        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat, buffers, args.row_group_size)}
         print(json.dumps(res["reader"]), flush=True)
         if args.reader_only:
             return
