@@ -210,9 +210,9 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
     row = row_bytes(cfg)
     widest = max((f.embedding_dim for f in cfg.features if f.kind != "numeric"), default=0)
     init = 2 * BLOCK_ROWS * widest * 4  # a block's fp32 draw and its scaled copy (embeddings/init.py `_block`)
-    # the window being consumed, the next one and its permuted copy, the slice being encoded and
-    # DECODE_AHEAD decoded after it, the batch being assembled (and PREFETCH_BATCHES pinned ones on a
-    # GPU rank), a read buffer per column
+    # the window being consumed, the next one and its encoded pieces while they are concatenated,
+    # the slice being encoded and DECODE_AHEAD decoded after it, the batch being assembled (and
+    # PREFETCH_BATCHES pinned ones on a GPU rank), a read buffer per column
     window = cfg.data.shuffle_buffer + SLICE_ROWS
     batches = 1 + (PREFETCH_BATCHES if device == "cuda" else 0)
     columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column).columns

@@ -96,8 +96,8 @@ def test_each_ranks_host_memory(tmp_path, device, prefetched, async_save):
     cfg = _config(tmp_path, f"--checkpoint.async_save={str(async_save).lower()}")
     host = host_memory(cfg, MEMORY, DENSE, DENSE_PARAMS, device, 32)
     init = 2 * BLOCK * 12 * 4  # two fp32 blocks of the widest table (tags, 12), numeric features have none
-    # the window consumed, the next one and its permuted copy, the slice being encoded and one
-    # decoded ahead, the batch (and on a GPU the pinned ones), a read buffer per column
+    # the window consumed, the next one and its pieces being concatenated, the slice being encoded
+    # and one decoded ahead, the batch (and on a GPU the pinned ones), a read buffer per column
     reader = (3 * (5000 + SLICE) + 2 * SLICE + (1 + prefetched) * 32) * ROW + COLUMNS * READ_BUFFER
     evaluation = evaluation_bytes(cfg, 32, ROW)
     want = []

@@ -257,10 +257,17 @@ def test_files_metadata_is_read_metadata_threads_at_a_time_results_in_order(call
     assert peak == min(calls, METADATA_THREADS)
 
 
-def test_a_failed_metadata_call_is_its_result_the_others_still_come():
-    def fail():
-        raise OSError("no footer")
-    results = _concurrently([lambda: 1, fail, lambda: 3])
-    assert results[0] == 1 and results[2] == 3
-    assert isinstance(results[1], OSError) and str(results[1]) == "no footer"
+def test_of_failed_metadata_calls_the_first_in_order_is_raised_not_the_first_to_fail():
+    later_failed = threading.Event()
+
+    def first():
+        later_failed.wait(timeout=5)  # fails after the later call has
+        raise OSError("no footer in file 1")
+
+    def later():
+        later_failed.set()
+        raise OSError("no footer in file 3")
+    with pytest.raises(OSError, match="^no footer in file 1$"):
+        _concurrently([lambda: 0, first, lambda: 2, later])
+    assert later_failed.is_set()
     assert _concurrently([]) == [] and _concurrently([lambda: 5]) == [5]

@@ -219,11 +219,10 @@ class ParquetReader:
         rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
         mine, failure = {}, None
         ours = range(rank, len(infos), world)
-        for i, digest in zip(ours, _concurrently([partial(self._digest, infos[i]) for i in ours])):
-            if isinstance(digest, Exception):
-                failure = digest
-                break
-            mine[i] = digest
+        try:
+            mine = dict(zip(ours, _concurrently([partial(self._digest, infos[i]) for i in ours])))
+        except (DataUnavailableError, ValueError) as e:
+            failure = e
         if not shared:
             if failure is not None:
                 raise failure
@@ -241,21 +240,19 @@ class ParquetReader:
     def _digest(self, info: pafs.FileInfo) -> str:
         try:
             return self.store.call(partial(_file_digest, self.fs, info), info.path)
-        except DataUnavailableError:
-            raise
-        except (pa.ArrowException, OSError, ValueError) as e:
+        except (pa.ArrowException, OSError, ValueError) as e:  # not DataUnavailableError, a RuntimeError
             raise ValueError(f"cannot read Parquet file {info.path}: {e}") from None
+
+    def _read_footer(self, path: str) -> tuple[pa.Schema, list]:
+        try:
+            return self.store.call(partial(_footer, self.fs, path), path)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"cannot read Parquet file {path}: {e}") from None
 
     def _discover(self) -> list[RowGroup]:
         groups = []
-        footers = _concurrently([partial(self.store.call, partial(_footer, self.fs, path), path)
-                                 for path in self.files])
-        for path, footer in zip(self.files, footers):
-            if isinstance(footer, (pa.ArrowException, OSError)):
-                raise ValueError(f"cannot read Parquet file {path}: {footer}") from None
-            if isinstance(footer, BaseException):
-                raise footer
-            schema, infos = footer
+        footers = _concurrently([partial(self._read_footer, path) for path in self.files])
+        for path, (schema, infos) in zip(self.files, footers):
             self.encoder.check_schema(schema, path)
             groups += [RowGroup(path, rg.id, rg.num_rows) for rg in infos if rg.num_rows]
         return groups
@@ -538,17 +535,10 @@ class ParquetReader:
 
 
 def _concurrently(calls: list) -> list:
-    """The results of `calls`, in order, made up to METADATA_THREADS at a time; a call that raises
-    gives its exception as its result (the caller decides which one to raise)."""
-    def outcome(call):
-        try:
-            return call()
-        except Exception as e:  # returned, not raised: the caller picks the first in file order
-            return e
-    if len(calls) < 2:
-        return [outcome(call) for call in calls]
-    with ThreadPoolExecutor(max_workers=min(METADATA_THREADS, len(calls))) as pool:
-        return list(pool.map(outcome, calls))
+    """The results of `calls`, in order, made up to METADATA_THREADS at a time; where calls fail,
+    the first one's error in their order (not the first to happen) is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, min(METADATA_THREADS, len(calls)))) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tuple[str, int, list[int]]]:
