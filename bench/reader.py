@@ -17,7 +17,7 @@
 
 Each figure is the best of --repeat interleaved runs (the machine may be shared).
 
-    python bench/reader.py [--rows 1000000] [--repeat 3] [--shuffle-buffers 0,65536] [--reader-only]
+    python bench/reader.py [--rows 1000000] [--repeat 7; 3 converting] [--shuffle-buffers 0,65536] [--reader-only]
                            [--batch-size 4096] [--row-group-size 16384]
                            [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
 """
@@ -113,7 +113,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--row-group-size", type=int, default=16_384,
                    help="rows per row group of the generated files (the rehearsal's: 262144, read in slices)")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best counts")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="interleaved runs of each; the best counts (default: 7 of the reader's passes, a fraction "
+                        "of a second each, whose best of 3 still swung 0.70-1.10; 3 of the converter's)")
     p.add_argument("--shuffle-buffers", default="0,65536",
                    help="comma-separated shuffle buffers of the reader's runs (0: unshuffled)")
     p.add_argument("--reader-only", action="store_true", help="skip the converter's benchmarks")
@@ -124,12 +126,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
         buffers = tuple(int(b) for b in args.shuffle_buffers.split(","))
-        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat, buffers, args.row_group_size)}
+        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat or 7, buffers, args.row_group_size)}
         print(json.dumps(res["reader"]), flush=True)
         if args.reader_only:
             return
         if SAMPLE.is_file():
-            res["converter"] = bench_converter(tmp, args.tsv_mb, args.repeat)
+            res["converter"] = bench_converter(tmp, args.tsv_mb, args.repeat or 3)
             print(json.dumps(res["converter"]), flush=True)
             if args.memory:
                 res["memory"] = peak_memory(tmp, [int(s) for s in args.memory.split(",")])
