@@ -59,8 +59,14 @@ class IdHashing:
 
 
 def _modulo(values: np.ndarray, num_embeddings: int) -> np.ndarray:
-    """In the column's own integer type, so that uint64 ids above 2^63 are reduced, not wrapped."""
-    return (values % values.dtype.type(num_embeddings)).astype(np.int64)
+    """In the column's own integer type, so that uint64 ids above 2^63 are reduced, not wrapped.
+    As v - (v // n) * n, numpy's floor division and `%` alike: numpy divides by a scalar with
+    libdivide (a multiply and shifts), but its `%` with the CPU's division, 2-3x slower for int64."""
+    n = values.dtype.type(num_embeddings)
+    rows = values // n
+    rows *= n
+    np.subtract(values, rows, out=rows)
+    return rows.astype(np.int64, copy=False)
 
 
 def _modulo_ids(ids: torch.Tensor, num_embeddings: torch.Tensor) -> torch.Tensor:
