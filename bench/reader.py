@@ -6,7 +6,10 @@
     65,536-row shuffle buffer. `ratio` is by wall time (rows/s), each side with the threads it
     has: the reader its decoding and encoding threads beside the consumer, pyarrow its pool
     (OMP_NUM_THREADS of them, else one a core); `cpu_ratio` is by the CPU seconds of all threads,
-    the work each side does for a row.
+    the work each side does for a row. The reader's passes run in a process whose malloc is
+    tuned as in every process that reads for training (trainer/dist.py `tune_malloc`, called by
+    `init_distributed`); untuned, each window's arrays above 128 KiB are mapped afresh and
+    page-faulted in (`--no-malloc-tuning` measures that).
 (b) The Criteo converter's MB/s in one process against plain reading of the same TSV
     (bytes read and lines counted; and pyarrow's CSV parse of every field as a string),
     on a TSV made by repeating the sample day file's rows (bench/convert.py, which also
@@ -18,7 +21,7 @@
 Each figure is the best of --repeat interleaved runs (the machine may be shared).
 
     python bench/reader.py [--rows 1000000] [--repeat 7; 3 converting] [--shuffle-buffers 0,65536] [--reader-only]
-                           [--batch-size 4096] [--row-group-size 16384]
+                           [--batch-size 4096] [--row-group-size 16384] [--no-malloc-tuning]
                            [--tsv-mb 200] [--memory 200,1000] [--tmp DIR]
 """
 
@@ -122,22 +125,25 @@ def main() -> None:
     p.add_argument("--tsv-mb", type=int, default=200)
     p.add_argument("--memory", default="", help="comma-separated input sizes in MB, e.g. 1000,5000")
     p.add_argument("--tmp", default=None)
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="run the reader's passes with glibc's malloc as it starts, not tuned as in training")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
-        buffers = tuple(int(b) for b in args.shuffle_buffers.split(","))
-        res = {"reader": bench_reader(tmp, args.rows, args.batch_size, args.repeat or 7, buffers, args.row_group_size)}
-        print(json.dumps(res["reader"]), flush=True)
-        if args.reader_only:
-            return
-        if SAMPLE.is_file():
-            res["converter"] = bench_converter(tmp, args.tsv_mb, args.repeat or 3)
-            print(json.dumps(res["converter"]), flush=True)
+        # The converter first: `rankmix convert` runs with malloc as it starts, and the tuning
+        # below cannot be undone.
+        if not args.reader_only and SAMPLE.is_file():
+            print(json.dumps(bench_converter(tmp, args.tsv_mb, args.repeat or 3)), flush=True)
             if args.memory:
-                res["memory"] = peak_memory(tmp, [int(s) for s in args.memory.split(",")])
-                print(json.dumps(res["memory"]), flush=True)
-        else:
+                print(json.dumps(peak_memory(tmp, [int(s) for s in args.memory.split(",")])), flush=True)
+        elif not args.reader_only:
             print(f"converter benchmark skipped: {SAMPLE} not found")
+        if not args.no_malloc_tuning:
+            from trainer.dist import tune_malloc
+            print(f"reader: {tune_malloc()}, as in every process that reads for training", flush=True)
+        buffers = tuple(int(b) for b in args.shuffle_buffers.split(","))
+        print(json.dumps(bench_reader(tmp, args.rows, args.batch_size, args.repeat or 7, buffers,
+                                      args.row_group_size)), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Every figure comes with a ratio to its limit, measured in the same run (docs/sca
   of dim 8 (`--table-rows` in all) with row-wise Adagrad, sharded row-wise. The config is a
   TOML written next to the data, so every stage runs the real `rankmix` commands.
 - loader: one `ParquetReader` pass over the training files, unshuffled and shuffled, each
-  in a fresh process, against pyarrow's bare `iter_batches` of the same files and columns;
+  in a fresh process with malloc tuned as training's (trainer/dist.py `tune_malloc`), against
+  pyarrow's bare `iter_batches` of the same files and columns;
   peak RSS (VmHWM) at 10%, 50% and 100% of each pass.
 - training: `rankmix launch` on 4 gloo ranks for `--steps` steps, an async save halfway
   and at the end; then 2 ranks resume it (DCP reshards; the epoch's rows left are split over
@@ -286,6 +287,9 @@ import pyarrow.parquet as pq
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import ParquetReader
+from trainer.dist import tune_malloc
+
+tune_malloc()  # as in every process that reads for training (init_distributed)
 
 def hwm():
     return int(re.search(r"^VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
