@@ -110,6 +110,16 @@ def peak_memory(tmp: Path, sizes: list[int]) -> dict:
     return out
 
 
+def bench_conversion(tmp: Path, args: argparse.Namespace) -> None:
+    """(b) and (c), printed; skipped without the sample day file."""
+    if not SAMPLE.is_file():
+        print(f"converter benchmark skipped: {SAMPLE} not found")
+        return
+    print(json.dumps(bench_converter(tmp, args.tsv_mb, args.repeat or 3)), flush=True)
+    if args.memory:
+        print(json.dumps(peak_memory(tmp, [int(s) for s in args.memory.split(",")])), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -117,8 +127,8 @@ def main() -> None:
     p.add_argument("--row-group-size", type=int, default=16_384,
                    help="rows per row group of the generated files (the rehearsal's: 262144, read in slices)")
     p.add_argument("--repeat", type=int, default=None,
-                   help="interleaved runs of each; the best counts (default: 7 of the reader's passes, a fraction "
-                        "of a second each, whose best of 3 still swung 0.70-1.10; 3 of the converter's)")
+                   help="interleaved runs of each; the best counts (default: 7 of the reader's short passes, "
+                        "3 of the converter's)")
     p.add_argument("--shuffle-buffers", default="0,65536",
                    help="comma-separated shuffle buffers of the reader's runs (0: unshuffled)")
     p.add_argument("--reader-only", action="store_true", help="skip the converter's benchmarks")
@@ -132,12 +142,8 @@ def main() -> None:
         tmp = Path(d)
         # The converter first: `rankmix convert` runs with malloc as it starts, and the tuning
         # below cannot be undone.
-        if not args.reader_only and SAMPLE.is_file():
-            print(json.dumps(bench_converter(tmp, args.tsv_mb, args.repeat or 3)), flush=True)
-            if args.memory:
-                print(json.dumps(peak_memory(tmp, [int(s) for s in args.memory.split(",")])), flush=True)
-        elif not args.reader_only:
-            print(f"converter benchmark skipped: {SAMPLE} not found")
+        if not args.reader_only:
+            bench_conversion(tmp, args)
         if not args.no_malloc_tuning:
             from trainer.dist import tune_malloc
             print(f"reader: {tune_malloc()}, as in every process that reads for training", flush=True)
