@@ -1,5 +1,6 @@
 """Behaviour timestamps (trainer/data/timestamps.py): the log-scale gap buckets in both forms,
-truncation with the ids, and the errors and the clamp at the data boundary."""
+truncation with the ids, the checked range, and the errors and the dropped future behaviours at the
+data boundary."""
 
 from __future__ import annotations
 
@@ -62,14 +63,115 @@ def test_lengths_that_differ_name_the_file_row_and_column():
                             "column 'hist'")
 
 
-def test_a_timestamp_after_the_request_time_is_clamped_to_a_gap_of_zero_and_counted(capsys):
-    enc = encoder()
-    rows = enc.encode(table([[1, 2], [3]], [[5, 12], [30]], [10, 20]), "f.parquet")
-    assert rows.to_batch().sequence_gaps[0].tolist() == [reference_bucket(5, 32), 1, 1]
-    assert enc.gaps.clamped == 2
+def test_a_behaviour_after_its_request_time_is_dropped_with_its_id_and_counted(capsys):
+    """Not clamped to a gap of 0 (it would show the model what came after the label): the id and
+    its timestamp leave the list, then max_len keeps the last of what is left."""
+    enc = encoder(max_len=2)
+    rows = enc.encode(table([[1, 2, 3], [4]], [[5, 12, 8], [30]], [10, 20]), "day=1/part-0.parquet, row group 2")
+    batch = rows.to_batch()
+    assert batch.sequence_ids["hist"].values().tolist() == [1, 3]
+    assert batch.sequence_ids["hist"].lengths().tolist() == [2, 0]
+    assert batch.sequence_gaps[0].tolist() == [reference_bucket(5, 32), reference_bucket(2, 32)]
+    assert enc.gaps.dropped == 2
     assert capsys.readouterr().err.strip() == (
-        "rankmix: warning: f.parquet, column 'hist_ts': a timestamp after the request time ('now') at row 0; "
-        "such gaps are clamped to 0 and counted")
+        "rankmix: warning: day=1/part-0.parquet, row group 2, column 'hist_ts': 2 behaviour(s) after the request "
+        "time ('now') dropped from their sequence, the first at row 0; counted, each file named once")
+    enc.encode(table([[1]], [[11]], [10]), "day=1/part-0.parquet, row group 3 from row 8")  # the same file
+    enc.encode(table([[7, 8]], [[9, 11]], [10]), "day=2/part-0.parquet, row group 0")
+    assert enc.gaps.dropped == 4
+    assert capsys.readouterr().err.splitlines() == [
+        "rankmix: warning: day=2/part-0.parquet, row group 0, column 'hist_ts': 1 behaviour(s) after the request "
+        "time ('now') dropped from their sequence, the first at row 0; counted, each file named once"]
+
+
+def reference_rows(hist, stamps, now, max_len, buckets):
+    """Per row, in Python: the (id, gap bucket) pairs kept, and the behaviours dropped."""
+    kept, dropped = [], 0
+    for ids, times, t in zip(hist, stamps, now):
+        pairs = [(i, reference_bucket(t - s, buckets)) for i, s in zip(ids or [], times or []) if s <= t]
+        dropped += len(ids or []) - len(pairs)
+        kept.append(pairs[-max_len:])
+    return kept, dropped
+
+
+@pytest.mark.parametrize("list_type", [pa.list_, pa.large_list])
+def test_the_behaviours_kept_and_their_gaps_match_a_per_row_reference(list_type):
+    rng = np.random.default_rng(55)
+    n = 300
+    now = rng.integers(0, 2**62, n).tolist()
+    now[:3] = [0, 2**62 - 1, 5]  # the range's two ends: no gap overflows, nothing at 0 is clamped
+    hist, stamps = [], []
+    for t in now:
+        length = int(rng.integers(0, 9))
+        hist.append(rng.integers(0, 100, length).tolist())
+        drift = rng.integers(-2**20, 2**20, length)  # about half after the request time
+        stamps.append([int(min(max(t - d, 0), 2**62 - 1)) for d in drift])
+    stamps[0], hist[0] = [2**62 - 1, 0], [1, 2]  # at request time 0: one dropped, one kept at gap 0
+    stamps[1], hist[1] = [0], [3]  # gap 2^62 - 1, the widest
+    hist[5], stamps[5] = None, None  # a null list: an empty sequence
+    enc = encoder(max_len=4)
+    t = pa.table({"item": [1] * n, "hist": pa.array(hist, list_type(pa.int64())),
+                  "hist_ts": pa.array(stamps, list_type(pa.int64())), "now": now, "click": [0] * n})
+    batch = enc.encode(t, "f.parquet").to_batch()
+    kept, dropped = reference_rows(hist, stamps, now, 4, 32)
+    assert batch.sequence_ids["hist"].lengths().tolist() == [len(k) for k in kept]
+    assert batch.sequence_ids["hist"].values().tolist() == [i for k in kept for i, _ in k]
+    assert batch.sequence_gaps[0].tolist() == [g for k in kept for _, g in k]
+    assert dropped > n and enc.gaps.dropped == dropped
+    assert kept[0] == [(2, 1)] and kept[1] == [(3, 31)]
+
+
+def test_a_uint64_time_past_int64_is_refused_as_itself_not_wrapped():
+    u64 = pa.list_(pa.uint64())
+    with pytest.raises(ValueError) as e:
+        encoder().encode(pa.table({"item": [1, 1], "hist": pa.array([[1], [2]], pa.list_(pa.int64())),
+                                   "hist_ts": pa.array([[3], [2**64 - 1]], u64), "now": [10, 10], "click": [0, 0]}),
+                         "f.parquet, row group 0")
+    assert str(e.value) == ("f.parquet, row group 0, column 'hist_ts': timestamp 18446744073709551615 at row 1 "
+                            "is outside 0 <= t < 2^62 (docs/data.md, Sequences)")
+    with pytest.raises(ValueError) as e:
+        encoder().encode(pa.table({"item": [1], "hist": pa.array([[1]], pa.list_(pa.int64())),
+                                   "hist_ts": pa.array([[3]], u64), "now": pa.array([2**63], pa.uint64()),
+                                   "click": [0]}), "f.parquet")
+    assert str(e.value) == ("f.parquet, column 'now': request time 9223372036854775808 at row 0 is outside "
+                            "0 <= t < 2^62 (docs/data.md, Sequences)")
+
+
+def test_times_whose_gap_would_overflow_int64_are_refused_not_clamped():
+    """Request time 2^63 - 1 less a timestamp of -2^62 wraps int64 to a negative gap."""
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1]], [[-2**62]], [2**63 - 1]), "f.parquet")
+    assert str(e.value) == ("f.parquet, column 'now': request time 9223372036854775807 at row 0 is outside "
+                            "0 <= t < 2^62 (docs/data.md, Sequences)")
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1, 2]], [[5, -2**62]], [2**62 - 1]), "f.parquet")
+    assert str(e.value) == ("f.parquet, column 'hist_ts': timestamp -4611686018427387904 at row 0 is outside "
+                            "0 <= t < 2^62 (docs/data.md, Sequences)")
+
+
+def test_negative_times_are_refused_in_every_integer_type():
+    for typ in (pa.int8(), pa.int32(), pa.int64()):
+        with pytest.raises(ValueError) as e:
+            encoder().encode(pa.table({"item": [1, 1], "hist": pa.array([[1], [2, 3]], pa.list_(pa.int64())),
+                                       "hist_ts": pa.array([[3], [4, -1]], pa.list_(typ)), "now": [10, 10],
+                                       "click": [0, 0]}), "f.parquet")
+        assert str(e.value) == ("f.parquet, column 'hist_ts': timestamp -1 at row 1 is outside 0 <= t < 2^62 "
+                                "(docs/data.md, Sequences)")
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1]], [[3]], pa.array([10, -5][1:], pa.int16())), "f.parquet")
+    assert str(e.value) == "f.parquet, column 'now': request time -5 at row 0 is outside 0 <= t < 2^62 " \
+                           "(docs/data.md, Sequences)"
+
+
+def test_a_served_models_inputs_are_checked_alike_and_nothing_is_dropped_or_counted(capsys):
+    from trainer.serving.predict import raw_inputs
+
+    features = encoder().gaps.features + [FeatureSpec(name="item", table="t", num_embeddings=100, embedding_dim=4)]
+    rows = table([[1, 2]], [[5, 12]], [10])
+    *_, stamps, now = raw_inputs(rows, features, "f.parquet", "now")
+    assert stamps.tolist() == [5, 12] and now.tolist() == [10] and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=r"^f.parquet, column 'hist_ts': timestamp -1 at row 0 is outside"):
+        raw_inputs(table([[1]], [[-1]], [10]), features, "f.parquet", "now")
 
 
 def test_timestamps_need_a_request_time_column():

@@ -81,9 +81,12 @@ class RowEncoder:
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
         and labels, int64 users (uint64 ones by their bit pattern); computed a whole column at a time."""
+        # First the timed sequences' behaviours after their request time, so that ids and gaps
+        # leave out the same ones before max_len keeps the last (trainer/data/timestamps.py).
+        timed_ids, gaps = self.gaps.encode(table, where)
         ids, lengths = [], []
         for f in self.sparse:
-            v, n = encode_ids(table.column(f.column), f, where)
+            v, n = encode_ids(timed_ids.get(f.name, table.column(f.column)), f, where)
             ids.append(v)
             lengths.append(n)
         rows = table.num_rows
@@ -98,7 +101,6 @@ class RowEncoder:
             # pattern, which keeps ids distinct (a cast would overflow).
             users = column.to_numpy().astype(np.int64, copy=False)
         keys = [f.name for f in self.sparse]
-        gaps = self.gaps.encode(table, where)
         timed = [keys.index(f.name) for f in self.gaps.features]
         return Rows.build(keys + [f"{f.name}@gaps" for f in self.gaps.features], ids + gaps,
                           lengths + [lengths[i] for i in timed], dense, labels, users,

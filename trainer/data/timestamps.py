@@ -3,10 +3,16 @@ with the sequence's ids, and the row's request time `data.time_column` -> each k
 time-gap bucket (trainer/data/feature_ops.py `gap_buckets_numpy`), which the sequence module
 embeds (dense/sequence.py).
 
+Times are checked integers: every timestamp and request time must be 0 <= t < 2^62 (`TIME_LIMIT`;
+seconds, or milli-, micro- or nanoseconds since 1970, which reach 2^62 in 2116), checked in the
+column's own type, so that a uint64 2^64 - 1 is named as itself rather than wrapped to -1. Within
+that range a gap, request time minus timestamp, cannot overflow int64.
+
 A list whose length differs from its ids' is an error naming the file, row and column. A
-timestamp after the request time is clamped to a gap of 0 and counted (`TimeGaps.clamped`;
-one warning per reader names the first): logs join events from clocks that drift by seconds,
-and refusing a whole file for that would lose it. docs/data.md, "Sequences".
+behaviour after its request time is dropped from its sequence (its id and its timestamp; the
+list is shorter, and `max_len` keeps the last of what is left) and counted (`TimeGaps.dropped`;
+one warning per file names the first): kept, it would show the model what happened after the
+label. docs/data.md, "Sequences".
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from embeddings.features import FeatureSpec, attended
 from trainer.data.feature_ops import gap_buckets_numpy
 from trainer.data.ids import _keep_last, _one_array, _row_of
 
+TIME_LIMIT = 2 ** 62  # times are 0 <= t < TIME_LIMIT
+assert 2 * TIME_LIMIT - 1 <= np.iinfo(np.int64).max  # so any gap between two of them fits int64
+
 
 class TimeGaps:
     """Gap buckets of the sequences with timestamps, one row group at a time."""
@@ -28,7 +37,8 @@ class TimeGaps:
     def __init__(self, features: list[FeatureSpec], time_column: str, buckets: int):
         self.features = [f for f in features if attended(f) and f.timestamps]
         self.time_column, self.buckets = time_column, buckets
-        self.clamped = 0  # timestamps after their row's request time, clamped to a gap of 0
+        self.dropped = 0  # behaviours after their row's request time, left out of their sequence
+        self._named: set[str] = set()  # files whose first dropped behaviour a warning named
         if self.features and not time_column:
             raise ValueError(f"features.{self.features[0].name}.timestamps needs data.time_column, the column of "
                              "each row's request time")
@@ -46,49 +56,94 @@ class TimeGaps:
             yield self.time_column, "integer request times (data.time_column)", pa.types.is_integer
 
     def check(self, table: pa.Table, where: str) -> None:
-        """The checks of `encode` alone (a served model's inputs: trainer/serving/predict.py)."""
-        self.encode(table, where)
+        """The checks of `encode` alone, nothing dropped or counted (a served model's inputs:
+        trainer/serving/predict.py)."""
+        if self.features:
+            now = _request_times(table.column(self.time_column), where, self.time_column)
+            for f in self.features:
+                _timestamps(table, f, now, where)
 
-    def encode(self, table: pa.Table, where: str) -> list[np.ndarray]:
-        """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last max_len)."""
+    def encode(self, table: pa.Table, where: str) -> tuple[dict[str, pa.Array], list[np.ndarray]]:
+        """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last
+        max_len of those not after the request time), and, by feature name, its id column with
+        those after the request time left out, where it has any (the ids to encode in its place)."""
         if not self.features:
-            return []
-        now = _ints(table.column(self.time_column), where, self.time_column)
-        out = []
+            return {}, []
+        now = _request_times(table.column(self.time_column), where, self.time_column)
+        ids, out = {}, []
         for f in self.features:
-            stamps = _one_array(table.column(f.timestamps))
-            ids = _one_array(table.column(f.column))
-            n_stamps = pc.fill_null(pc.list_value_length(stamps), 0).to_numpy().astype(np.int64)
-            n_ids = pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64)
-            if not np.array_equal(n_stamps, n_ids):
-                row = int(np.flatnonzero(n_stamps != n_ids)[0])
-                raise ValueError(f"{where}, column {f.timestamps!r}: row {row} has {n_stamps[row]} timestamps for "
-                                 f"{n_ids[row]} ids in column {f.column!r}")
-            flat = pc.list_flatten(stamps)
-            if flat.null_count:
-                row = _row_of(int(np.flatnonzero(np.asarray(flat.is_null()))[0]), n_stamps)
-                raise ValueError(f"{where}, column {f.timestamps!r}: null timestamp inside the list at row {row}")
-            gaps = np.repeat(now, n_stamps) - flat.to_numpy(zero_copy_only=False).astype(np.int64)
+            stamps, lengths = _timestamps(table, f, now, where)
+            gaps = np.repeat(now, lengths) - stamps  # within (-2^62, 2^62): both are in [0, 2^62)
             future = gaps < 0
             if future.any():
-                if not self.clamped:
-                    row = _row_of(int(np.flatnonzero(future)[0]), n_stamps)
-                    print(f"rankmix: warning: {where}, column {f.timestamps!r}: a timestamp after the request time "
-                          f"({self.time_column!r}) at row {row}; such gaps are clamped to 0 and counted",
-                          file=sys.stderr, flush=True)
-                self.clamped += int(future.sum())
-                gaps = np.maximum(gaps, 0)
-            if f.max_len and n_stamps.size and n_stamps.max() > f.max_len:
-                gaps, _ = _keep_last(gaps, n_stamps, f.max_len)
+                ids[f.name], lengths = self._drop(table, f, future, lengths, where)
+                gaps = gaps[~future]
+            if f.max_len and lengths.size and lengths.max() > f.max_len:
+                gaps, _ = _keep_last(gaps, lengths, f.max_len)
             out.append(gap_buckets_numpy(gaps, self.buckets))
-        return out
+        return ids, out
+
+    def _drop(self, table: pa.Table, f: FeatureSpec, future: np.ndarray, lengths: np.ndarray,
+              where: str) -> tuple[pa.Array, np.ndarray]:
+        """Feature `f`'s id lists without the behaviours flagged `future` (flat, [sum(lengths)]),
+        and the lists' new lengths; counted, and the first of a file named once."""
+        at = np.flatnonzero(future)
+        rows = np.searchsorted(np.cumsum(lengths), at, side="right")  # the row of each dropped behaviour
+        kept = lengths - np.bincount(rows, minlength=lengths.size)
+        self.dropped += at.size
+        file = where.split(", row group ")[0]  # the reader's `where`: "<path>, row group <i>[ from row <r>]"
+        if file not in self._named:
+            self._named.add(file)
+            print(f"rankmix: warning: {where}, column {f.timestamps!r}: {at.size} behaviour(s) after the request "
+                  f"time ({self.time_column!r}) dropped from their sequence, the first at row {int(rows[0])}; "
+                  "counted, each file named once", file=sys.stderr, flush=True)
+        ids = _one_array(table.column(f.column))
+        offsets = np.zeros(kept.size + 1, np.int64 if pa.types.is_large_list(ids.type) else np.int32)
+        np.cumsum(kept, out=offsets[1:])
+        values = pc.list_flatten(ids).filter(pa.array(~future))
+        cls = pa.LargeListArray if pa.types.is_large_list(ids.type) else pa.ListArray
+        return cls.from_arrays(pa.array(offsets), values), kept
 
 
-def _ints(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
+def _timestamps(table: pa.Table, f: FeatureSpec, now: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Feature `f`'s timestamps, flat int64 [sum(lengths)], and their lists' lengths [rows],
+    checked: one per id, no null, each within the range."""
+    stamps = _one_array(table.column(f.timestamps))
+    ids = _one_array(table.column(f.column))
+    n_stamps = pc.fill_null(pc.list_value_length(stamps), 0).to_numpy().astype(np.int64)
+    n_ids = pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64)
+    if not np.array_equal(n_stamps, n_ids):
+        row = int(np.flatnonzero(n_stamps != n_ids)[0])
+        raise ValueError(f"{where}, column {f.timestamps!r}: row {row} has {n_stamps[row]} timestamps for "
+                         f"{n_ids[row]} ids in column {f.column!r}")
+    flat = pc.list_flatten(stamps)
+    if flat.null_count:
+        row = _row_of(int(np.flatnonzero(np.asarray(flat.is_null()))[0]), n_stamps)
+        raise ValueError(f"{where}, column {f.timestamps!r}: null timestamp inside the list at row {row}")
+    return _in_range(flat.to_numpy(zero_copy_only=False), n_stamps, where, f.timestamps, "timestamp"), n_stamps
+
+
+def _request_times(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
     if column.null_count:
         row = int(np.flatnonzero(np.asarray(column.is_null()))[0])
         raise ValueError(f"{where}, column {name!r}: null request time at row {row}")
-    return column.to_numpy().astype(np.int64)
+    return _in_range(column.to_numpy(), None, where, name, "request time")
+
+
+def _in_range(values: np.ndarray, lengths: np.ndarray | None, where: str, column: str, what: str) -> np.ndarray:
+    """Integer `values` as int64, each checked 0 <= t < TIME_LIMIT in its own type (a uint64 past
+    int64 is refused as itself, not wrapped negative); `lengths` turns a flat position into a row."""
+    # One pass for the common case, as ids.py's `_hash`: seen as unsigned, a negative value is at
+    # least 2^(bits-1), so `max < bound` rules out both ends.
+    bits = 8 * values.itemsize - (values.dtype.kind == "i")  # of the type's largest value
+    bound = min(TIME_LIMIT, 1 << bits)
+    if values.size and int(values.view(values.dtype.str.replace("i", "u")).max()) >= bound:
+        wide = values.astype(np.uint64 if values.dtype.kind == "u" else np.int64)  # lossless
+        outside = (wide >= TIME_LIMIT) if values.dtype.kind == "u" else (wide < 0) | (wide >= TIME_LIMIT)
+        i = int(np.flatnonzero(outside)[0])  # the fast check above found one
+        raise ValueError(f"{where}, column {column!r}: {what} {int(values[i])} at row {_row_of(i, lengths)} is "
+                         "outside 0 <= t < 2^62 (docs/data.md, Sequences)")
+    return values.astype(np.int64, copy=False)
 
 
 def _is_int_list(typ: pa.DataType) -> bool:
