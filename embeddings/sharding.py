@@ -138,13 +138,38 @@ def plan_tables(model: nn.Module, kinds: list[str], cluster: Cluster,
                         for t in configs_of(module)}
     planner = EmbeddingShardingPlanner(topology=cluster.topology(), batch_size=cluster.batch_size,
                                        constraints=constraints, callbacks=list(callbacks))
-    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-    try:
-        plan = (planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if dist.is_initialized()
-                else planner.plan(model, sharders))
-    except PlannerError as e:
-        raise NoPlanError(str(e).strip(), cluster) from None
+    plan = _plan_on_rank_0(planner, model, [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()], cluster)
     _whole_tables_as_table_wise(plan, model, cluster)
+    return plan
+
+
+def _plan_on_rank_0(planner: EmbeddingShardingPlanner, model: nn.Module, sharders: list,
+                    cluster: Cluster) -> ShardingPlan:
+    """`planner`'s plan, made on rank 0 and broadcast in a job, as its `collective_plan` does,
+    except that rank 0 sends its failure too: TorchRec's leaves the other ranks waiting in the
+    broadcast (until the job's timeout, or until rank 0's connection closes, in a traceback).
+    Every rank then raises the same NoPlanError line; a planner bug is rank 0's traceback and
+    one RuntimeError line on the others."""
+    job = dist.is_initialized() and dist.get_world_size() > 1
+    outcome: list = [None]  # [(plan, the planner's refusal, a bug's line)], one of the three set
+    bug = None
+    if not job or dist.get_rank() == 0:
+        try:
+            outcome = [(planner.plan(model, sharders), None, None)]
+        except PlannerError as e:
+            outcome = [(None, str(e).strip(), None)]
+        except Exception as e:
+            lines = str(e).strip().splitlines()
+            bug, outcome = e, [(None, None, f"{type(e).__name__}: {lines[0] if lines else ''}")]
+    if job:
+        dist.broadcast_object_list(outcome, src=0)
+    plan, refusal, bug_line = outcome[0]
+    if bug is not None:
+        raise bug
+    if refusal is not None:
+        raise NoPlanError(refusal, cluster)
+    if bug_line is not None:
+        raise RuntimeError(f"TorchRec's planner failed on rank 0 ({bug_line}); rank 0's output has its traceback")
     return plan
 
 
