@@ -30,7 +30,9 @@ def timed_table(seed: int = 0) -> pa.Table:
     rows = table(seed)
     rng = np.random.default_rng(seed + 1)
     now = rng.integers(10**6, 2 * 10**6, ROWS)
-    stamps = [list(now[i] - rng.integers(-3, 10**5, len(h))) for i, h in enumerate(rows.column("history").to_pylist())]
+    # one in four after the request time: both sides drop them before cutting to max_len
+    stamps = [list(now[i] - rng.integers(-3 * 10**4, 10**5, len(h)))
+              for i, h in enumerate(rows.column("history").to_pylist())]
     return rows.append_column("history_ts", pa.array(stamps, pa.list_(pa.int64()))).append_column("now", pa.array(now))
 
 
@@ -68,6 +70,21 @@ def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower,
         one_row = artifact(*raw_inputs(rows.slice(3, 1), cfg.features, "test", time_column))
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(one_row, expected[3:4], atol=1e-6, rtol=0)
+
+
+def test_the_artifact_refuses_times_outside_the_readers_range():
+    """A server's times are checked as the reader's (trainer/data/timestamps.py): 0 <= t < 2^62,
+    so that no gap wraps around int64."""
+    cfg, model = reference("target_attention", "rankmixer", True)
+    ids, lengths, numeric, stamps, now = raw_inputs(timed_table(), cfg.features, "test", cfg.data.time_column)
+    served = serving_model(cfg, model.state_dict(), step=7)
+    wrapped = now.clone()
+    wrapped[0] = 2**63 - 1
+    negative = stamps.clone()
+    negative[0] = -2**62
+    for times in ((stamps, wrapped), (negative, now)):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="timestamps and now must be 0 <= t < 2\\^62"):
+            served(ids, lengths, numeric, *times)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

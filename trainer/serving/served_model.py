@@ -11,7 +11,8 @@ It repeats at serving time what the data pipeline does at training time
     and, only where an attended sequence has timestamps (`TimedServingModel`):
     timestamps [T] int64    those sequences' raw timestamps (seconds), feature after feature in
                             schema order, each row's whole list, aligned with its ids in `ids`
-    now      [B] int64      each row's request time (data.time_column)
+    now      [B] int64      each row's request time (data.time_column); every time 0 <= t < 2^62,
+                            and a behaviour after its row's is left out, as the reader does
     ->       [B, K] float32 probabilities, one column per task
 
 An attended sequence (features.<name>.sequence_module not pool) is cut to its last max_len ids
@@ -31,6 +32,7 @@ from torchrec import KeyedJaggedTensor
 from dense.layout import InputLayout
 from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, attended, managed_tables
 from trainer.data.feature_ops import HASHINGS, TRANSFORMS, gap_buckets_torch
+from trainer.data.timestamps import TIME_LIMIT
 
 _NO_LIMIT = 2 ** 62  # a bag length no log reaches: max_len 0 keeps every id
 
@@ -71,13 +73,15 @@ class ServingModel(nn.Module):
         ids, lengths, numeric = ids.long(), lengths.long(), numeric.double()
         dense = self.transform_numeric(numeric)
         pooled = {}
+        if timestamps is not None:
+            ids, lengths, timestamps = self.drop_future(ids, lengths, timestamps.long(), now.long())
         if self.sparse:
             values, cut = self.hash_ids(ids, lengths)
             kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=cut.flatten())
             pooled = self.ebc(kjt).to_dict()
             if self.sequences is not None:
                 padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.attended}
-                gaps = {} if timestamps is None else self.gaps(timestamps.long(), now.long(), lengths, cut)
+                gaps = {} if timestamps is None else self.gaps(timestamps, now.long(), lengths, cut)
                 pooled.update(self.sequences.attend({}, pooled, padded, gaps))  # the candidates are bags here
         e_input = self.layout.assemble(pooled, dense)
         return torch.sigmoid(self.heads(self.tower(e_input)))
@@ -101,14 +105,37 @@ class ServingModel(nn.Module):
         x = self.ebc(kjt)[f.name].view(-1, length, f.embedding_dim)
         return x * mask.unsqueeze(-1).to(x.dtype), mask
 
+    def drop_future(self, ids: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor,
+                    now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, lengths, timestamps) without the timed sequences' behaviours after their row's
+        request time, as the reader leaves them out (trainer/data/timestamps.py); every time
+        checked 0 <= t < 2^62, so that no gap overflows."""
+        _require(((timestamps >= 0) & (timestamps < TIME_LIMIT)).all() & ((now >= 0) & (now < TIME_LIMIT)).all(),
+                 "timestamps and now must be 0 <= t < 2^62")
+        _require(torch.stack([lengths[s].sum() for s, _ in self.timed]).sum() == timestamps.shape[0],
+                 "timestamps must hold one value per id of each sequence with timestamps")
+        flat = lengths.flatten()
+        n = ids.shape[0]
+        per_feature = lengths.sum(dim=1)
+        timed = {s for s, _ in self.timed}
+        flag = torch.repeat_interleave(torch.tensor([int(s in timed) for s in range(len(self.sparse))],
+                                                    device=ids.device), per_feature, output_size=n)
+        # Timed ids and timestamps come in the same order (feature after feature, row after row),
+        # so a timed id's timestamp is the one at its count of timed ids before it.
+        positions = torch.where(flag == 1, torch.cumsum(flag, 0) - flag, timestamps.shape[0])
+        stamp = torch.cat([timestamps, timestamps.new_zeros(1)])[positions]
+        keep = (flag == 0) | (stamp <= torch.repeat_interleave(torch.cat([now] * len(self.sparse)), flat,
+                                                               output_size=n))
+        kept = torch.cat([flat.new_zeros(1), torch.cumsum(keep.long(), 0)])
+        ends = torch.cumsum(flat, 0)
+        return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), stamp[keep & (flag == 1)]
+
     def gaps(self, timestamps: torch.Tensor, now: torch.Tensor, lengths: torch.Tensor,
              cut: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each timed sequence's gap buckets [B, L] (0 past a row's end): its raw timestamps cut to
-        the last max_len as its ids are, the gap to `now` clamped at 0 (a timestamp after the request
-        time is clamped, as the reader does: trainer/data/timestamps.py), bucketed."""
+        """Each timed sequence's gap buckets [B, L] (0 past a row's end): its timestamps (none after
+        the request time: `drop_future`) cut to the last max_len as its ids are, the gap to `now`
+        bucketed."""
         counts = [lengths[s] for s, _ in self.timed]
-        _require(torch.stack([c.sum() for c in counts]).sum() == timestamps.shape[0],
-                 "timestamps must hold one value per id of each sequence with timestamps")
         out = {}
         block = torch.zeros((), dtype=torch.int64, device=timestamps.device)
         extended = torch.cat([timestamps, timestamps.new_zeros(1)])
@@ -117,7 +144,7 @@ class ServingModel(nn.Module):
             steps = torch.arange(f.max_len, device=timestamps.device)
             mask = steps < cut[s].unsqueeze(1)
             positions = torch.where(mask, (ends - cut[s]).unsqueeze(1) + steps, timestamps.shape[0])
-            gap = torch.clamp(now.unsqueeze(1) - extended[positions], min=0)
+            gap = now.unsqueeze(1) - extended[positions]
             out[f.name] = torch.where(mask, gap_buckets_torch(gap, self.time_buckets), 0)
             block = block + count.sum()
         return out
