@@ -75,8 +75,8 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
            f"column below ({', '.join(f'`{f.name}`' for f in timed)}), feature after feature in this order, each "
            "row's whole list, one per id and aligned with them (most recent last). The model keeps the times "
            "of the ids it keeps.",
-           f"- `now`: int64 `[B]`, each row's request time (`{cfg.data.time_column}`); a timestamp after it counts "
-           "as a gap of 0."] if timed else []),
+           f"- `now`: int64 `[B]`, each row's request time (`{cfg.data.time_column}`); a behaviour after it is "
+           "left out, its id with it. Every time must be 0 <= t < 2^62."] if timed else []),
         *(["",
            "A sequence read by a sequence module (`sequence module` below) keeps its last `max_len` ids (the most "
            "recent: lists are most recent last), looks each one up, and attends over them against its "
