@@ -152,8 +152,9 @@ def test_unparsable_user_info_is_an_error_that_quotes_no_secret():
     with pytest.raises(ValueError) as e:
         load_config(None, ["--data.train_path=s3://AK:se/cret@bucket/t"])
     assert str(e.value) == ("data.train_path: the user-info of s3://***@bucket/t is not valid URI syntax: "
-                            "percent-encode '/' as %2F and '@' as %40 in the key and secret, or better put them "
-                            "in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and drop the user-info")
+                            "percent-encode '/', '@', '#' and '?' as %2F, %40, %23 and %3F in the key and secret, "
+                            "or better put them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and drop "
+                            "the user-info")
     assert e.value.__cause__ is None and e.value.__context__ is None
 
 

@@ -125,7 +125,7 @@ def check_credentials(cfg: Config, path: str | Path | None = None, overrides: li
         if malformed_userinfo(value):
             raise CredentialsError(
                 f"{key}: the user-info of {redact_uri(value)} is not valid URI syntax: percent-encode "
-                "'/' as %2F and '@' as %40 in the key and secret, or better put them in "
+                "'/', '@', '#' and '?' as %2F, %40, %23 and %3F in the key and secret, or better put them in "
                 f"{' / '.join(ENV_VARIABLES)} and drop the user-info")
         if is_redacted(value) and not allow_redacted:
             where = "on the command line" if key in given or path is None else f"in {path}"

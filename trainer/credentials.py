@@ -62,8 +62,14 @@ _WORDS = re.compile(r"[a-z]{3,}|[A-Z]{4,}|[0-9]{4,}")
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 # Schemes whose host is a bucket name, which never holds a ':' (so `KEY:123/...` is no port).
 _BUCKET_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})
-# Characters that end a URI written in prose, a repr, a TOML or JSON string, a command line.
+# Characters that end a URI written in prose, a repr, a TOML or JSON string, a command line;
+# they end a user-info only where no '@' follows before the authority's end (see `_userinfo_spans`).
 _END = frozenset(" \t\r\n\f\v'\"<>`")
+# What a user-info may hold unencoded (RFC 3986: unreserved, sub-delims, ':', %XX). pyarrow's
+# parser refuses anything else ('/', '@', '#', '?', a space), and its error quotes the URI.
+_USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*")
+PLACEHOLDER = "KEY:SECRET"
+"""The user-info messages show where credentials go (`with_placeholders`): no secret, never redacted."""
 _SECRET_QUERY = re.compile(
     r"(?P<key>[?&;](?:%s)=)(?P<value>[^&;#\s'\"<>`,]*)" % "|".join(re.escape(p) for p in SECRET_QUERY_PARAMETERS),
     re.IGNORECASE)
@@ -76,31 +82,38 @@ class CredentialsError(ValueError):
 
 def _userinfo_spans(text: str) -> Iterator[tuple[int, int, bool]]:
     """(start, end, malformed) of each URI user-info in `text`: text[start:end] is what
-    lies between `scheme://` and the `@` before the host. `malformed`: pyarrow cannot parse
-    it (an unencoded '/' or '@' in the secret) and would quote the URI in its error."""
+    lies between `scheme://` and the last `@` before the first '/' after it (or before the
+    next `scheme://` or line break, where no '/' comes first). '?', '#', spaces and quotes do
+    not end it: a secret may hold them, and a parser that stops there shows the rest of the
+    secret. `malformed`: pyarrow cannot parse it (a character outside `_USERINFO`, as an
+    unencoded '/', '@', '#' or '?' in the secret) and would quote the URI in its error."""
     done = 0
-    for m in _SCHEME.finditer(text):
+    schemes = list(_SCHEME.finditer(text))
+    for i, m in enumerate(schemes):
         start = m.end()
         if m.start() < done:  # inside a user-info already found
             continue
+        limit = schemes[i + 1].start() if i + 1 < len(schemes) else len(text)
         end = start
-        while end < len(text) and text[end] not in "/?#" and text[end] not in _END:
+        while end < limit and text[end] not in "/\r\n":
             end += 1
         authority = text[start:end]
-        at = authority.rfind("@")  # the last '@' of the authority: a raw '@' in the secret is redacted too
+        at = authority.rfind("@")  # the last '@': a raw '@' in the secret is redacted too
         if at >= 0:
-            yield start, start + at, "@" in authority[:at]
-            done = start + at
+            if authority[:at] != PLACEHOLDER:
+                yield start, start + at, not _USERINFO.fullmatch(authority[:at])
+                done = start + at
             continue
         # `KEY:SE/CRET@host`: an unencoded '/' (common in AWS secrets) ends the authority
         # early; `KEY:SE` cannot be host:port (not a number, or a bucket scheme), so the
-        # user-info runs to the next '@'.
+        # user-info runs to the next '@' before a ',' or the end of the URI in prose.
+        authority = authority[:next((k for k, c in enumerate(authority) if c in _END), len(authority))]
         _, colon, port = authority.partition(":")
         bucket = m[0][:-3].lower() in _BUCKET_SCHEMES
         if colon and (bucket or port and not port.isdigit()) and not authority.startswith("[") \
-                and end < len(text) and text[end] == "/":
+                and start + len(authority) == end and end < limit and text[end] == "/":
             stop = end
-            while stop < len(text) and text[stop] not in "?#," and text[stop] not in _END:
+            while stop < limit and text[stop] != "," and text[stop] not in _END:
                 stop += 1
             at = text.rfind("@", end, stop)
             if at >= 0:

@@ -144,8 +144,8 @@ def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Stor
                          f"(known: {', '.join(S3_URI_OPTIONS)})")
     user, _, bucket = parts.netloc.rpartition("@")
     if not bucket or ":" in bucket:  # a ':' is a secret cut short by an unescaped '/'
-        raise ValueError(f"{redact_uri(uri)}: expected s3://[KEY:SECRET@]bucket/key "
-                         "(write a '/' in the secret as %2F)")
+        raise ValueError(f"{redact_uri(uri)}: expected s3://bucket/key or s3://KEY:SECRET@bucket/key "
+                         "(percent-encode '/', '@', '#' and '?' in the key and secret as %2F, %40, %23 and %3F)")
     key, _, secret = user.partition(":")
     credentials = dict(access_key=unquote(key), secret_key=unquote(secret)) if user else {}
     endpoint = options.get("endpoint_override")
