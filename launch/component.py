@@ -57,7 +57,7 @@ def train(
     """Train with `config` on nnodes x nproc_per_node processes.
 
     Args:
-        overrides: `--section.key=value` options passed to `rankmix train`
+        overrides: `--section.key=value` options passed to `rankmix train` (no secrets: the job spec shows them; see check_overrides)
         config: TOML run config, relative to the image's working directory
         nnodes: number of hosts, or an elastic range MIN:MAX: when a host is lost or joins, torchrun restarts the ranks on the hosts there are (max_restarts) and the run resumes from its newest checkpoint at the new world size, mid-epoch included
         nproc_per_node: processes (one per GPU on GPU hosts) per host
@@ -75,10 +75,7 @@ def train(
         mounts: volumes for every host, as torchx's ddp takes them (type=bind,src=/shared,dst=/shared or type=volume,src=PVC,dst=/shared); with nnodes > 1, --data.cache_dir must be on a writable one
         data_on_every_node: with nnodes > 1, the data is already on every host (a node-local copy, or an object store), so --data.cache_dir needs no shared volume
     """
-    for option in overrides:
-        if has_credentials(option):
-            raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
-                             "spec; give them to the job as AWS_* environment variables or a secret")
+    check_overrides(list(overrides), config)
     check_env(env or {}, allow_env or [])
     options = dict(o.split("=", 1) for o in config_args(list(overrides), environment=False)[1] if "=" in o)
     device = check_device(options.get("--train.device"), gpu, nproc_per_node)
@@ -122,6 +119,27 @@ def check_shared_cache(cache_dir: Optional[str], mounts: List[str]) -> None:
         raise ValueError(f"--nnodes > 1 needs --data.cache_dir on a shared writable volume of --mounts "
                          f"(mounted at {shared or 'none'}, --data.cache_dir={cache_dir}); give --data_on_every_node "
                          "where the data is already on every node")
+
+
+def check_overrides(overrides: List[str], config: str) -> None:
+    """ValueError for a secret in the job's command line, which the job spec shows: in every
+    override (as given, and as `--key=value` where the value is a separate argument) and in
+    --config, by its value (URI credentials, found by trainer.credentials' one parser, wherever
+    '?' and '#' stand in the secret) and by its kind (a key of a known format, a random key).
+    The message never shows the secret."""
+    given = [*config_args(overrides, environment=False)[1], *overrides, config]
+    for option in given:
+        if has_credentials(option):
+            raise ValueError(f"{redact_uri(option)}: credentials in a URI would be written into the job "
+                             "spec; give them to the job as AWS_* environment variables or a secret")
+    for option in given:
+        name, equals, value = option.partition("=")
+        kind = secret_kind(value if equals and name.startswith("--") else option)
+        if kind:
+            shown = name if equals and name.startswith("--") else "an option"
+            raise ValueError(f"{shown}: its value looks like {kind}, and the job spec would show it; give it "
+                             "to the job through the scheduler's secret mechanisms instead: a Kubernetes Secret, "
+                             "a Slurm environment file (exported in the shell that submits), or an instance role")
 
 
 def check_env(env: Dict[str, str], allow: List[str] = ()) -> None:
