@@ -23,8 +23,8 @@ rank naming the first file that differs, and a rank that cannot list its input m
 rank raise. It is a collective: every rank builds such a reader at the same point.
 
 Resume. A training reader's position records every file's path, size, rows of each row group
-and a digest of its content (`content_digest`; the ranks share the hashing, each taking every
-world_size-th file); resuming over a file added, removed or rewritten is a ValueError naming it.
+and the sha256 of its bytes (trainer/data/identity.py; the ranks share the hashing, each taking
+every world_size-th file); resuming over a file added, removed or rewritten is a ValueError naming it.
 At another world size a position inside an epoch resumes through the units each rank had left
 (trainer/data/elastic.py): they become the resumed epoch's sequence of rows (`resumed`), which
 the new ranks split as above.
@@ -68,7 +68,6 @@ import itertools
 import json
 import logging
 import queue
-import struct
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,6 +85,7 @@ from trainer.credentials import redact_uri
 from trainer.data.batch import Batch, Part, Rows, assemble
 from trainer.data.elastic import units_left
 from trainer.data.encode import RowEncoder
+from trainer.data.identity import file_digest, is_digest, shared_digests, shown
 from trainer.data.store import resolve
 from trainer.errors import DataUnavailableError
 
@@ -97,13 +97,7 @@ SLICE_ROWS = 65_536  # rows decoded at once: a larger row group is read in slice
 READ_BUFFER = 1 << 20
 PREFETCH_BATCHES = 2  # pinned batches made ahead of the consumer
 DECODE_AHEAD = 1  # slices decoded ahead of the one being encoded
-# `content_digest`: a file up to FULL_HASH_BYTES is hashed whole; of a larger one, its footer
-# (from a first read of its last TAIL_BYTES) and the first and last SAMPLE_BYTES of each column chunk.
-FULL_HASH_BYTES = 8 << 20
-TAIL_BYTES = 64 << 10
-SAMPLE_BYTES = 4096
-# Files' footers and digests are read this many at a time: on an object store each file costs
-# round trips, and hashing and local reads run outside the GIL.
+# Files' footers are read this many at a time: on an object store each file costs round trips.
 METADATA_THREADS = 8
 
 
@@ -207,39 +201,13 @@ class ParquetReader:
         if failure is not None:
             raise failure
         if self.drop_last:  # training: a position that a resume must check; evaluation never resumes
-            digests = self._content_digests(infos)
+            digests = shared_digests(infos, self._digest, self.source, self.world_size)
             self.input_files = [[*file, digest] for file, digest in zip(self.input_files, digests, strict=True)]
         return groups
 
-    def _content_digests(self, infos: list[pafs.FileInfo]) -> list[str]:
-        """`content_digest` of every file. Under a process group each rank hashes every
-        world_size-th file and the ranks share the digests (collective), so the reads are made
-        once, not once per rank; a rank that fails makes every rank raise."""
-        shared = self.world_size > 1 and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
-        mine, failure = {}, None
-        ours = range(rank, len(infos), world)
-        try:
-            mine = dict(zip(ours, _concurrently([partial(self._digest, infos[i]) for i in ours])))
-        except (DataUnavailableError, ValueError) as e:
-            failure = e
-        if not shared:
-            if failure is not None:
-                raise failure
-            return [mine[i] for i in range(len(infos))]
-        parts: list = [None] * world
-        dist.all_gather_object(parts, (mine, None if failure is None else str(failure),
-                                       isinstance(failure, DataUnavailableError)))
-        for r, (_, message, unavailable) in enumerate(parts):
-            if message is not None:
-                raise (DataUnavailableError if unavailable else ValueError)(
-                    message if r == rank else f"{self.source}: rank {r} cannot read its input: {message}")
-        merged = {i: digest for part, _, _ in parts for i, digest in part.items()}
-        return [merged[i] for i in range(len(infos))]
-
     def _digest(self, info: pafs.FileInfo) -> str:
         try:
-            return self.store.call(partial(_file_digest, self.fs, info), info.path)
+            return self.store.call(partial(file_digest, self.fs, info), info.path)
         except (pa.ArrowException, OSError, ValueError) as e:  # not DataUnavailableError, a RuntimeError
             raise ValueError(f"cannot read Parquet file {info.path}: {e}") from None
 
@@ -502,10 +470,11 @@ class ParquetReader:
             raise ValueError("data reader state has no list of the files it read (an older rankmix saved it): "
                              "start a new run folder from its weights (checkpoint.load_path=<the checkpoint>, "
                              "checkpoint.load_mode=weights)")
-        if any(len(f) < 4 for f in state["files"]) and self.drop_last:
+        if any(len(f) < 4 or not is_digest(f[3]) for f in state["files"]) and self.drop_last:
             # The digest guards against a rewritten input, not against a crafted checkpoint (which
-            # could carry any digest), so a position saved without one is honoured as it was then.
-            log.warning("data reader state records no content digest of its files (an older rankmix saved it): "
+            # could carry any digest), so a position saved without one, or with an older rankmix's
+            # sampled digest, is honoured as it was then.
+            log.warning("data reader state records no sha256 of its files' bytes (an older rankmix saved it): "
                         "only their paths, bytes and row counts were checked; the next checkpoint records it")
         change = file_change(state["files"], self.input_files)
         if change:
@@ -551,13 +520,13 @@ def _input_view(files: list[pafs.FileInfo], groups: list[RowGroup]) -> list[tupl
 
 def file_change(saved: list[list], mine: list[list], rows: bool = True) -> str | None:
     """The first file, in path order, added, removed or changed between two lists of
-    [path, bytes, rows of each row group, content digest] (the digest where both lists have one;
-    `rows=False`: compare paths and bytes only), in words."""
+    [path, bytes, rows of each row group, content digest] (the digest where both lists have one of
+    trainer/data/identity.py; `rows=False`: compare paths and bytes only), in words."""
     def described(files: list[list]) -> dict[str, tuple]:
         return {f[0]: (f[1], list(f[2])) if rows else (f[1], None) for f in files}
 
     def digests(files: list[list]) -> dict[str, str | None]:
-        return {f[0]: f[3] if rows and len(f) > 3 else None for f in files}
+        return {f[0]: f[3] if rows and len(f) > 3 and is_digest(f[3]) else None for f in files}
     before, after = described(saved), described(mine)
     then, now = digests(saved), digests(mine)
     for path in sorted(before.keys() | after.keys()):
@@ -569,70 +538,9 @@ def file_change(saved: list[list], mine: list[list], rows: bool = True) -> str |
             return (f"{path} changed from {_described(before[path])} to {_described(after[path])}" if rows else
                     f"{path} changed from {before[path][0]} to {after[path][0]} bytes")
         if then[path] and now[path] and then[path] != now[path]:
-            return (f"{path} was rewritten: still {_described(before[path])}, but its content digest changed "
-                    f"from {then[path][:16]} to {now[path][:16]}")
+            return (f"{path} was rewritten: still {_described(before[path])}, but the sha256 of its bytes "
+                    f"changed from {shown(then[path])} to {shown(now[path])}")
     return None
-
-
-def content_digest(file: pa.NativeFile, size: int, mtime_ns: int | None) -> str:
-    """sha256 that changes when a Parquet file of `size` bytes, modified at `mtime_ns` (None
-    where the filesystem gives none), is rewritten, at a cost that stays small for large files:
-
-    - up to FULL_HASH_BYTES (8 MiB): every byte. One read of the whole file. Misses nothing; a
-      file rewritten with the same bytes is the same file.
-    - larger: the size, the modification time, the footer's bytes (schema, row groups, column
-      chunks' offsets, sizes and statistics) and the first and last SAMPLE_BYTES (4 KiB) of
-      every column chunk (its first page header and values, its last values). One read of the
-      last TAIL_BYTES (64 KiB; a second read for a larger footer), then one read of at most
-      8 KiB per column chunk, plus one (adjacent chunks' ends are read together): a 512 MiB
-      file of 4 row groups of 30 columns costs 122 reads and under 1 MiB. It misses a rewrite
-      that keeps the size, the footer and the modification time (set back on purpose, or
-      a filesystem that records none) and changes only bytes more than 4 KiB inside column
-      chunks; and it takes a copy of the same bytes with a new modification time for a change.
-    """
-    h = hashlib.sha256()
-    if size <= FULL_HASH_BYTES:
-        h.update(b"whole:")
-        h.update(file.read_at(size, 0))
-        return h.hexdigest()
-    h.update(f"sampled:{size}:{mtime_ns}:".encode())
-    tail = bytes(file.read_at(min(size, TAIL_BYTES), size - min(size, TAIL_BYTES)))
-    length = struct.unpack("<I", tail[-8:-4])[0] + 8 if tail[-4:] == b"PAR1" else size
-    if length > size - 4:
-        raise ValueError("no Parquet footer at its end")
-    footer = tail[-length:] if length <= len(tail) else bytes(file.read_at(length, size - length))
-    h.update(footer)
-    for start, stop in _sampled_ranges(pq.read_metadata(pa.BufferReader(b"PAR1" + footer)), size):
-        h.update(file.read_at(stop - start, start))
-    return h.hexdigest()
-
-
-def _sampled_ranges(meta: pq.FileMetaData, size: int) -> list[tuple[int, int]]:
-    """The first and last SAMPLE_BYTES of every column chunk, as sorted [start, stop) byte
-    ranges inside the file, those that touch or overlap merged into one."""
-    ranges = []
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        for c in range(group.num_columns):
-            chunk = group.column(c)
-            start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-            stop = start + chunk.total_compressed_size
-            ranges += [(start, min(stop, start + SAMPLE_BYTES)), (max(start, stop - SAMPLE_BYTES), stop)]
-    merged: list[tuple[int, int]] = []
-    for start, stop in sorted((max(0, a), min(size, b)) for a, b in ranges):
-        if stop <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-        else:
-            merged.append((start, stop))
-    return merged
-
-
-def _file_digest(fs: pafs.FileSystem, info: pafs.FileInfo) -> str:
-    """`content_digest` of the listed file `info`: opened afresh, so a retry starts over."""
-    with fs.open_input_file(info.path) as file:
-        return content_digest(file, info.size, info.mtime_ns)
 
 
 def _check_same_input(source: str, view: list | None, failure: Exception | None) -> None:
