@@ -1,5 +1,5 @@
 """A checkpoint's `.metadata` is data (trainer/checkpoint/safe_load.py): its storage paths stay inside the
-folder, links resolved; a crafted pickle cannot make the reader allocate out of proportion to
+folder, links resolved, and are opened as they were checked; a crafted pickle cannot make the reader allocate out of proportion to
 its size; a tensor is allocated only when its size, dtype and chunks let a load fill it whole.
 
 Each crafted metadata is the run's own, unpickled here (the test's own file: trusted), edited
@@ -13,6 +13,8 @@ import re
 import shutil
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
 from unittest import mock
@@ -27,8 +29,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from cli import rankmix
 from test_trust import TRAIN, copy_run, run  # noqa: F401 (the module's short run, made once per session)
-from trainer.checkpoint import manager
-from trainer.checkpoint.safe_load import UnsafeFileError
+from trainer.checkpoint import manager, safe_load
+from trainer.checkpoint.safe_load import SafeReader, UnsafeFileError
 
 KEY = "model.ebc.embedding_bags.device.weight"  # (5, 4), one chunk
 
@@ -90,6 +92,67 @@ def test_a_storage_file_linked_outside_is_refused(run, tmp_path):
     (step / "sub").mkdir()
     shutil.move(outside, step / "sub" / "x.distcp")
     assert len(manager.model_tensors(step)) == len(model_keys(step))
+
+
+@contextmanager
+def opened_files() -> Iterator[list[str]]:
+    """The files the checkpoint readers open meanwhile, as the kernel names them (/proc/self/fd):
+    those DCP's own file system opens by path, and those rankmix opens by descriptor."""
+    opened: list[str] = []
+    create_stream, open_inside = FileSystem.create_stream, getattr(safe_load, "open_inside", None)
+
+    @contextmanager
+    def by_path(self, path, mode):
+        with create_stream(self, path, mode) as stream:
+            opened.append(os.readlink(f"/proc/self/fd/{stream.fileno()}"))
+            yield stream
+
+    def by_descriptor(*args):
+        fd = open_inside(*args)
+        opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fd
+    with mock.patch.object(FileSystem, "create_stream", by_path), \
+            mock.patch.object(safe_load, "open_inside", by_descriptor, create=True):
+        yield opened
+
+
+@pytest.mark.parametrize("swap, says", [
+    ("link", "a link took its place, or a folder's on its way, after it was checked; nothing was read through it"),
+    ("folder", "a link took its place, or a folder's on its way, after it was checked; nothing was read through it"),
+    ("file", "another file took its place after it was checked; nothing was read from it"),
+])
+def test_a_storage_file_swapped_after_its_check_is_refused(run, tmp_path, monkeypatch, swap, says):
+    """The swap made between the checks (every one done) and the reads, where the reader starts
+    reading: `__0_0.distcp` (or `sub/`, the folder its link leads to) becomes a link to a copy of
+    it outside, or that copy is moved in. Before, DCP opened the path as it was then: the load
+    read the outside file and went on."""
+    step = step_of(run, tmp_path)
+    storage = step / "__0_0.distcp"
+    outside = tmp_path / "outside" / "__0_0.distcp"
+    outside.parent.mkdir()
+    shutil.copy(storage, outside)
+    if swap == "folder":  # a link inside that stays inside, through a folder
+        (step / "sub").mkdir()
+        shutil.move(storage, step / "sub" / "__0_0.distcp")
+        storage.symlink_to("sub/__0_0.distcp")
+    read_data = SafeReader.read_data
+
+    def swapped(self, plan, planner):
+        if swap == "link":
+            storage.unlink()
+            storage.symlink_to(outside)
+        elif swap == "folder":
+            shutil.rmtree(step / "sub")
+            (step / "sub").symlink_to(outside.parent)
+        else:
+            shutil.copy(outside, step / "new")
+            os.replace(step / "new", storage)
+        return read_data(self, plan, planner)
+    monkeypatch.setattr(SafeReader, "read_data", swapped)
+    with opened_files() as opened, pytest.raises(UnsafeFileError) as refused:
+        manager.model_tensors(step)
+    assert str(refused.value) == f"{step}: storage file '__0_0.distcp' refused: {says}"
+    assert opened and all(os.path.dirname(path) == str(step) for path in opened), opened
 
 
 @pytest.mark.parametrize("stream, says", [
@@ -362,13 +425,8 @@ def test_a_mutated_metadata_loads_correctly_or_is_refused_in_one_line(bed, data)
     if data.draw(st.booleans()):
         mutated = refit_frame(mutated)
     (step / ".metadata").write_bytes(mutated)
-    opened, create_stream = [], FileSystem.create_stream
-
-    def recording(self, path, mode):
-        opened.append(os.path.realpath(path))
-        return create_stream(self, path, mode)
     before = reset_peak()
-    with mock.patch.object(FileSystem, "create_stream", recording):
+    with opened_files() as opened:
         try:
             tensors = manager.model_tensors(step)
         except ValueError as e:

@@ -11,7 +11,11 @@ which runs whatever a crafted file asks for. Every rankmix read goes through her
 - DCP's byte values (the non-tensor parts of a state dict) and every `torch.load` behind
   `torch.export.load` run with weights_only=True (tensors and plain containers only);
 - storage paths in the metadata and file names in a manifest must stay inside their folder,
-  links resolved (`inside`).
+  links resolved (`inside`);
+- a checkpoint's files are opened as they were checked (`open_inside`, `open_checked`): part by
+  part from the folder's descriptor, through no link (O_NOFOLLOW), a storage file only when it
+  is the very file checked (device and inode), so a link or file swapped in after the check
+  changes nothing.
 
 pt2 artifacts are checked by trainer/serving/safe_pt2.py; TorchScript artifacts are programs
 by nature and are not covered: see README's "Trust".
@@ -21,20 +25,24 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import functools
 import io
 import math
 import os
 import pickle
 import pickletools
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlan, Metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlanner as DcpLoadPlanner, ReadItem
@@ -98,6 +106,17 @@ class UnsafeFileError(ValueError):
     to its size: refused before anything ran."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedFile:
+    """A storage file as `check_storage` found it: where it lies below the folder, links resolved
+    (`parts`), which file it is (`device`, `inode`) and its size."""
+
+    parts: tuple[str, ...]
+    device: int
+    inode: int
+    size: int
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata and nothing else: any other global is refused, naming it."""
 
@@ -118,9 +137,14 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata(path: Path) -> Metadata:
     """The DCP metadata of checkpoint folder `path`: read within `MAX_METADATA_BYTES`, its opcodes
     scanned, unpickled by `MetadataUnpickler`, then checked (`check_metadata`)."""
+    return _read_checked(path)[0]
+
+
+def _read_checked(path: Path) -> tuple[Metadata, dict[str, CheckedFile]]:
+    """`read_metadata`, and its storage files as `check_metadata` found them."""
     folder = Path(path)
     file = folder / METADATA_FILE
-    data = _read_capped(inside(folder, METADATA_FILE, file), file)
+    data = _read_capped(folder, _resolve(folder, METADATA_FILE, file)[1], file)
     scan_pickle(data, file)
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), file).load()
@@ -129,18 +153,25 @@ def read_metadata(path: Path) -> Metadata:
     except Exception as e:  # the allowed constructors raise anything on crafted arguments: all mean unreadable
         raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: "
                          f"{first_line(e)[:200]})") from None
-    check_metadata(metadata, folder, file)
-    return metadata
+    return metadata, check_metadata(metadata, folder, file)
 
 
-def _read_capped(path: Path, file: Path) -> bytes:
-    if not path.is_file():  # a folder, a FIFO (whose open would wait forever) or nothing
-        raise ValueError(f"{file}: not a readable checkpoint metadata file (not a regular file)")
+def _read_capped(folder: Path, parts: tuple[str, ...], file: Path) -> bytes:
+    """`file`, at `parts` below `folder` (checked inside it), read within `MAX_METADATA_BYTES`."""
+    not_regular = ValueError(f"{file}: not a readable checkpoint metadata file (not a regular file)")
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
+        fd = open_inside(folder, parts, f"{file}:")
     except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):  # nothing there, or `folder` is a file
+            raise not_regular from None
         raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a folder, a FIFO, a device
+            raise not_regular
+        try:
+            data = f.read(MAX_METADATA_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None
     if len(data) > MAX_METADATA_BYTES:
         raise UnsafeFileError(f"{file}: refused: larger than {MAX_METADATA_BYTES >> 20} MiB, which no rankmix "
                               "checkpoint's metadata comes near")
@@ -186,10 +217,10 @@ def _unlike(obj: Any, cls: type) -> str | None:
     return f"a {cls.__name__} without its {missing[0]}" if missing else None
 
 
-def check_metadata(metadata: Any, folder: Path, file: Path) -> None:
+def check_metadata(metadata: Any, folder: Path, file: Path) -> dict[str, CheckedFile]:
     """Refuse metadata (unpickled from `file`, of checkpoint `folder`) that is not DCP's, names a
     storage file outside `folder` or past a file's end, or describes a tensor that DCP's load would
-    leave partly unwritten or that no host could allocate."""
+    leave partly unwritten or that no host could allocate; else its storage files as checked."""
     unlike = _unlike(metadata, Metadata)
     if unlike:
         raise ValueError(f"{file}: not a checkpoint metadata file (it holds {unlike})")
@@ -200,7 +231,7 @@ def check_metadata(metadata: Any, folder: Path, file: Path) -> None:
     unlike = metadata.storage_meta is not None and _unlike(metadata.storage_meta, StorageMeta)
     if unlike:
         raise ValueError(f"{file}: not a valid checkpoint: its storage_meta is {unlike}")
-    check_storage(metadata.storage_data, folder, file)
+    files = check_storage(metadata.storage_data, folder, file)
     for fqn, meta in metadata.state_dict_metadata.items():
         if type(fqn) is not str:
             raise ValueError(f"{file}: not a valid checkpoint: a key is a {type(fqn).__name__}, not a str")
@@ -215,37 +246,44 @@ def check_metadata(metadata: Any, folder: Path, file: Path) -> None:
         if missing is not None:
             where = "" if missing.offset is None else f" at offset {tuple(missing.offset)}"
             raise ValueError(f"{file}: not a valid checkpoint: {fqn!r}{where} is stored nowhere")
+    return files
 
 
-def check_storage(storage_data: dict, folder: Path, file: Path) -> None:
+def check_storage(storage_data: dict, folder: Path, file: Path) -> dict[str, CheckedFile]:
     """Each entry of `storage_data` names a regular file inside `folder` (links resolved), and
-    bytes within it; no transforms (rankmix writes none)."""
-    sizes: dict[str, int] = {}
+    bytes within it; no transforms (rankmix writes none). The files, by the names given."""
+    files: dict[str, CheckedFile] = {}
     for index, info in storage_data.items():
         unlike = _unlike(index, MetadataIndex) or _unlike(info, _StorageInfo) \
             or (type(index.fqn) is not str and f"a key for a {type(index.fqn).__name__}")
         if unlike:
             raise ValueError(f"{file}: not a valid checkpoint: its storage_data holds {unlike}")
         name = info.relative_path
-        if type(name) is not str or name not in sizes:
+        if type(name) is not str or name not in files:
             try:
-                path = inside(folder, name, file)
+                parts = _resolve(folder, name, file)[1]
             except UnsafeFileError as e:
                 raise UnsafeFileError(f"{e} (the storage of {index.fqn!r})") from None
-            if not path.is_file():
+            try:  # the resolved path, not followed again: a link put there since is no regular file
+                found = os.lstat(os.path.join(os.path.realpath(folder), *parts))
+            except OSError:
+                found = None
+            if found is None or not stat.S_ISREG(found.st_mode):
                 raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored in {name!r}, "
                                  "which is not a file there")
-            sizes[name] = path.stat().st_size
+            files[name] = CheckedFile(parts, found.st_dev, found.st_ino, found.st_size)
+        size = files[name].size
         start, length = info.offset, info.length
         if type(start) is not int or type(length) is not int:
             raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored at an offset or length that "
                              "is not an int")
-        if start < 0 or length < 0 or start + length > sizes[name]:
+        if start < 0 or length < 0 or start + length > size:
             raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored at bytes {start}+{length} "
-                             f"of {name!r}, which has {sizes[name]}")
+                             f"of {name!r}, which has {size}")
         if info.transform_descriptors:
             raise ValueError(f"{file}: not a valid checkpoint: {index.fqn!r} is stored transformed, which rankmix "
                              "never writes")
+    return files
 
 
 def check_tensor(fqn: str, meta: TensorStorageMetadata, file: Path) -> None:
@@ -300,13 +338,38 @@ def tiling_error(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> str | 
     return None if bool((grid == 1).all()) else "overlap"
 
 
+class CheckedFiles(FileSystem):
+    """DCP's file system for reading the storage files of checkpoint `folder`: each opened by
+    `open_checked` as `files` holds it, by the name the metadata gives (`concat_path` passes the
+    name on as it is), never by a path that could lead elsewhere since its check."""
+
+    def __init__(self, folder: Path, files: dict[str, CheckedFile]):
+        super().__init__()
+        self.folder, self.files = folder, files
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        assert Path(path) == self.folder, f"{path}: not this reader's folder {self.folder}"
+        return suffix
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[IO[bytes]]:
+        assert mode == "rb" and path in self.files, f"{path}: not a checked storage file of {self.folder} ({mode})"
+        with open_checked(self.folder, str(path), self.files[str(path)]) as stream:
+            yield stream
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader with `read_metadata` above (DCP's own unpickles the file as it is).
-    `metadata`: the folder's metadata when the caller has read it already."""
+    """DCP's file reader with `read_metadata` above (DCP's own unpickles the file as it is), which
+    opens only the storage files it checked, as it checked them (`CheckedFiles`). `metadata`: the
+    folder's metadata when the caller has read it already; its storage is checked again here,
+    where the reader keeps what it found."""
 
     def __init__(self, path: str | Path, metadata: Metadata | None = None):
         super().__init__(path)
         self._metadata = metadata
+        folder = Path(path)
+        self.fs = CheckedFiles(folder, {} if metadata is None else
+                               check_storage(metadata.storage_data, folder, folder / METADATA_FILE))
 
     def read_data(self, plan: LoadPlan, planner: DcpLoadPlanner) -> Future[None]:
         """DCP's read, but a tensor's rows go straight into their target (`views.read_rows`: no
@@ -328,7 +391,9 @@ class SafeReader(FileSystemReader):
         return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self._metadata or read_metadata(Path(self.path))
+        if self._metadata is None:
+            self._metadata, self.fs.files = _read_checked(Path(self.path))
+        metadata = self._metadata
         if metadata.storage_meta is None:  # what FileSystemReader.read_metadata adds
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -370,6 +435,11 @@ def inside(folder: Path, name: str, source: Path) -> Path:
     """`folder / name`, refused (naming `source`, where `name` came from) unless `name` is a relative
     `str` (exactly: a path object's parts may disagree with its string) and the file it names,
     links resolved, lies inside `folder`."""
+    return _resolve(folder, name, source)[0]
+
+
+def _resolve(folder: Path, name: str, source: Path) -> tuple[Path, tuple[str, ...]]:
+    """`inside`'s check; (`folder / name`, the parts of the path below `folder` it resolves to)."""
     if type(name) is not str:
         raise UnsafeFileError(f"{source}: refused: it names a {type(name).__name__} where a file name (a str) "
                               "belongs")
@@ -380,4 +450,39 @@ def inside(folder: Path, name: str, source: Path) -> Path:
     if real == root or os.path.commonpath([root, real]) != root:
         raise UnsafeFileError(f"{source}: refused: it names {name!r}, which leads to {real}, not a file inside "
                               f"{folder}")
-    return folder / rel
+    return folder / rel, Path(os.path.relpath(real, root)).parts
+
+
+def open_inside(folder: Path, parts: tuple[str, ...], what: str) -> int:
+    """A read-only descriptor of the file at `parts` below `folder` (resolved by `_resolve`), each
+    part opened relative to the descriptor of the one before and none through a link (O_NOFOLLOW):
+    a link that took the place of the file, or of a folder on its way, since its check is refused
+    (naming it by `what`) instead of followed out of the folder. O_NONBLOCK: a FIFO put there does
+    not wait for a writer. Other failures are OSError."""
+    assert parts and not {".", ".."} & set(parts), f"{parts}: not a path below {folder}"
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise UnsafeFileError(f"{what} refused: a link took its place, or a folder's on its way, after it was "
+                              "checked; nothing was read through it") from None
+    finally:
+        os.close(fd)
+
+
+def open_checked(folder: Path, name: str, checked: CheckedFile) -> IO[bytes]:
+    """Storage file `name` of `folder`, opened by `open_inside` and refused unless it is the file
+    `check_storage` found (`checked`): nothing is read from a file that took its place since."""
+    fd = open_inside(folder, checked.parts, f"storage file {name!r}")
+    found = os.fstat(fd)
+    if (found.st_dev, found.st_ino) != (checked.device, checked.inode):
+        os.close(fd)
+        raise UnsafeFileError(f"storage file {name!r} refused: another file took its place after it was checked; "
+                              "nothing was read from it")
+    return os.fdopen(fd, "rb")
