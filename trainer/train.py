@@ -23,7 +23,7 @@ from embeddings.hooks import TrainingHooks
 from embeddings.torchrec_compat import input_feature_order
 from trainer.calibration import Calibration
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.run_folder import claim_run_folders
+from trainer.checkpoint.run_folder import claim_run_folders, run_folders
 from trainer.checkpoint.selection import ModelSelection
 from trainer.checkpoint.state import LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState, TrainedPosition
 from trainer.config import Config, per_rank_batch_size
@@ -63,9 +63,8 @@ class Trainer:
         self.cfg = cfg
         self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device, cfg.launch.pg_timeout_minutes)
         self.run_dir = Path(cfg.train.run_dir)
-        folders = {self.run_dir: "--train.run_dir", **({Path(cfg.checkpoint.folder): "--checkpoint.folder"}
-                                                        if cfg.checkpoint.folder else {})}
-        self.run_lock = claim_run_folders(folders, self.env.is_main)  # one run per folder
+        # one run per folder: the run folder and the checkpoint folder, wherever it points
+        self.run_lock = claim_run_folders(run_folders(self.run_dir, cfg.checkpoint), self.env.is_main)
         try:
             self._build(cfg)
         except BaseException:
@@ -296,6 +295,8 @@ class Trainer:
         """Read the flags of the steps since the last read in one all-reduce (collective; once per
         step at most; lifecycle.py StepChecks). Every save reads them first, so no checkpoint
         holds an update of a non-finite step (docs/training.md, "Checks")."""
+        if self.run_lock is not None:  # a run whose folder another took over stops here, before any write
+            self.run_lock.verify()
         self.checks.check(self.step, self.checkpoints.time_due)
 
     @property
