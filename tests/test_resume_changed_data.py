@@ -11,7 +11,10 @@ import json
 import logging
 import os
 import random
+import re
 import struct
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import pytest
 
 import trainer.data.identity as identity
 import trainer.data.reader as reader_module
-from cli import rendezvous_port, spawn
+from cli import rendezvous_port, run_env, spawn
 from test_reader import assert_same, make_encoder, make_table, snap
 from trainer.data.reader import ParquetReader
 
@@ -287,3 +290,19 @@ def test_ranks_share_the_hashing_and_all_refuse_a_rewritten_file(tmp_path):
         assert got["error"] is not None and got["error"].startswith(
             f"data reader state was saved over other files: {folder}/part-2.parquet was rewritten: ")
     assert ranks[0]["error"] == ranks[1]["error"]
+
+
+# ----------------------------------------------------------------------------- the bench
+
+@pytest.mark.bench
+def test_digest_bench_prints_a_row_a_round_and_the_median_ratio(tmp_path):
+    """bench/digest.py on a small log of the rehearsal's schema: a row per round, then the median."""
+    proc = subprocess.run([sys.executable, "bench/digest.py", "--rows", "40000", "--files", "4", "--rounds", "2",
+                           "--tmp", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = re.findall(r"^\| (\d) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| (\d+\.\d{3}) \|$", proc.stdout, re.M)
+    assert [r for r, _ in rounds] == ["0", "1"]
+    median = re.search(r"^median ratio \(digest / one epoch's raw read\): (\d+\.\d{3}) ", proc.stdout, re.M)
+    assert median and float(median.group(1)) == pytest.approx(sum(float(x) for _, x in rounds) / 2, abs=2e-3)
+    assert not list(tmp_path.iterdir())  # the log is deleted without --keep
