@@ -41,6 +41,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEPT = 1 << 30  # blocks below 1 GiB come from the heap, and the heap is never trimmed
 _RETURNED = 32 << 20  # glibc's own largest threshold: larger blocks are mapped, and unmapped when freed
 HEAP_TRIM_EVERY = 5  # training steps between trims of the kept heap (`trim_heap`)
+CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup (v2): its CPU quota and memory limit
 
 
 @functools.cache
@@ -225,7 +226,7 @@ def node_memory_bytes() -> int:
 def _cgroup_value(name: str) -> tuple[int, ...] | None:
     """The numbers of a cgroup v2 limit file of this process's cgroup, or None where there is
     no limit ("max") or no such file."""
-    path = Path("/sys/fs/cgroup") / name
+    path = CGROUP / name
     try:
         fields = path.read_text().split()
     except OSError:
