@@ -121,6 +121,16 @@ def refusal(folder: Path, what: str) -> str:
             "touch files); see README, Trust")
 
 
+def expression_refused(code: str) -> str:
+    return (f"a shape expression {code[:100]!r} (sympy evaluates it; rankmix's are sums of int64 integers and "
+            "multiples of symbols, or comparisons of them)")
+
+
+def guard_refused(code: str) -> str:
+    return (f"an input guard {code[:100]!r} (guards are compiled into the model's forward; rankmix's compare sums "
+            "of input sizes and int64 integers)")
+
+
 class System:
     """Runs `touch marker` when unpickled (os.system, the review's payload)."""
 
@@ -230,7 +240,7 @@ def test_a_shape_expression_that_runs_python_is_refused(artifact, tmp_path):
     folder = planted(artifact, tmp_path / "model", items)
     with pytest.raises(UnsafeFileError) as refused:
         load(folder)
-    assert str(refused.value) == refusal(folder, f"a shape expression {code[:100]!r} (sympy evaluates it as Python)")
+    assert str(refused.value) == refusal(folder, expression_refused(code))
     assert not marker.exists()
 
 
@@ -244,8 +254,7 @@ def test_an_input_guard_that_runs_python_is_refused(artifact, tmp_path):
     with pytest.raises(UnsafeFileError) as refused:
         model, _ = load(folder)
         model(*inputs)
-    assert str(refused.value) == refusal(folder, f"an input guard {code[:100]!r} (guards are compiled into the model's "
-                                                 "forward)")
+    assert str(refused.value) == refusal(folder, guard_refused(code))
     assert not marker.exists()
 
 

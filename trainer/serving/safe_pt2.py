@@ -8,11 +8,12 @@ compiles into the forward, tree specs that import modules, and the entries of ol
 So `check_pt2` accepts only what rankmix's own exports hold, each part against an allow-list
 taken from the exports of every tower and shipped config (tests/test_trust_pt2.py checks that
 they stay within it), before torch reads anything; `check_graph` checks the loaded graph again.
+Shape expressions, guards and sizes are bounded data besides (trainer/serving/pt2_bounds.py): the
+work torch's reader does on them within a budget, and the graph's tensors within the host's memory.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import json
@@ -23,13 +24,15 @@ import pickletools
 import re
 import stat
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from trainer.checkpoint.safe_load import MAX_DIMS, MAX_ELEMENTS, UnsafeFileError, first_line
+from trainer.serving.pt2_bounds import SYMBOL, Budget, Linear, Sizes, check_allocations, expression, guard, hints, \
+    host_memory, is_int64
 
 # Every op a rankmix export's graph calls, named as torch's serializer names them: every tower,
 # tokenizer, pooling, norm, MoE inference, feature kind, table quantization and shipped config.
@@ -75,11 +78,13 @@ _PT2_PAYLOAD = re.compile(r"(data/weights/weight_|data/constants/tensor_)(0|[1-9
 _PT2_TOP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _PT2_TEXTS = {"archive_format": rb"pt2", "archive_version": rb"0", "byteorder": rb"little",
               ".data/version": rb"[0-9]{1,4}\n?", ".data/serialization_id": rb"[0-9]{1,64}"}
-MAX_PT2_JSON_BYTES = 256 << 20  # per JSON or sample-inputs entry; the criteo_1tb config's whole archive takes 2.3 MiB
+# Per JSON or sample-inputs entry: the criteo_1tb config's whole archive takes 2.3 MiB, an export of 64 sparse
+# features 4 MiB. JSON of small values takes up to 20 times its size as Python objects, twice (here and in torch).
+MAX_PT2_JSON_BYTES = 64 << 20
 
 # What the program (models/model.json) may hold besides ops: the exports' argument kinds (no
-# graphs, operators or custom objects as arguments), node metadata, inputs and outputs, and the
-# sympy constructors of its shape expressions, which sympy evaluates as Python.
+# graphs, operators or custom objects as arguments), node metadata, inputs and outputs. Its shape
+# expressions, which sympy evaluates, and its guards are bounded data (trainer/serving/pt2_bounds.py).
 _PT2_PROGRAM = frozenset({"graph_module", "guards_code", "opset_version", "range_constraints", "schema_version",
                           "torch_version", "verifiers"})
 _PT2_GRAPH_MODULE = frozenset({"graph", "metadata", "module_call_graph", "signature", "treespec_namedtuple_fields"})
@@ -91,12 +96,6 @@ _PT2_NODE_META = frozenset({"stack_trace", "nn_module_stack", "torch_fn"})
 _PT2_INPUTS = {"user_input": None, "parameter": "parameter_name", "buffer": "buffer_name",
                "tensor_constant": "tensor_constant_name"}  # an input's kind: the field naming its tensor
 _PT2_OUTPUTS = frozenset({"user_output"})
-_PT2_SYMPY = frozenset({"Symbol", "Integer", "Rational", "Add", "Mul", "Pow", "Mod", "FloorDiv", "PythonMod",
-                        "CleanDiv", "Max", "Min", "Equality", "Unequality", "LessThan", "StrictLessThan",
-                        "GreaterThan", "StrictGreaterThan", "And", "Or", "Not"})
-_PT2_ASSUMPTIONS = frozenset({"integer", "positive", "nonnegative"})
-_PT2_SYMBOL = re.compile(r"[a-z]{1,8}[0-9]{1,9}")
-_PT2_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _PT2_FQN = re.compile(r"[A-Za-z0-9_]{1,128}(\.[A-Za-z0-9_]{1,128}){0,31}")
 _PT2_TREES = frozenset({None, "builtins.tuple", "builtins.list", "builtins.dict"})
 
@@ -176,7 +175,8 @@ def check_pt2(f: BinaryIO, path: Path) -> None:
     whatever its case, none a link, listed alike by Python's and torch's zip readers; tensors
     only in the payload configs (no pickled, custom or opaque objects), each within its file and
     as the graph declares it; a program of `PT2_OPS` whose expressions, guards and tree specs are
-    plain data; sample inputs of tensors only. Nothing in it is unpickled, evaluated or run here."""
+    bounded data (`pt2_bounds`); tensors, at the example inputs, that fit in this host's memory;
+    sample inputs of tensors only. Nothing in it is unpickled, evaluated or run here."""
     try:
         archive = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
@@ -189,9 +189,12 @@ def check_pt2(f: BinaryIO, path: Path) -> None:
         if not re.fullmatch(pattern, files[name]):
             raise ValueError(f"{path}: not a pt2 archive of torch >= 2.8: its {name} holds {files[name][:40]!r}")
     try:
-        declared = _check_program(_json(files["models/model.json"], "models/model.json", path), path)
+        program = _json(files["models/model.json"], "models/model.json", path)
+        declared, shapes = _check_program(program, path)
         for name in ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json"):
             _check_payloads(_json(files[name], name, path), name, sizes, declared, path)
+        payload_bytes = sum(n for name, n in sizes.items() if _PT2_PAYLOAD.fullmatch(name))
+        check_allocations(program["graph_module"]["graph"], shapes, payload_bytes, host_memory(), path)
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # a field missing, or of another type
         raise ValueError(f"{path}: not a valid pt2 archive: malformed program or payload config "
                          f"({type(e).__name__}: {first_line(e)[:200]})") from None
@@ -255,38 +258,45 @@ def _json(data: bytes, name: str, path: Path) -> Any:
         raise ValueError(f"{path}: not a valid pt2 archive: {name} is not JSON ({first_line(e)[:200]})") from None
 
 
-def _check_program(doc: dict, path: Path) -> dict[str, dict]:
+def _check_program(doc: dict, path: Path) -> tuple[dict[str, dict], Sizes]:
     """Check the serialized program; return the tensor metadata its graph declares for each
-    parameter, buffer and constant, by name."""
+    parameter, buffer and constant, by name, and its sizes at the example inputs."""
     if type(doc) is not dict or set(doc) != _PT2_PROGRAM or set(doc["graph_module"]) != _PT2_GRAPH_MODULE:
         raise _refused(path, "a program with other parts than a rankmix export's")
     module = doc["graph_module"]
     if module["metadata"] or module["treespec_namedtuple_fields"] or module["graph"]["custom_obj_values"]:
         raise _refused(path, "a program with custom objects or named tuples")
-    _check_nodes(doc, path)
+    budget = Budget(path)
+    forms, expressions = _check_nodes(doc, budget, path)
     for code in doc["guards_code"]:
-        if type(code) is not str or not _is_guard(code):
-            raise _refused(path, f"an input guard {str(code)[:100]!r} (guards are compiled into the model's forward)")
-    for name in doc["range_constraints"]:
-        if not _PT2_SYMBOL.fullmatch(name):
-            raise _refused(path, f"a shape symbol {name[:100]!r}")
+        if not guard(code, budget):
+            raise _refused(path, f"an input guard {str(code)[:100]!r} (guards are compiled into the model's forward; "
+                                 "rankmix's compare sums of input sizes and int64 integers)")
+    for name, bounds in doc["range_constraints"].items():
+        if not SYMBOL.fullmatch(name) or type(bounds) is not dict or set(bounds) != {"min_val", "max_val"} or \
+                not all(v is None or is_int64(v) for v in bounds.values()):
+            raise _refused(path, f"a shape symbol {name[:100]!r} with range {str(bounds)[:100]}")
     for call in module["module_call_graph"]:
         if not _PT2_FQN.fullmatch(call["fqn"]) and call["fqn"] != "":
             raise _refused(path, f"a module name {str(call['fqn'])[:100]!r}")
         if call["signature"] is not None:
             for spec in (call["signature"]["in_spec"], call["signature"]["out_spec"]):
                 _check_tree(spec, path)
-    return _declared_tensors(module, path)
+    return _declared_tensors(module, path), Sizes(module["graph"], forms, hints(forms, expressions))
 
 
-def _check_nodes(doc: dict, path: Path) -> None:
+def _check_nodes(doc: dict, budget: Budget, path: Path) -> tuple[dict[str, Linear], list[dict]]:
     """Every graph node calls an op of `PT2_OPS` with arguments of `_PT2_ARGUMENTS`; every shape
-    expression (which sympy evaluates as Python) is sympy constructors on numbers and symbols."""
+    expression (which sympy evaluates) is a linear form with an int64 hint (`pt2_bounds.expression`),
+    its terms spent from `budget`. Returns {expression: its linear form}, and the expressions'
+    fields (expression and hint) in the order found."""
     for node in doc["graph_module"]["graph"]["nodes"]:  # in order, so that the first op refused is named
         if type(node) is not dict or not set(node) <= _PT2_NODE or not set(node["metadata"]) <= _PT2_NODE_META:
             raise _refused(path, f"a graph node with fields {sorted(node)[:8] if type(node) is dict else node!r}")
         if node["target"] not in PT2_OPS:
             raise _refused(path, f"a graph that calls {str(node['target'])[:200]}")
+    forms: dict[str, Linear] = {}
+    expressions: list[dict] = []
     stack: list[Any] = [doc]
     while stack:
         item = stack.pop()
@@ -295,68 +305,22 @@ def _check_nodes(doc: dict, path: Path) -> None:
         elif type(item) is dict:
             if "target" in item and item["target"] not in PT2_OPS:
                 raise _refused(path, f"a graph that calls {str(item['target'])[:200]}")
-            if "expr_str" in item and not _is_sympy(item["expr_str"]):
-                raise _refused(path, f"a shape expression {str(item['expr_str'])[:100]!r} (sympy evaluates it as "
-                                     "Python)")
+            if "expr_str" in item:
+                form, hint = expression(item["expr_str"], budget), item.get("hint")
+                if form is None:
+                    raise _refused(path, f"a shape expression {str(item['expr_str'])[:100]!r} (sympy evaluates it; "
+                                         "rankmix's are sums of int64 integers and multiples of symbols, or "
+                                         "comparisons of them)")
+                if hint is not None and not (type(hint) is dict and len(hint) == 1 and
+                                             all(is_int64(v) or type(v) in (bool, float) for v in hint.values())):
+                    raise _refused(path, f"a shape expression's hint {str(hint)[:100]} (not an int64 integer)")
+                forms[item["expr_str"]] = form
+                expressions.append(item)
             unknown = [k for k in item if k.startswith("as_") and k not in _PT2_ARGUMENTS]
             if unknown:
                 raise _refused(path, f"a graph argument of kind {unknown[0]}")
             stack.extend(item.values())
-
-
-def _is_sympy(text: Any) -> bool:
-    """`text` is Python of calls of `_PT2_SYMPY` on integers, and of Symbol on a symbol's name."""
-    def plain(node: ast.AST) -> bool:
-        if _is_integer(node, plain):
-            return True
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _PT2_SYMPY):
-            return False
-        if node.func.id == "Symbol":
-            return len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and \
-                type(node.args[0].value) is str and bool(_PT2_SYMBOL.fullmatch(node.args[0].value)) and \
-                all(k.arg in _PT2_ASSUMPTIONS and isinstance(k.value, ast.Constant) and type(k.value.value) is bool
-                    for k in node.keywords)
-        return not node.keywords and all(plain(arg) for arg in node.args)
-    return _parses(text, plain)
-
-
-def _is_guard(code: str) -> bool:
-    """`code` compares sizes of the inputs, `L['name'].size()[i]`, with each other or integers."""
-    def term(node: ast.AST) -> bool:
-        if _is_integer(node, term):
-            return True
-        if isinstance(node, ast.BinOp):
-            return isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)) and \
-                term(node.left) and term(node.right)
-        return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
-            type(node.slice.value) is int and isinstance(call := node.value, ast.Call) and \
-            not call.args and not call.keywords and isinstance(call.func, ast.Attribute) and \
-            call.func.attr == "size" and isinstance(arg := call.func.value, ast.Subscript) and \
-            isinstance(arg.value, ast.Name) and arg.value.id == "L" and isinstance(arg.slice, ast.Constant) and \
-            type(arg.slice.value) is str and bool(_PT2_IDENTIFIER.fullmatch(arg.slice.value))
-
-    def compare(node: ast.AST) -> bool:
-        return isinstance(node, ast.Compare) and len(node.ops) == 1 and \
-            isinstance(node.ops[0], (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)) and \
-            term(node.left) and term(node.comparators[0])
-    return _parses(code, compare)
-
-
-def _is_integer(node: ast.AST, operand: Callable[[ast.AST], bool]) -> bool:
-    """`node` is an integer literal, or the negation of what `operand` accepts."""
-    if isinstance(node, ast.Constant):
-        return type(node.value) is int
-    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and operand(node.operand)
-
-
-def _parses(text: Any, accept: Callable[[ast.AST], bool]) -> bool:
-    """`text` is a Python expression of at most 10k characters whose tree `accept`s."""
-    if type(text) is not str or len(text) > 10_000:
-        return False
-    try:
-        return accept(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
+    return forms, expressions
 
 
 def _check_tree(text: Any, path: Path) -> None:
