@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.safe_load import UnsafeFileError
+from trainer.dist import node_memory_bytes
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 # Terms (integers, symbols, sums, products, comparisons) of all the shape expressions and guards
@@ -389,5 +390,4 @@ def _dtype_size(arg: Any) -> int:
 
 def host_memory() -> int:
     """The memory a graph's tensors may take: this node's, within its cgroup's limit."""
-    from trainer.dist import node_memory_bytes
     return node_memory_bytes()
