@@ -165,9 +165,10 @@ def _read_capped(folder: Path, parts: tuple[str, ...], file: Path) -> bytes:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):  # nothing there, or `folder` is a file
             raise not_regular from None
         raise ValueError(f"{file}: not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder (which fdopen refuses, IsADirectoryError), a FIFO, a device
+        os.close(fd)
+        raise not_regular
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a folder, a FIFO, a device
-            raise not_regular
         try:
             data = f.read(MAX_METADATA_BYTES + 1)
         except OSError as e:
