@@ -120,6 +120,7 @@ def test_collections_are_on_the_meta_device_with_the_fused_optimizer(optimizer, 
     assert isinstance(ec, EmbeddingCollection) and described(ec.embedding_configs()) == [
         ("shop", 12, 8, ["shop", "shop_hist"])]
     assert all(p.device.type == "meta" for p in ec.parameters())
+    assert [t.data_type for t in ec.embedding_configs()] == [DataType.FP16]
     assert fused(ec) == [([cls], [{"lr": 0.3, "eps": 1e-6}])]
     managed_ec = build_sequence_tables(features, cfg, managed=True)
     assert described(managed_ec.embedding_configs()) == [("song", 16, 8, ["song", "songs"])]
@@ -147,6 +148,7 @@ def test_managed_tables_get_an_mch_module_each_as_their_features_configure():
     features, cfg = schema(), EmbeddingsConfig(lr=0.2)
     bags = build_managed_bags(features, cfg, buckets=4)
     assert isinstance(bags, ManagedCollisionEmbeddingBagCollection) and not bags._return_remapped_features
+    assert {p.device.type for p in bags.parameters()} == {"meta"}  # DMP materialises only the local shards
     assert described(mc_table_configs(bags)) == [("ads", 40, 8, ["ad"])]
     assert fused(bags._embedding_module) == [([torch.optim.Adagrad], [{"lr": 0.2, "eps": 1e-8}])]
     mch = mch_module(bags, "ads")
@@ -201,9 +203,26 @@ def test_the_logged_figures_are_since_the_last_log_of_their_kind():
     assert mch.log_values("eval")["managed/ads.miss_rate"] == pytest.approx(0.25)
     assert mch.log_values("train") == pytest.approx({"managed/ads.miss_rate": 0.0, "managed/ads.evicted": 0.0,
                                                      "managed/ads.occupancy": 0.4})  # no lookups: no NaN
+    mch.counts.copy_(torch.tensor([[16, 6, 3], [10, 4, 0]]))
+    assert mch.log_values("train")["managed/ads.miss_rate"] == 1.0  # one lookup, on the miss row
 
 
-def test_managed_modules_sharders_and_row_wise_plans():
+def test_the_logged_counts_stay_exact_past_float32s_integers():
+    """A long run looks up more than 2^24 ids: the counts since the last log are exact integers."""
+    mch = tracked()
+    big = 2 ** 24 + 1
+    mch.counts.copy_(torch.tensor([[big, big, big], [0, 0, 0]]))
+    assert mch.log_values("train")["managed/ads.evicted"] == big
+    mch.counts[0] += torch.tensor([2, 1, 0])
+    assert mch.log_values("train") == {"managed/ads.miss_rate": 0.5, "managed/ads.evicted": 0.0,
+                                       "managed/ads.occupancy": 0.0}
+
+
+def test_managed_modules_sharders_and_row_wise_plans(monkeypatch):
+    import torchrec.distributed.sharding_plan as plan_module
+
+    # a GPU host, where TorchRec's own guess of the device would be CUDA: a CPU run's plans stay the CPU's
+    monkeypatch.setattr(plan_module, "get_device_type", lambda: "cuda")
     features, cfg = schema(), EmbeddingsConfig()
     holder = nn.Module()
     holder.plain = build_embedding_bags(features, cfg)
@@ -217,6 +236,7 @@ def test_managed_modules_sharders_and_row_wise_plans():
         [(name, shard)] = plans[path].items()
         assert (name, shard.sharding_type, shard.compute_kernel, shard.ranks) == (table, "row_wise", "fused", [0, 1])
         assert [s.shard_sizes[0] for s in shard.sharding_spec.shards] == [rows // 2] * 2
+        assert [str(s.placement) for s in shard.sharding_spec.shards] == ["rank:0/cpu", "rank:1/cpu"]
 
 
 def test_served_tables_move_every_table_into_the_bags_and_read_each_id_map():

@@ -203,6 +203,9 @@ def test_health_of_a_permutation_and_of_an_average():
     assert average == pytest.approx({
         "global_row_max": 0.25, "global_entropy": 1.0, "local_row_max": 0.5, "local_entropy": 1.0,
         "global_sv2": 0.0, "global_sv3": 0.0, "sv_median": 0.0, "sv_above_half": 0.125}, abs=1e-6)
+    # singular values of 1 and exactly 0.5: only those above half count
+    halves = mixing_health(torch.diag(torch.tensor([1.0, 0.5])), torch.eye(2).expand(2, 2, 2))
+    assert (halves["sv_median"], halves["sv_above_half"]) == (0.5, 0.5)
 
 
 def test_the_full_matrix_is_measured_up_to_its_limit_only():
