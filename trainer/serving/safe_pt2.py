@@ -162,11 +162,10 @@ def _open_plain(path: Path) -> BinaryIO:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises IsADirectoryError on a folder
+        os.close(fd)
         raise ValueError(f"{path}: not a regular file")
-    return f
+    return os.fdopen(fd, "rb")
 
 
 def check_pt2(f: BinaryIO, path: Path) -> None:
