@@ -135,6 +135,20 @@ MODULES = {
     "doctor": Target("launch/doctor.py", ("tests/test_doctor_unit.py",
                                           "tests/test_doctor.py::test_mismatches_are_named"),
                      ("mismatches", "report", "_try")),
+    "unimixer": Target("dense/unimixer.py", ("tests/test_unimixer.py", "tests/test_unimixer_reference.py",
+                                             "tests/test_unimixer_restore.py")),
+    # malloc, the own arena, the cgroup limits, the attempt's store; not what needs a group of ranks
+    # (init_distributed, shutdown, raise_on_every_rank, the comm hook: the multi-rank tests') nor the
+    # decorated memory_returned and _libc, which mutmut skips (test_dist_unit.py and test_malloc.py check them)
+    "dist": Target("trainer/dist.py", ("tests/test_dist_unit.py",), (
+        "tune_malloc", "trim_heap", "on_own_arena", "usable_cpus", "node_memory_bytes", "_cgroup_value",
+        "_attempt_store")),
+    "tables": Target("embeddings/tables.py", ("tests/test_tables_unit.py",)),
+    "managed": Target("embeddings/managed.py", (
+        "tests/test_tables_unit.py",
+        "tests/test_managed_sequence.py::test_the_candidate_and_the_sequence_share_one_managed_collection_and_one_"
+        "batch_key_set",
+        "tests/test_managed_sequence.py::test_the_managed_sequence_table_starts_as_it_would_unmanaged")),
 }
 
 # Surviving mutants that change no behaviour: (mutmut's name of the function, the changed
@@ -162,6 +176,21 @@ _PARTS = ("an invariant: _resolve's parts (of a realpath below the folder's, not
 _CELL_COUNTS = "the cells' counts are small integers, exact in float32 as in int32"
 _OWN_TMP = "the temporary file is this claim's own, made just before: it is there to unlink"
 _TMP_NAME = "the temporary file's name only has to be unique: random hex of any length is"
+_SQUARE = "the mixing's matrices are square ([n, n] or [k, n, n]): every one of these dimensions is n"
+_NO_AUTOCAST_OP = "no op of the scaling is one autocast casts (matmuls, convolutions): float32 either way"
+_ROW_MEAN = "the mean of the per-row sums and of the per-column sums are both the total over the rows"
+_SYMMETRIC = "the constrained matrices are symmetric: a row's largest entry is its column's"
+_ONE_STAGE = "at tau >= 1 the formula gives max(1, the ceiling of a value <= 0) = 1 too"
+_TAU_DTYPE = "tau arrives as a Python float or the tower's float32 buffer: float32 either way"
+_TAU_DEVICE = "a 0-d CPU tensor combines with tensors on any device, and the tower's tau is on its own device"
+_SYMMETRIC_LOGITS = "the logits are symmetric (constrain_all symmetrises them): row and column log-sums agree"
+_RANDOM_INIT = "any init but 'permutation' is the random init (the config allows only the two)"
+_WORLD_UNREAD = "a store that does not wait for its workers never reads world_size (None: unknown)"
+_PLAN_SHARDER = ("the plan records the sharding, not the sharder: TorchRec's default sharder of the type plans "
+                 "alike (DMP gets the sharders apart, managed_sharders)")
+_SWIGLU_PATHS = "both paths compute eq. 19 and its gradients (test_swiglu_backward_equals_autograd)"
+_REGULAR = ("the damping keeps the system regular: the check finds nothing (on a GPU it would make the host wait "
+            "for the device, why it is off)")
 EQUIVALENT: list[tuple[str, str, str]] = [
     # safe_load
     ("trainer.checkpoint.safe_load.x__read_capped", "data = f.read(MAX_METADATA_BYTES + 2)",
@@ -400,6 +429,126 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _SUMMARY_NUMBERS),
     ("launch.study.x\u01c1Row\u01c1values", "return np.array([next((run[n] for n in names if n in run), None)",
      "dtype=float reads None as NaN"),
+    # unimixer
+    ("dense.unimixer.x__newton_step", 'damping = 1e-6 * torch.eye(x.shape[+1], device=x.device)', _SQUARE),
+    ("dense.unimixer.x__newton_step", 'damping = 1e-6 * torch.eye(x.shape[-2], device=x.device)', _SQUARE),
+    ("dense.unimixer.x__newton_step",
+     'step = torch.linalg.solve_ex(system, -r * log_r, )[0]', "solve_ex checks no errors by default"),
+    ("dense.unimixer.x__newton_step",
+     'step = torch.linalg.solve_ex(system, -r * log_r, check_errors=True)[0]', _REGULAR),
+    ("dense.unimixer.x_constrain_all", 'by_size.setdefault(w.shape[+1], []).append(i)', _SQUARE),
+    ("dense.unimixer.x_constrain_all", 'by_size.setdefault(w.shape[-2], []).append(i)', _SQUARE),
+    ("dense.unimixer.x_constrain_all", 'with torch.autocast(weights[0].device.type, ):', _NO_AUTOCAST_OP),
+    ("dense.unimixer.x_constrain_all", 'with torch.autocast(weights[0].device.type, enabled=True):', _NO_AUTOCAST_OP),
+    ("dense.unimixer.x_full_mixing", 'n, blk = w_local.shape[0], w_local.shape[+1]', _SQUARE),
+    ("dense.unimixer.x_full_mixing", 'n, blk = w_local.shape[0], w_local.shape[-2]', _SQUARE),
+    ("dense.unimixer.x_mixing_health", 'n = w.shape[+1]', _SQUARE),
+    ("dense.unimixer.x_mixing_health", 'n = w.shape[-2]', _SQUARE),
+    ("dense.unimixer.x_mixing_health",
+     'entropy = -(w * w.clamp_min(1e-30).log()).sum(+1).mean() / math.log(n) if n > 1 else w.new_zeros(())', _ROW_MEAN),
+    ("dense.unimixer.x_mixing_health",
+     'entropy = -(w * w.clamp_min(1e-30).log()).sum(-2).mean() / math.log(n) if n > 1 else w.new_zeros(())', _ROW_MEAN),
+    ("dense.unimixer.x_mixing_health",
+     'values |= {f"{name}_row_max": float(w.amax(+1).mean()), f"{name}_entropy": float(entropy)}', _SYMMETRIC),
+    ("dense.unimixer.x_mixing_health",
+     'values |= {f"{name}_row_max": float(w.amax(-2).mean()), f"{name}_entropy": float(entropy)}', _SYMMETRIC),
+    ("dense.unimixer.x_mixing_health", 'if w_global.shape[1] * w_local.shape[-1] <= full_limit:', _SQUARE),
+    ("dense.unimixer.x_mixing_health", 'if w_global.shape[0] * w_local.shape[+1] <= full_limit:', _SQUARE),
+    ("dense.unimixer.x_mixing_health", 'if w_global.shape[0] * w_local.shape[-2] <= full_limit:', _SQUARE),
+    ("dense.unimixer.x_scaling_stages",
+     'return max(1, math.ceil(per_halving * math.log2(1 / tau))) if (tau < 1) or True else 1', _ONE_STAGE),
+    ("dense.unimixer.x_scaling_stages",
+     'return max(1, math.ceil(per_halving * math.log2(1 / tau))) if tau <= 1 else 1', _ONE_STAGE),
+    ("dense.unimixer.x_scaling_stages",
+     'return max(1, math.ceil(per_halving * math.log2(1 / tau))) if tau < 2 else 1', _ONE_STAGE),
+    ("dense.unimixer.x_sinkhorn", 'with torch.autocast(logits.device.type, ):', _NO_AUTOCAST_OP),
+    ("dense.unimixer.x_sinkhorn", 'with torch.autocast(logits.device.type, enabled=True):', _NO_AUTOCAST_OP),
+    ("dense.unimixer.x_sinkhorn", 'tau = torch.as_tensor(tau, dtype=None, device=w.device)', _TAU_DTYPE),
+    ("dense.unimixer.x_sinkhorn", 'tau = torch.as_tensor(tau, dtype=torch.float32, device=None)', _TAU_DEVICE),
+    ("dense.unimixer.x_sinkhorn", 'tau = torch.as_tensor(tau, device=w.device)', _TAU_DTYPE),
+    ("dense.unimixer.x_sinkhorn", 'tau = torch.as_tensor(tau, dtype=torch.float32, )', _TAU_DEVICE),
+    ("dense.unimixer.x_sinkhorn",
+     'f = -0.5 * (w / temp).logsumexp(+1, keepdim=True) if f is None else f * (prev / temp)', _SYMMETRIC_LOGITS),
+    ("dense.unimixer.x_sinkhorn",
+     'f = -0.5 * (w / temp).logsumexp(-2, keepdim=True) if f is None else f * (prev / temp)', _SYMMETRIC_LOGITS),
+    ("dense.unimixer.x\u01c1BlockMixing\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, init: str = "XXrandomXX", lr_mult: float = 1.0):',
+     _RANDOM_INIT),
+    ("dense.unimixer.x\u01c1BlockMixing\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, init: str = "RANDOM", lr_mult: float = 1.0):',
+     _RANDOM_INIT),
+    ("dense.unimixer.x\u01c1BlockMixing\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, init: str = "random", lr_mult: float = 2.0):',
+     "BlockMixing is built only by its subclasses, which pass lr_mult"),
+    ("dense.unimixer.x\u01c1BlockMixing\u01c1__init__",
+     'head = dim / self.num_tokens', "dim % T is 0 when head is read: D / T is a whole float, of the same remainder"),
+    ("dense.unimixer.x\u01c1FrozenMixing\u01c1__init__",
+     'for name in [*dict(mixing.named_parameters(recurse=None)), "prior_global", "prior_local"]:',
+     "recurse=None is falsy, as False"),
+    ("dense.unimixer.x\u01c1PerTokenSwiGLU\u01c1forward",
+     'if torch.is_grad_enabled() or (x.requires_grad or self.w_in.requires_grad):', _SWIGLU_PATHS),
+    ("dense.unimixer.x\u01c1PerTokenSwiGLU\u01c1forward",
+     'if torch.is_grad_enabled() and (x.requires_grad and self.w_in.requires_grad):', _SWIGLU_PATHS),
+    ("dense.unimixer.x\u01c1UniMixerTower\u01c1__init__",
+     'self.register_buffer("tau", torch.tensor(tau_start), persistent=None)',
+     "persistent=None is falsy, as False: tau stays out of the state dict"),
+    ("dense.unimixer.x\u01c1UniMixingLite\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, num_basis: int, rank: int, init: str = "XXrandomXX",',
+     _RANDOM_INIT),
+    ("dense.unimixer.x\u01c1UniMixingLite\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, num_basis: int, rank: int, init: str = "RANDOM",',
+     _RANDOM_INIT),
+    ("dense.unimixer.x\u01c1UniMixingLite\u01c1logits",
+     'torch.einsum("NL,LJK->NJK", self.omega, self.basis) + self.prior_local)',
+     "einsum reads upper-case subscripts as it reads lower-case ones"),
+    ("dense.unimixer.x\u01c1UniMixing\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, init: str = "XXrandomXX", lr_mult: float = 1.0):',
+     _RANDOM_INIT),
+    ("dense.unimixer.x\u01c1UniMixing\u01c1__init__",
+     'def __init__(self, length: int, block: int, dim: int, init: str = "RANDOM", lr_mult: float = 1.0):',
+     _RANDOM_INIT),
+    # dist
+    ("trainer.dist.x__attempt_store",
+     'store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,', _WORLD_UNREAD),
+    ("trainer.dist.x__attempt_store",
+     'is_master=rank == 0 and not agent_hosts_store, wait_for_workers=None)',
+     "wait_for_workers=None is falsy, as False"),
+    ("trainer.dist.x__attempt_store",
+     'store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), '
+     'is_master=rank == 0 and not agent_hosts_store, wait_for_workers=False)', _WORLD_UNREAD),
+    ("trainer.dist.x_trim_heap", "libc.malloc_trim(None)", "ctypes passes None as 0"),
+    ("trainer.dist.x_trim_heap", "libc.malloc_trim(1)",
+     "malloc_trim releases whole pages: a pad of one byte keeps at most one page more at the top"),
+    # tables
+    ("embeddings.tables.x_sequence_table_configs", 'if f.kind == "XXnumericXX" or f.table not in wanted:',
+     "a numeric feature has no table, so never a wanted one"),
+    ("embeddings.tables.x_sequence_table_configs", 'if f.kind == "NUMERIC" or f.table not in wanted:',
+     "a numeric feature has no table, so never a wanted one"),
+    ("embeddings.tables.x_sequence_table_configs", "embedding_dim=f.embedding_dim, )",
+     "TorchRec's table configs default feature_names to a new empty list"),
+    ("embeddings.tables.x_table_configs", "pooling=_POOLING[f.pooling])",
+     "TorchRec's table configs default feature_names to a new empty list"),
+    ("embeddings.tables.x_table_configs", "feature_names=[], )",
+     "a table whose pooling no list sets looks up one id per bag, which sum and mean pool alike"),
+    # managed
+    ("embeddings.managed.x_build_managed_bags", "return_remapped_features=None)", "None is falsy, as False"),
+    ("embeddings.managed.x_build_managed_bags", ")", "TorchRec's default is return_remapped_features=False"),
+    ("embeddings.managed.x_build_managed_sequences", "return_remapped_features=None)", "None is falsy, as False"),
+    ("embeddings.managed.x_build_managed_sequences", ")", "TorchRec's default is return_remapped_features=False"),
+    ("embeddings.managed.x_managed_plans",
+     "sharder=None, local_size=local, world_size=world, device_type=device.type)", _PLAN_SHARDER),
+    ("embeddings.managed.x_managed_plans", "local_size=local, world_size=world, device_type=device.type)",
+     _PLAN_SHARDER),
+    ("embeddings.managed.x_managed_plans",
+     "mc, per_param_sharding={t.name: sp.row_wise(compute_kernel=None) for t in mc_table_configs(mc)},",
+     "TorchRec's row_wise plans the fused kernel when given none (tested: the plan's kernel is 'fused')"),
+    ("embeddings.managed.x\u01c1TrackedMCH\u01c1__init__", "super().__init__(**kwargs)",
+     "every TrackedMCH is built with keyword arguments only"),
+    ("embeddings.managed.x\u01c1TrackedMCH\u01c1__init__",
+     "self._logged = torch.zeros(3, 3, dtype=torch.int64)  # counts at the last log of each kind",
+     "only rows 0 (train) and 1 (eval) are read"),
+    ("embeddings.managed.x\u01c1TrackedMCH\u01c1log_values", "if dist.is_initialized() and dist.get_world_size() >= 1:",
+     "an all-reduce over one rank leaves the totals as they are"),
 ]
 
 KILLED = {"killed", "timeout", "segfault"}
