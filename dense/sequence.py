@@ -13,6 +13,8 @@ artifact's max_len), so nothing is read back from the device. docs/models.md, "S
 
 from __future__ import annotations
 
+import math
+
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm's jagged ops)
 import torch
 from torch import nn
@@ -50,7 +52,7 @@ def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch
         return values.view(rows, length, *values.shape[1:]), values.new_ones((rows, length), dtype=torch.bool)
     lengths = offsets.narrow(0, 1, rows) - offsets.narrow(0, 0, rows)
     mask = torch.arange(length, device=values.device) < lengths.unsqueeze(1)
-    flat = values.reshape(values.shape[0], -1)  # the op's values are 2-D
+    flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))  # the op's values are 2-D (-1: not at N = 0)
     padded = _JaggedToPadded.apply(flat, offsets, length)
     return padded.reshape(rows, length, *values.shape[1:]), mask
 
