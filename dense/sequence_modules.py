@@ -35,11 +35,13 @@ def register_sequence(name: str, table: type | None = None) -> Callable[[Builder
 
 
 def _positive(obj: Any, where: str, *names: str) -> None:
+    """Each of `names` (or each item of a list) > 0; `where` is the table under model.sequence ("": its own fields)."""
     for name in names:
         values = getattr(obj, name)
         for v in values if isinstance(values, list) else [values]:
             if v <= 0:
-                raise ValueError(f"model.sequence.{where}.{name} must be positive, got {getattr(obj, name)}")
+                raise ValueError(f"model.sequence.{where}{'.' if where else ''}{name} must be positive, "
+                                 f"got {getattr(obj, name)}")
 
 
 @dataclass
@@ -51,6 +53,9 @@ class TargetAttentionConfig:
     """Hidden widths of the MLP that scores each behaviour from [b, v, b*v, b-v, time]."""
 
     def validate(self) -> None:
+        if not self.hidden:  # the scorer's last Linear reads the last hidden layer
+            raise ValueError("model.sequence.target_attention.hidden must name at least one width (the scorer's "
+                             "hidden layers), got []")
         _positive(self, self.key, "hidden")
 
 
