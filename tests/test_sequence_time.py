@@ -56,6 +56,18 @@ def test_the_gaps_of_the_kept_behaviours_reach_the_batch_aligned_with_their_ids(
     assert picked.sequence_gaps[0].tolist() == [1, 6, 4, 2]
 
 
+def test_a_history_is_oldest_first_and_max_len_keeps_the_newest():
+    """Most recent last (docs/data.md, Sequences): of five behaviours max_len 3 keeps the three
+    newest, with their gaps, the smallest last. A list written newest first is read as it is,
+    neither reordered nor refused (as documented there): max_len keeps its last three, the oldest,
+    and their gaps say how old they are."""
+    stamps = [0, 590, 596, 598, 599]  # at request time 600: gaps of 600, 10, 4, 2, 1 seconds
+    rows = encoder(max_len=3).encode(table([[10, 11, 12, 13, 14], [14, 13, 12, 11, 10]],
+                                           [stamps, stamps[::-1]], [600, 600]), "f.parquet").to_batch()
+    assert rows.sequence_ids["hist"].values().tolist() == [12, 13, 14, 12, 11, 10]
+    assert rows.sequence_gaps[0].tolist() == [reference_bucket(g, 32) for g in (4, 2, 1, 4, 10, 600)]
+
+
 def test_lengths_that_differ_name_the_file_row_and_column():
     with pytest.raises(ValueError) as e:
         encoder().encode(table([[1, 2], [3, 4, 5]], [[1, 2], [3, 4]], [10, 10]), "day=1/part-0.parquet")
@@ -194,3 +206,97 @@ def test_the_encoders_defaults_are_the_configs():
     with pytest.raises(ValueError, match=r"^features.hist.timestamps needs data.time_column"):
         RowEncoder(features, [TaskSpec()], "")
     assert RowEncoder(features, [TaskSpec()], "", time_column="now").gaps.buckets == SequenceFields().time_buckets
+
+
+def test_each_limit_is_refused_at_it_and_a_valid_time_before_a_bad_one_is_not_named():
+    """2^62 itself is outside, in int64 and uint64; int8's -128 (seen unsigned: 128, the fast
+    check's bound) too; 0 and 2^62 - 1 ahead of the bad value in its list are not what the error names."""
+    cases = [(pa.int64(), 2**62, [[1], [2**62]]), (pa.uint64(), 2**62, [[1], [2**62]]),
+             (pa.int8(), -128, [[1], [-128]]), (pa.int64(), -1, [[1], [0, 2**62 - 1, -1]])]
+    for typ, bad, stamps in cases:
+        hist = [[5] * len(s) for s in stamps]
+        with pytest.raises(ValueError) as e:
+            encoder().encode(pa.table({"item": [1, 1], "hist": pa.array(hist, pa.list_(pa.int64())),
+                                       "hist_ts": pa.array(stamps, pa.list_(typ)), "now": [10, 10],
+                                       "click": [0, 0]}), "f.parquet")
+        assert str(e.value) == (f"f.parquet, column 'hist_ts': timestamp {bad} at row 1 is outside 0 <= t < 2^62 "
+                                "(docs/data.md, Sequences)"), typ
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1]], [[3]], pa.array([2**62], pa.uint64())), "f.parquet")
+    assert str(e.value) == ("f.parquet, column 'now': request time 4611686018427387904 at row 0 is outside "
+                            "0 <= t < 2^62 (docs/data.md, Sequences)")
+
+
+def test_a_null_time_names_its_row():
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1], [2]], [[3], [4]], pa.array([10, None], pa.int64())), "f.parquet")
+    assert str(e.value) == "f.parquet, column 'now': null request time at row 1"
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table([[1, 2], [3, 4, 5]], [[1, 2], [3, None, 5]], [10, 10]), "f.parquet")
+    assert str(e.value) == "f.parquet, column 'hist_ts': null timestamp inside the list at row 1"
+
+
+@pytest.mark.parametrize("list_type", [pa.list_, pa.large_list])
+def test_a_behaviour_dropped_from_one_row_leaves_the_other_rows_whole(list_type, capsys):
+    """Only the first of three rows has a behaviour after its request time: the others keep all of
+    theirs; the id column that replaces the file's keeps its list type."""
+    enc = encoder(max_len=5)
+    t = pa.table({"item": [1, 1, 1], "hist": pa.array([[1, 2], [3, 4], [5]], list_type(pa.int64())),
+                  "hist_ts": pa.array([[5, 50], [6, 7], [8]], list_type(pa.int64())), "now": [10, 10, 10],
+                  "click": [0, 0, 0]})
+    ids, [gaps] = enc.gaps.encode(t, "f.parquet")
+    assert ids["hist"].type == t.column("hist").type
+    assert ids["hist"].to_pylist() == [[1], [3, 4], [5]]
+    assert gaps.tolist() == [reference_bucket(g, 32) for g in (5, 4, 3, 2)]
+    assert enc.gaps.dropped == 1
+
+
+def test_each_file_is_named_once_even_in_a_folder_whose_name_has_spaces(capsys):
+    enc = encoder()
+    for part in ("part-0", "part-0", "part-1"):
+        enc.encode(table([[1]], [[11]], [10]), f"my logs/{part}.parquet, row group 0")
+    assert [line.split(",")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "rankmix: warning: my logs/part-0.parquet", "rankmix: warning: my logs/part-1.parquet"]
+
+
+def test_a_served_models_request_times_are_checked_too():
+    """`check` (a served model's inputs) refuses a request time out of range or null, naming the column."""
+    gaps = encoder().gaps
+    gaps.check(table([[1]], [[3]], [10]), "request")
+    with pytest.raises(ValueError) as e:
+        gaps.check(table([[1]], [[3]], [-4]), "request")
+    assert str(e.value) == ("request, column 'now': request time -4 at row 0 is outside 0 <= t < 2^62 "
+                            "(docs/data.md, Sequences)")
+    with pytest.raises(ValueError) as e:
+        gaps.check(table([[1]], [[3]], pa.array([None], pa.int64())), "request")
+    assert str(e.value) == "request, column 'now': null request time at row 0"
+
+
+def test_only_attended_sequences_timestamps_are_read_and_each_column_is_typed():
+    from trainer.data.timestamps import TimeGaps
+
+    f = FeatureSpec
+    pooled = f(name="seen", kind="sequence", table="t", num_embeddings=100, embedding_dim=4, max_len=3,
+               timestamps="seen_ts")
+    assert TimeGaps([pooled], "", 32).columns == []  # pool reads no time: not even a request time is needed
+    features = encoder().gaps.features
+    with pytest.raises(ValueError) as e:
+        TimeGaps(features, "", 32)
+    assert str(e.value) == "features.hist.timestamps needs data.time_column, the column of each row's request time"
+    gaps = TimeGaps([pooled, *features], "now", 32)
+    assert gaps.columns == ["hist_ts", "now"]
+    checks = list(gaps.expected_types())
+    assert [(c, need) for c, need, _ in checks] == [("hist_ts", "a list of integer timestamps for feature 'hist'"),
+                                                    ("now", "integer request times (data.time_column)")]
+    stamps, now = checks[0][2], checks[1][2]
+    assert stamps(pa.list_(pa.int64())) and stamps(pa.large_list(pa.uint32()))
+    assert not stamps(pa.list_(pa.string())) and not stamps(pa.list_(pa.float64()))
+    assert now(pa.uint64()) and not now(pa.float64())
+    encoder().check_schema(pa.schema([("item", pa.int64()), ("hist", pa.list_(pa.int64())),
+                                      ("hist_ts", pa.large_list(pa.int32())), ("now", pa.int32()),
+                                      ("click", pa.int64())]), "f.parquet")
+
+
+def test_an_empty_row_group_gives_no_gaps():
+    ids, [gaps] = encoder().gaps.encode(table([], [], pa.array([], pa.int64())), "f.parquet")
+    assert ids == {} and gaps.dtype == np.int64 and gaps.size == 0
