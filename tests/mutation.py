@@ -129,6 +129,12 @@ MODULES = {
     "csvlog_markers": Target("trainer/offline/csvlog.py", ("tests/test_markers.py",), (
         "_marker", "_markers", "_digest", "_read_marker", "_adopt_legacy_markers", "_names", "_part_of",
         "_name_hash")),
+    # the sequence module, its config and schema rules, and the timestamps at the data boundary
+    "sequence": Target("dense/sequence.py", ("tests/test_sequence.py", "tests/test_sequence_reference.py")),
+    "sequence_modules": Target("dense/sequence_modules.py", ("tests/test_sequence_modules.py",
+                                                             "tests/test_sequence.py")),
+    "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py")),
+    "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py",)),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
@@ -191,6 +197,18 @@ _PLAN_SHARDER = ("the plan records the sharding, not the sharder: TorchRec's def
 _SWIGLU_PATHS = "both paths compute eq. 19 and its gradients (test_swiglu_backward_equals_autograd)"
 _REGULAR = ("the damping keeps the system regular: the check finds nothing (on a GPU it would make the host wait "
             "for the device, why it is off)")
+_SAME_OP = ("the hand-written autograd Function is the plain op with a cheaper backward: the same values and "
+            "gradients, summed in another order")
+_CAST_BACK = "autograd casts a gradient to its input's dtype: the same gradient"
+_MAX_LEN = ("a row holds at most max_len behaviours (the reader keeps the last max_len, a served model pads to "
+            "max_len): recency n - 1 - m never reaches the upper clamp")
+_ONE_ID = "an id feature holds at most one id per row: its mean is its sum"
+_K1 = "at k = 1 the matmul by a [1, n] matrix is the broadcast product: the same gradient"
+_UNSIGNED = "an unsigned array has nothing below 0: both expressions flag the same positions"
+_STDERR = "sys.stderr is line-buffered (Python 3.9+) and the warning ends its line: written at once either way"
+_OFFSETS = ("from_arrays casts the offsets to the list's own index type (int32, or int64 for large_list); the types "
+            "differ only past 2^31 behaviours in one row group")
+_UNREAD_NOW = "_timestamps does not read its `now` argument (the request times are checked apart)"
 EQUIVALENT: list[tuple[str, str, str]] = [
     # safe_load
     ("trainer.checkpoint.safe_load.x__read_capped", "data = f.read(MAX_METADATA_BYTES + 2)",
@@ -429,6 +447,119 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      _SUMMARY_NUMBERS),
     ("launch.study.x\u01c1Row\u01c1values", "return np.array([next((run[n] for n in names if n in run), None)",
      "dtype=float reads None as NaN"),
+    # sequence (dense/sequence.py)
+    ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
+     "attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys.unsqueeze(1).unsqueeze(2))",
+     "keys.unsqueeze(1) is [B, 1, L]: a new axis at 1 or at 2 both make it [B, 1, 1, L]"),
+    ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
+     "x = x + self.proj(attended_values.transpose(1, 2).flatten(+2))  # [B, L, W]",
+     "the attention's output [B, L, heads, W / heads] is 4-D: dimensions 2 and -2 are the same"),
+    ("dense.sequence.x\u01c1SequenceInputs\u01c1__init__",
+     'self.mean = {f.name for f in on if not attended(f) and f.kind != "XXidXX" and f.pooling == "mean"}', _ONE_ID),
+    ("dense.sequence.x\u01c1SequenceInputs\u01c1__init__",
+     'self.mean = {f.name for f in on if not attended(f) and f.kind != "ID" and f.pooling == "mean"}', _ONE_ID),
+    ("dense.sequence.x\u01c1SequenceInputs\u01c1forward",
+     "out[name] = total / rows.lengths().clamp(min=1).unsqueeze(1).to(None) if name in self.mean else total",
+     "a float tensor divided by an int64 one keeps its own float dtype: the cast changes nothing"),
+    ("dense.sequence.x\u01c1SequenceTransformer\u01c1forward",
+     "recency = (mask.sum(dim=1, keepdim=True) - 1 - steps).clamp(0, None)  # padding: masked anyway", _MAX_LEN),
+    ("dense.sequence.x\u01c1SequenceTransformer\u01c1forward",
+     "recency = (mask.sum(dim=1, keepdim=True) - 1 - steps).clamp(0, )  # padding: masked anyway", _MAX_LEN),
+    ("dense.sequence.x\u01c1SequenceTransformer\u01c1forward",
+     "recency = (mask.sum(dim=1, keepdim=True) - 1 - steps).clamp(0, self.max_len + 1)  # padding: masked anyway",
+     _MAX_LEN),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1first_layer",
+     "table = (per_row.unsqueeze(1) + self.time.weight @ wt.t()).to(None)  # [B, NB, H]",
+     "both terms already have per_row's dtype: bf16 under autocast (a linear and a matmul), float32 outside"),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1first_layer",
+     "gathered = _Gather.apply(table, index) if (torch.is_grad_enabled()) and False else "
+     "nn.functional.embedding(index, table)", _SAME_OP),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1first_layer",
+     "gathered = _Gather.apply(table, index) if (torch.is_grad_enabled()) or True else "
+     "nn.functional.embedding(index, table)", _SAME_OP),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1forward",
+     "x = _Scores.apply(x, last.weight, last.bias) if (torch.is_grad_enabled()) and False else last(x)", _SAME_OP),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1forward",
+     "x = _Scores.apply(x, last.weight, last.bias) if (torch.is_grad_enabled()) or True else last(x)", _SAME_OP),
+    ("dense.sequence.x\u01c1TargetAttention\u01c1forward",
+     "weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(None)  # [B, L, k]",
+     "bf16 behaviours come only from autocast (the transformer's out Linear), whose matmul casts the float32 "
+     "weights to bf16 all the same; in the backward only the rounding of the behaviours' gradient differs"),
+    ("dense.sequence.x\u01c1_JaggedToPadded\u01c1forward",
+     "return torch.ops.fbgemm.jagged_to_padded_dense(values, [offsets], [length], )",
+     "FBGEMM's padding_value defaults to 0"),
+    ("dense.sequence.x\u01c1_Scores\u01c1backward",
+     "grad = grad.to(None)  # bf16 scores under autocast, fp32 activations",
+     "the scores' gradient already has the activations' dtype: bf16 both under autocast, float32 both outside "
+     "(checked for both modules)"),
+    ("dense.sequence.x\u01c1_Scores\u01c1backward",
+     "into = grad * w.squeeze(0) if (w.shape[0] == 1) and False else torch.matmul(grad, w)", _K1),
+    ("dense.sequence.x\u01c1_Scores\u01c1backward",
+     "into = grad * w.squeeze(1) if w.shape[0] == 1 else torch.matmul(grad, w)",
+     "w is [1, H]: grad [..., 1] times w, squeezed at 0 or not, broadcasts to the same [..., H]"),
+    ("dense.sequence.x\u01c1_Scores\u01c1backward",
+     "return into, (flat_grad.t() @ flat_h).to(None), flat_grad.sum(0).to(weight.dtype)", _CAST_BACK),
+    ("dense.sequence.x\u01c1_Scores\u01c1backward",
+     "return into, (flat_grad.t() @ flat_h).to(weight.dtype), flat_grad.sum(0).to(None)", _CAST_BACK),
+    ("dense.sequence.x\u01c1_Scores\u01c1forward", "return nn.functional.linear(h, weight, None)",
+     "a constant added to a column's every score leaves its softmax over the behaviours unchanged; the bias's "
+     "gradient is the backward's own sum"),
+    ("dense.sequence.x\u01c1_Scores\u01c1forward", "return nn.functional.linear(h, weight, )",
+     "a constant added to a column's every score leaves its softmax over the behaviours unchanged; the bias's "
+     "gradient is the backward's own sum"),
+    ("dense.sequence.x\u01c1_WeightedSum\u01c1backward",
+     "into_values = weights * grad if (weights.shape[2] == 1) and False else torch.matmul(weights, grad)", _K1),
+    ("dense.sequence.x\u01c1_WeightedSum\u01c1backward",
+     "return torch.matmul(values, grad.transpose(1, 2)).to(None), into_values",
+     _CAST_BACK),
+    # timestamps (trainer/data/timestamps.py)
+    ("trainer.data.timestamps.x__in_range",
+     'wide = values.astype(np.uint64 if (values.dtype.kind == "u") or True else np.int64)  # lossless',
+     "seen as uint64 a negative int64 is at least 2^63: the same positions are at or past 2^62"),
+    ("trainer.data.timestamps.x__in_range",
+     'outside = (wide >= TIME_LIMIT) if (values.dtype.kind == "u") and False else '
+     '(wide < 0) | (wide >= TIME_LIMIT)', _UNSIGNED),
+    ("trainer.data.timestamps.x__in_range",
+     'outside = (wide >= TIME_LIMIT) if values.dtype.kind == "XXuXX" else (wide < 0) | (wide >= TIME_LIMIT)',
+     _UNSIGNED),
+    ("trainer.data.timestamps.x__in_range",
+     'outside = (wide >= TIME_LIMIT) if values.dtype.kind == "U" else (wide < 0) | (wide >= TIME_LIMIT)', _UNSIGNED),
+    ("trainer.data.timestamps.x__in_range", "return values.astype(np.int64, copy=None)", _COPY),
+    ("trainer.data.timestamps.x__in_range", "return values.astype(np.int64, )", _COPY),
+    ("trainer.data.timestamps.x__in_range", "return values.astype(np.int64, copy=True)", _COPY),
+    ("trainer.data.timestamps.x__timestamps",
+     'return _in_range(flat.to_numpy(zero_copy_only=None), n_stamps, where, f.timestamps, '
+     '"timestamp"), n_stamps', _ZERO_COPY_NONE),
+    ("trainer.data.timestamps.x__timestamps",
+     'return _in_range(flat.to_numpy(zero_copy_only=True), n_stamps, where, f.timestamps, '
+     '"timestamp"), n_stamps', _ZERO_COPY),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
+     '"counted, each file named once", file=sys.stderr, flush=None)', _STDERR),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
+     '"counted, each file named once", file=sys.stderr, )', _STDERR),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
+     '"counted, each file named once", file=sys.stderr, flush=False)', _STDERR),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, None)", _OFFSETS),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, )", _OFFSETS),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, np.int64 if "
+     "(pa.types.is_large_list(ids.type)) and False else np.int32)", _OFFSETS),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, np.int64 if "
+     "(pa.types.is_large_list(ids.type)) or True else np.int32)", _OFFSETS),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1check", "_timestamps(table, f, None, where)", _UNREAD_NOW),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
+     "stamps, lengths = _timestamps(table, f, None, where)", _UNREAD_NOW),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
+     "if f.max_len or lengths.size and lengths.max() > f.max_len:",
+     "max_len is > 0 for every attended sequence, and cutting lists none of which is longer keeps every gap "
+     "(an empty row group included)"),
+    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
+     "if f.max_len and lengths.size and lengths.max() >= f.max_len:",
+     "cutting to max_len lists whose longest is max_len keeps every gap"),
+    # features (embeddings/features.py)
+    ("embeddings.features.x_validate_features", "where = f\"features.{f.name or 'XX<unnamed>XX'}\"",
+     "unreachable: a feature without a name is refused before `where` is read"),
+    ("embeddings.features.x_validate_features", "where = f\"features.{f.name or '<UNNAMED>'}\"",
+     "unreachable: a feature without a name is refused before `where` is read"),
     # unimixer
     ("dense.unimixer.x__newton_step", 'damping = 1e-6 * torch.eye(x.shape[+1], device=x.device)', _SQUARE),
     ("dense.unimixer.x__newton_step", 'damping = 1e-6 * torch.eye(x.shape[-2], device=x.device)', _SQUARE),
