@@ -234,8 +234,8 @@ def test_a_file_on_an_object_store_is_hashed_through_its_filesystem_in_blocks(tm
     folder, _, _ = data(tmp_path)
     server = Server()
     try:
-        upload(filesystem(server.port), "rankmix-test", {folder: "logs/train"})
-        remote = reader(f"s3://x:x@rankmix-test/logs/train{query(server.port)}")
+        upload(filesystem(server.port), "rankmix-test", {folder: "logs/digest"})
+        remote = reader(f"s3://x:x@rankmix-test/logs/digest{query(server.port)}")
         assert [f[3] for f in remote.state_dict()["files"]] == [
             "sha256:" + hashlib.sha256((folder / f"part-{i}.parquet").read_bytes()).hexdigest() for i in range(2)]
     finally:

@@ -133,7 +133,7 @@ def _request_times(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray
 def _in_range(values: np.ndarray, lengths: np.ndarray | None, where: str, column: str, what: str) -> np.ndarray:
     """Integer `values` as int64, each checked 0 <= t < TIME_LIMIT in its own type (a uint64 past
     int64 is refused as itself, not wrapped negative); `lengths` turns a flat position into a row."""
-    # One pass for the common case, as ids.py's `_hash`: seen as unsigned, a negative value is at
+    # One pass for the common case, as the ids' hashing does: seen as unsigned, a negative value is at
     # least 2^(bits-1), so `max < bound` rules out both ends.
     bits = 8 * values.itemsize - (values.dtype.kind == "i")  # of the type's largest value
     bound = min(TIME_LIMIT, 1 << bits)
