@@ -120,6 +120,16 @@ def test_the_model_file_is_a_regular_file_of_its_own(tmp_path):
         assert str(error.value) == f"{tmp_path / name}: {message}"
 
 
+def test_a_link_put_there_after_the_check_is_not_followed(tmp_path, monkeypatch):
+    """O_NOFOLLOW: a link that replaced the file between the link check and the open."""
+    (tmp_path / "model.pt2").write_bytes(zipped(entries()))
+    (tmp_path / "link.pt2").symlink_to("model.pt2")
+    monkeypatch.setattr(os.path, "islink", lambda path: False)
+    with pytest.raises(ValueError) as error:
+        load_pt2(tmp_path / "link.pt2")
+    assert str(error.value) == f"{tmp_path / 'link.pt2'}: cannot be read (Too many levels of symbolic links)"
+
+
 def test_a_file_that_is_no_zip_is_no_pt2_archive():
     assert invalid(b"PK\x03\x04 not a zip") == f"{PATH}: not a pt2 archive (File is not a zip file)"
 
@@ -748,7 +758,14 @@ def small() -> torch.export.ExportedProgram:
 
 
 def test_a_graph_of_inputs_outputs_and_allowed_ops_passes():
-    check_graph(small(), PATH)
+    """Also with submodules that hold no graph, or a `graph` that is no fx graph."""
+    program = small()
+    check_graph(program, PATH)
+    program.graph_module.add_submodule("plain", torch.nn.ReLU())
+    odd = torch.nn.Module()
+    odd.graph = None
+    program.graph_module.add_submodule("odd", odd)
+    check_graph(program, PATH)
 
 
 @pytest.mark.parametrize("op, target", [("get_attr", "planted"), ("call_module", "planted"),
@@ -777,7 +794,9 @@ def test_a_loaded_graph_that_calls_another_op_is_refused_in_any_submodule():
 
 @pytest.mark.parametrize("target, name", [
     (torch.ops.aten.add.Tensor, "torch.ops.aten.add.Tensor"), (__import__("operator").add, "_operator.add"),
-    (torch.sym_not, "torch.sym_not"), ("x", "?.x"), (None, "?.None")])
+    (torch.sym_not, "torch.sym_not"), ("x", "?.x"), (None, "?.None"),
+    (__import__("types").SimpleNamespace(__module__="torch._ops.aten.torch._ops", __name__="x"),
+     "torch.ops.aten.torch._ops.x")])
 def test_an_ops_name_is_torchs_serialized_one(target, name):
     assert op_name(target) == name
 
