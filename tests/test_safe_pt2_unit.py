@@ -535,7 +535,7 @@ def weights(change: Callable[[dict], object], name: str = WEIGHTS, items: list |
                                                                  "graph, as the graph declares it"),
     (lambda doc: doc["config"][FQN]["tensor_meta"].update(requires_grad=True),
      "a {where} that is not a tensor of its graph, as the graph declares it"),
-], ids=lambda v: str(v)[-30:])
+], ids=lambda v: "" if callable(v) else str(v)[-30:])
 def test_a_payload_config_holds_plain_tensors_of_the_graph(change, what):
     assert refused(weights(change)) == refusal(what.format(name=WEIGHTS, where=f"{WEIGHTS} entry {FQN!r}"))
 
