@@ -267,6 +267,7 @@ CAP = 3 * GIB
     ("new_zeros.default", {"size": {"as_ints": [CAP // 16]}, "dtype": "x"}, 1, CAP // 16),
     ("pad.default", {"self": {"as_tensor": {"name": "in"}}, "pad": {"as_ints": [1, 2, 1000, 1]}}, 7, 2 * 1004 * 7),
     ("pad.default", {"self": {"as_tensor": {"name": "in"}}, "pad": {"as_ints": [1, 2]}}, 7, 2 * 3 * 7),
+    ("pad.default", {"self": {"as_tensor": {"name": "in"}}, "pad": {"as_ints": [1, 2, 0, 1, 3, 0]}}, 7, 5 * 4 * 7),
     ("repeat_interleave.self_Tensor", {"output_size": {"as_sym_int": {"as_int": CAP // 4}}}, 7, CAP // 4),
     ("repeat_interleave.self_Tensor", {"output_size": {"as_int": 1000}, "dim": {"as_int": 1},
                                        "self": {"as_tensor": {"name": "in"}}}, 7, 8000),
@@ -278,7 +279,8 @@ CAP = 3 * GIB
                                        "self": {"as_tensor": {"name": "in"}}}, 7, 12000),
     ("scalar_tensor.default", {"s": {"as_float": 2.0 ** 40}}, 5, 1),
 ], ids=["arange", "arange-float", "arange-symbol", "empty", "zeros", "ones-sym-ints", "new_zeros", "new_zeros-fp16",
-        "new_zeros-bool", "new_zeros-other-dtype", "new_zeros-dtype-of-no-kind", "pad", "pad-last", "repeat_interleave",
+        "new_zeros-bool", "new_zeros-other-dtype", "new_zeros-dtype-of-no-kind", "pad", "pad-last", "pad-every-dim",
+        "repeat_interleave",
         "repeat_interleave-dim", "repeat_interleave-dim-from-the-end", "repeat_interleave-last-dim",
         "repeat_interleave-first-dim", "scalar_tensor"])
 def test_an_allocation_of_the_hosts_memory_fits_and_one_byte_more_does_not(op, arguments, dtype, elements):
