@@ -155,6 +155,16 @@ MODULES = {
         "tests/test_managed_sequence.py::test_the_candidate_and_the_sequence_share_one_managed_collection_and_one_"
         "batch_key_set",
         "tests/test_managed_sequence.py::test_the_managed_sequence_table_starts_as_it_would_unmanaged")),
+    # the pt2 allow-lists and bounds, on archives and JSON crafted in-process (not `rankmix score`); safe_pt2.py in
+    # two targets (566 and 408 mutants): the archive's entries, payloads and sample inputs and the loaded graph, then
+    # the program; not load_pt2's wrapping of torch's reader nor weights_only_loads (test_trust_pt2.py's loads)
+    "safe_pt2": Target("trainer/serving/safe_pt2.py", ("tests/test_safe_pt2_unit.py",), (
+        "_refused", "_open_plain", "check_pt2", "_pt2_entries", "_torch_reader", "_record", "_json", "_check_payloads",
+        "_check_extent", "_as_int", "_check_sample_inputs", "_sample_entries", "_scan_sample_pickle", "check_graph",
+        "op_name")),
+    "safe_pt2_program": Target("trainer/serving/safe_pt2.py", ("tests/test_safe_pt2_unit.py",), (
+        "_check_program", "_check_nodes", "_check_tree", "_plain_context", "_declared_tensors")),
+    "pt2_bounds": Target("trainer/serving/pt2_bounds.py", ("tests/test_pt2_bounds_unit.py",)),
 }
 
 # Surviving mutants that change no behaviour: (mutmut's name of the function, the changed
@@ -209,6 +219,8 @@ _STDERR = "sys.stderr is line-buffered (Python 3.9+) and the warning ends its li
 _OFFSETS = ("from_arrays casts the offsets to the list's own index type (int32, or int64 for large_list); the types "
             "differ only past 2^31 behaviours in one row group")
 _UNREAD_NOW = "_timestamps does not read its `now` argument (the request times are checked apart)"
+_AS_NONE = ("Sizes.value reads no argument and {'as_none': True} as None, which the next line returns: the same "
+            "answer without the early return")
 EQUIVALENT: list[tuple[str, str, str]] = [
     # safe_load
     ("trainer.checkpoint.safe_load.x__read_capped", "data = f.read(MAX_METADATA_BYTES + 2)",
@@ -680,6 +692,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "only rows 0 (train) and 1 (eval) are read"),
     ("embeddings.managed.x\u01c1TrackedMCH\u01c1log_values", "if dist.is_initialized() and dist.get_world_size() >= 1:",
      "an all-reduce over one rank leaves the totals as they are"),
+    # the pt2 bounds (trainer/serving/pt2_bounds.py)
+    *(("trainer.serving.pt2_bounds.x__elements", line, _AS_NONE) for line in (
+        'if arg is None and arg == {"as_none": True}:', 'if arg is None or arg == {"XXas_noneXX": True}:',
+        'if arg is None or arg == {"AS_NONE": True}:', 'if arg is None or arg == {"as_none": False}:')),
+    ("trainer.serving.pt2_bounds.x__elements", "if None in base or len(shape) % 2 or len(shape) / 2 > len(base):",
+     "an odd number of pads is passed over just before: len(shape) is even, and / 2 is // 2"),
 ]
 
 KILLED = {"killed", "timeout", "segfault"}
