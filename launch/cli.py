@@ -32,7 +32,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 from trainer.config import SynthTeacherName
 from trainer.config_loader import describe, load_config
@@ -165,13 +165,22 @@ def launch(argv: list[str]) -> int:
     try:
         torchrun([*options, "-m", "launch.cli", "train", *train_args])
     except ChildFailedError as e:  # the ranks' error files, summarised; the first rank's code passed on
-        rank, failure = e.get_first_failure()
+        rank, failure = _first_failure(e.failures)
         print(f"{e}\nrankmix: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:  # torchrun passed the signal on to the ranks, which saved and stopped
         print(f"rankmix: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + e.sigval
     return 0
+
+
+def _first_failure(failures: dict) -> tuple[int, Any]:
+    """The rank whose failure came first, of those that failed by themselves: a rank that torchrun
+    stopped (a negative exit code, its signal) after another failed carries no error of its own,
+    and the clock torchrun stamps it with may read earlier than the failed rank's error file."""
+    own = {rank: failure for rank, failure in failures.items() if failure.exitcode > 0} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    return rank, own[rank]
 
 
 def nodes_range(nnodes: str, restarts: int, option: str = "--nnodes", restarts_option: str = "--max-restarts") \

@@ -152,3 +152,26 @@ def test_env_without_secrets_goes_into_the_job_spec(scheduler):
     else:
         for name, value in allowed.items():
             assert re.search(rf"- name: {name}\n +value: '?{re.escape(value)}'?\n", proc.stdout), name
+
+
+def _failure(exitcode: int, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="")
+    failure.timestamp = timestamp
+    return failure
+
+
+def test_the_exit_code_passed_on_is_the_first_of_a_rank_that_failed_by_itself():
+    from launch.cli import _first_failure
+
+    # rank 1 stopped by torchrun (SIGTERM) is stamped a second before rank 0's own error
+    rank, failure = _first_failure({0: _failure(3, 101), 1: _failure(-15, 100)})
+    assert (rank, failure.exitcode) == (0, 3)
+    rank, failure = _first_failure({0: _failure(1, 102), 1: _failure(-15, 100), 2: _failure(3, 101)})
+    assert (rank, failure.exitcode) == (2, 3)
+    # every rank signalled: the first of them, ties to the lower rank
+    rank, failure = _first_failure({1: _failure(-9, 100), 0: _failure(-15, 100), 2: _failure(-15, 99)})
+    assert (rank, failure.exitcode) == (2, -15)
+    rank, failure = _first_failure({1: _failure(-9, 100), 0: _failure(-15, 100)})
+    assert (rank, failure.exitcode) == (0, -15)
