@@ -218,7 +218,6 @@ _UNSIGNED = "an unsigned array has nothing below 0: both expressions flag the sa
 _STDERR = "sys.stderr is line-buffered (Python 3.9+) and the warning ends its line: written at once either way"
 _OFFSETS = ("from_arrays casts the offsets to the list's own index type (int32, or int64 for large_list); the types "
             "differ only past 2^31 behaviours in one row group")
-_UNREAD_NOW = "_timestamps does not read its `now` argument (the request times are checked apart)"
 _AS_NONE = ("Sizes.value reads no argument and {'as_none': True} as None, which the next line returns: the same "
             "answer without the early return")
 EQUIVALENT: list[tuple[str, str, str]] = [
@@ -557,9 +556,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "(pa.types.is_large_list(ids.type)) and False else np.int32)", _OFFSETS),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, np.int64 if "
      "(pa.types.is_large_list(ids.type)) or True else np.int32)", _OFFSETS),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1check", "_timestamps(table, f, None, where)", _UNREAD_NOW),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
-     "stamps, lengths = _timestamps(table, f, None, where)", _UNREAD_NOW),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
      "if f.max_len or lengths.size and lengths.max() > f.max_len:",
      "max_len is > 0 for every attended sequence, and cutting lists none of which is longer keeps every gap "

@@ -59,9 +59,9 @@ class TimeGaps:
         """The checks of `encode` alone, nothing dropped or counted (a served model's inputs:
         trainer/serving/predict.py)."""
         if self.features:
-            now = _request_times(table.column(self.time_column), where, self.time_column)
+            _request_times(table.column(self.time_column), where, self.time_column)
             for f in self.features:
-                _timestamps(table, f, now, where)
+                _timestamps(table, f, where)
 
     def encode(self, table: pa.Table, where: str) -> tuple[dict[str, pa.Array], list[np.ndarray]]:
         """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last
@@ -72,7 +72,7 @@ class TimeGaps:
         now = _request_times(table.column(self.time_column), where, self.time_column)
         ids, out = {}, []
         for f in self.features:
-            stamps, lengths = _timestamps(table, f, now, where)
+            stamps, lengths = _timestamps(table, f, where)
             gaps = np.repeat(now, lengths) - stamps  # within (-2^62, 2^62): both are in [0, 2^62)
             future = gaps < 0
             if future.any():
@@ -105,7 +105,7 @@ class TimeGaps:
         return cls.from_arrays(pa.array(offsets), values), kept
 
 
-def _timestamps(table: pa.Table, f: FeatureSpec, now: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _timestamps(table: pa.Table, f: FeatureSpec, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Feature `f`'s timestamps, flat int64 [sum(lengths)], and their lists' lengths [rows],
     checked: one per id, no null, each within the range."""
     stamps = _one_array(table.column(f.timestamps))
