@@ -48,6 +48,7 @@ class Target:
     path: str
     tests: tuple[str, ...]
     functions: tuple[str, ...] = ()
+    warm: tuple[str, ...] = ()  # "test_module:function": cached makers to call before mutmut forks (conftest.py)
 
     @property
     def module(self) -> str:
@@ -161,9 +162,10 @@ MODULES = {
     "safe_pt2": Target("trainer/serving/safe_pt2.py", ("tests/test_safe_pt2_unit.py",), (
         "_refused", "_open_plain", "check_pt2", "_pt2_entries", "_torch_reader", "_record", "_json", "_check_payloads",
         "_check_extent", "_as_int", "_check_sample_inputs", "_sample_entries", "_scan_sample_pickle", "check_graph",
-        "op_name")),
+        "op_name"), warm=("test_safe_pt2_unit:exported",)),
     "safe_pt2_program": Target("trainer/serving/safe_pt2.py", ("tests/test_safe_pt2_unit.py",), (
-        "_check_program", "_check_nodes", "_check_tree", "_plain_context", "_declared_tensors")),
+        "_check_program", "_check_nodes", "_check_tree", "_plain_context", "_declared_tensors"),
+        warm=("test_safe_pt2_unit:exported",)),
     "pt2_bounds": Target("trainer/serving/pt2_bounds.py", ("tests/test_pt2_bounds_unit.py",)),
 }
 
@@ -713,12 +715,17 @@ def run_module(name: str, target: Target, workers: int) -> Path:
     (folder / "pyproject.toml").write_text(tomli_w.dumps(project))
     # One thread per worker: the workers share the cores, and a forked child must not
     # inherit a busy OpenMP pool.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    unrun = folder / "unrun.txt"  # conftest.py's notes of mutants whose tests pytest could not run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "RANKMIX_MUTATION_WARM": ",".join(target.warm), "RANKMIX_MUTATION_UNRUN": str(unrun)}
     with open(folder / "run.log", "w") as log:
         proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(workers),
                                *target.mutant_globs()], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
         sys.exit(f"mutmut failed on {name} (exit {proc.returncode}); see {folder / 'run.log'}")
+    if unrun.exists():
+        sys.exit(f"{name}: mutants whose tests pytest could not run (mutmut counts them killed); a test id "
+                 f"pytest escapes cannot be selected by name (tests/param_ids.py):\n{unrun.read_text()}")
     return folder
 
 

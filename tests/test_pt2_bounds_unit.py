@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from param_ids import plain_ids
 from trainer.checkpoint.safe_load import UnsafeFileError
 from trainer.dist import node_memory_bytes
 from trainer.serving.pt2_bounds import (INT64_MAX, INT64_MIN, MAX_EXPRESSION_CHARS, MAX_PT2_DISTINCT, MAX_PT2_TERMS,
@@ -43,7 +44,7 @@ def parse(text: str) -> tuple[dict, int] | None:
     ("Unequality(1, 2)", ({}, 0), 3), ("LessThan(1, 2)", ({}, 0), 3), ("StrictLessThan(1, 2)", ({}, 0), 3),
     ("GreaterThan(1, 2)", ({}, 0), 3),
     ("Symbol('abcdefgh123456789', integer=True)", ({"abcdefgh123456789": 1}, 0), 1),
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_a_linear_form_is_read_with_its_terms(text, form, terms):
     assert parse(text) == (form, terms)
 
@@ -60,7 +61,7 @@ def test_a_linear_form_is_read_with_its_terms(text, form, terms):
     f"Equality({S0})", f"Equality(1, 2, 3)", f"Equality(1, 2, evaluate=False)", f"Equality(1, Pow(2, 3))",
     f"Equality(Pow(2, 3), 1)", "And(1, 2)", "x.Equality(1, 2)", "Pow(10, 100000000000)",
     "1 +", "", "(" * 200 + "x" + ")" * 200, "a\0", "1" * (MAX_EXPRESSION_CHARS + 1),
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_anything_else_is_no_linear_form_and_costs_no_terms(text):
     assert parse(text) == (None, 0)
 
@@ -140,7 +141,7 @@ def test_what_a_load_keeps_is_each_symbol_product_and_sum():
     ("L['ids'].size()[0] + 2 - L['x'].size()[1] == 1", 6), ("2 * L['ids'].size()[0] == L['x'].size()[0] * 3", 2),
     ("L['ids'].size()[0] == " + " + ".join(["1"] * 65), 130),
     ("L['ids'].size()[0] == " + "1 + (" * 64 + "1" + ")" * 64, 130),
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_a_guard_of_sums_of_sizes_and_int64_integers_is_accepted_with_its_terms(code, terms):
     budget = Budget(PATH)
     assert guard(code, budget) is True and MAX_PT2_TERMS - budget.left == terms
@@ -158,7 +159,7 @@ def test_a_guard_of_sums_of_sizes_and_int64_integers_is_accepted_with_its_terms(
     "L['i d'].size()[0] == 1", "L.ids.size()[0] == 1", "size()[0] == 1", "L['ids'].size[0] == 1",
     "L['ids'].size()[0:1] == 1", "x == 1", "(lambda: 1)() == 1", "1 == 1 == 1", "-L['ids'].size()[0] == 1",
     "L['ids'].size()[0] == " + "1" * (MAX_EXPRESSION_CHARS - 20), "", "1 ==", None, 3,
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_any_other_guard_is_refused_and_costs_no_terms(code):
     budget = Budget(PATH)
     assert guard(code, budget) is False and budget.left == MAX_PT2_TERMS
@@ -193,7 +194,7 @@ def sizes(graph: dict | None = None, **hint: int) -> Sizes:
     ({"as_name": "n"}, 9), ({"as_sym_int": {"as_name": "n"}}, 9), ({"as_name": "m"}, None), ({"as_name": 1}, None),
     ({"as_int": "7"}, None), ({"as_int": None}, None), ({"as_float": "n"}, None), ({"as_bool": True}, None), ({"as_int": 1, "x": 2}, None),
     ({}, None), (None, None), (7, None),
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_a_size_argument_is_its_number_at_the_example_inputs(arg, value):
     got = sizes({"sym_int_values": {"n": {"as_int": 9}}, "tensor_values": {}}, s1=4).value(arg)
     assert got == value and type(got) is type(value)
@@ -318,7 +319,7 @@ def test_an_allocation_of_the_hosts_memory_fits_and_one_byte_more_does_not(op, a
     ("pad.default", {"self": {"as_tensor": {"name": "in"}}, "pad": {"as_ints": [0, 0, 0, 0, 0, 0, 2 ** 40, 0]}}),
     ("pad.default", {"self": {"as_tensor": {"name": "unsized"}}, "pad": {"as_ints": [2 ** 40, 0]}}),
     ("linear.default", {"size": {"as_ints": [2 ** 40]}}),
-], ids=lambda v: str(v)[:40])
+], ids=plain_ids(40))
 def test_an_allocation_that_follows_from_values_is_not_sized_here(op, arguments):
     """TorchRec's jagged sizes and `repeats` are known only as the graph runs: not refused."""
     check([node(op, "out", **arguments)], {"out": {"dtype": 7}, "in": tensor(2, 3, 4), "unsized": {"dtype": 7}}, 100)

@@ -18,6 +18,7 @@ from typing import Callable
 import pytest
 import torch
 
+from param_ids import plain_ids
 from test_trust_pt2 import served, small_features
 from trainer.checkpoint.safe_load import MAX_DIMS, MAX_ELEMENTS, UnsafeFileError
 from trainer.serving import safe_pt2
@@ -204,7 +205,7 @@ def test_the_first_missing_entry_is_named():
     (".data/version", b"1", True), (".data/version", b"1\n", True), (".data/version", b"1\n\n", False),
     (".data/serialization_id", b"1" * 64, True), (".data/serialization_id", b"1" * 65, False),
     (".data/serialization_id", b"", False), (".data/serialization_id", b"12a", False),
-], ids=lambda v: str(v)[:20])
+], ids=plain_ids(20))
 def test_the_format_entries_hold_what_torch_writes(name, text, fits):
     items = [[n, text if n == name else d] for n, d in entries()]
     if fits:
@@ -352,7 +353,7 @@ def test_a_shape_expression_beyond_a_linear_form_is_refused():
     (None, True), ({"as_int": 2 ** 63 - 1}, True), ({"as_int": -2 ** 63}, True), ({"as_bool": True}, True),
     ({"as_float": 1.5}, True), ({"as_int": 2 ** 63}, False), ({"as_int": -2 ** 63 - 1}, False),
     ({"as_int": "1"}, False), ({"as_int": 1, "as_float": 1.0}, False), ({}, False), ([1], False), (1, False),
-], ids=lambda v: str(v)[:30])
+], ids=plain_ids(30))
 def test_a_shape_expressions_hint_is_an_int64_integer(hint, fits):
     items = program(lambda doc: symbol(doc).update(hint=hint))
     if fits:
@@ -392,7 +393,7 @@ def test_an_input_guard_beyond_a_sum_of_sizes_is_refused():
     ("s0", {"min_val": 0}, False), ("s0", {"min_val": 0, "max_val": 1, "x": 1}, False), ("s0", [0, 1], False),
     ("S0", {"min_val": 0, "max_val": 1}, False), ("s0 ", {"min_val": 0, "max_val": 1}, False),
     ("x" * 150, {"min_val": 0, "max_val": 1}, False),
-], ids=lambda v: str(v)[:30])
+], ids=plain_ids(30))
 def test_a_shape_symbols_range_is_of_int64_integers(name, bounds, fits):
     items = program(lambda doc: doc["range_constraints"].update({name: bounds}))
     if fits:
@@ -404,7 +405,7 @@ def test_a_shape_symbols_range_is_of_int64_integers(name, bounds, fits):
 @pytest.mark.parametrize("fqn, fits", [("", True), ("a", True), ("a.b_c.D9", True), ("x" * 128, True),
                                        (".".join(["a"] * 32), True), ("x" * 129, False), (".".join(["a"] * 33), False),
                                        ("a..b", False), (".a", False), ("a-b", False), ("os:system", False),
-                                       ("a\n", False)], ids=lambda v: str(v)[:20])
+                                       ("a\n", False)], ids=plain_ids(20))
 def test_a_module_name_is_a_dotted_path_of_plain_names(fqn, fits):
     items = program(lambda doc: doc["graph_module"]["module_call_graph"][1].update(fqn=fqn))
     if fits:
@@ -450,7 +451,7 @@ def test_a_tree_spec_of_tuples_lists_dicts_and_leaves_is_accepted(spec):
     ([1, {"type": "builtins.list", "context": "null", "children_spec": [LEAF, {**LEAF, "type": "os.X"}]}],
      {**LEAF, "type": "os.X"}),
     ([1, [LEAF]], [LEAF]),
-], ids=lambda v: str(v)[:30])
+], ids=plain_ids(30))
 def test_a_tree_spec_of_anything_else_is_refused(spec, node):
     """Protocol 1 only: torch reads another protocol's spec otherwise."""
     assert refused(program(lambda doc: signature(doc).update(in_spec=json.dumps(spec)))) == refusal(
@@ -535,7 +536,7 @@ def weights(change: Callable[[dict], object], name: str = WEIGHTS, items: list |
                                                                  "graph, as the graph declares it"),
     (lambda doc: doc["config"][FQN]["tensor_meta"].update(requires_grad=True),
      "a {where} that is not a tensor of its graph, as the graph declares it"),
-], ids=lambda v: "" if callable(v) else str(v)[-30:])
+], ids=lambda v: "" if callable(v) else plain_ids(30, tail=True)(v))
 def test_a_payload_config_holds_plain_tensors_of_the_graph(change, what):
     assert refused(weights(change)) == refusal(what.format(name=WEIGHTS, where=f"{WEIGHTS} entry {FQN!r}"))
 
@@ -637,7 +638,7 @@ def test_every_plain_dtype_is_accepted():
 
 
 @pytest.mark.parametrize("size", [{"as_int": -1}, {"as_int": True}, {"as_int": 1.0}, {"as_int": 1, "x": 1}, 1,
-                                  {"as_expr": "s0"}], ids=lambda v: str(v))
+                                  {"as_expr": "s0"}], ids=plain_ids(200))
 def test_a_size_is_a_natural_number(size):
     assert invalid(declared(lambda meta: meta["sizes"].__setitem__(0, size), 640)) == (
         f"{PATH}: not a valid pt2 archive: {WEIGHTS} entry {FQN!r} (in weight_0) has a size {str(size)[:50]}, not a "
