@@ -222,6 +222,10 @@ _OFFSETS = ("from_arrays casts the offsets to the list's own index type (int32, 
             "differ only past 2^31 behaviours in one row group")
 _AS_NONE = ("Sizes.value reads no argument and {'as_none': True} as None, which the next line returns: the same "
             "answer without the early return")
+_JSON_ERRORS = ("json's errors stay under 110 characters, a cut at 200 or 201 keeps them whole: the longest, "
+                "'Expecting property name enclosed in double quotes: line L column C (char P)', 96 with every "
+                "number at 2^26 (a JSON entry holds at most 64 MiB); its decoding's UnicodeDecodeError (errors "
+                "'surrogatepass') and RecursionError under 110")
 EQUIVALENT: list[tuple[str, str, str]] = [
     # safe_load
     ("trainer.checkpoint.safe_load.x__read_capped", "data = f.read(MAX_METADATA_BYTES + 2)",
@@ -690,6 +694,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "only rows 0 (train) and 1 (eval) are read"),
     ("embeddings.managed.x\u01c1TrackedMCH\u01c1log_values", "if dist.is_initialized() and dist.get_world_size() >= 1:",
      "an all-reduce over one rank leaves the totals as they are"),
+    # the pt2 archive (trainer/serving/safe_pt2.py)
+    ("trainer.serving.safe_pt2.x__json",
+     'raise ValueError(f"{path}: not a valid pt2 archive: {name} is not JSON ({first_line(e)[:201]})") from None',
+     _JSON_ERRORS),
     # the pt2 bounds (trainer/serving/pt2_bounds.py)
     *(("trainer.serving.pt2_bounds.x__elements", line, _AS_NONE) for line in (
         'if arg is None and arg == {"as_none": True}:', 'if arg is None or arg == {"XXas_noneXX": True}:',

@@ -11,6 +11,8 @@ import io
 import json
 import os
 import pickle
+import pickletools
+import struct
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -95,6 +97,24 @@ def refusal(what: str) -> str:
             "README, Trust")
 
 
+def torch_error(data: bytes, record: str | None = None) -> str:
+    """The first line of what torch's own zip reader raises on `data`: opening it, or reading
+    `record` from it (the independent reference of the messages that quote torch)."""
+    with pytest.raises(RuntimeError) as error:
+        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+        if record is not None:
+            reader.get_record(record)
+    return str(error.value).strip().splitlines()[0]
+
+
+def header(data: bytes, name: str, central: bool = False) -> int:
+    """Where entry `name`'s local header (or `central` directory header) starts in zip `data`."""
+    signature, size = (b"PK\x01\x02", 46) if central else (b"PK\x03\x04", 30)
+    start = data.rindex(name.encode()) - size if central else data.index(name.encode()) - size
+    assert data[start:start + 4] == signature
+    return start
+
+
 def test_the_export_passes_and_loads_as_exported(tmp_path):
     check(entries())
     (tmp_path / "model.pt2").write_bytes(zipped(entries()))
@@ -159,6 +179,19 @@ def test_an_entry_twice_in_any_case_is_refused():
         f"'ARCHIVE/byteorder' twice (also as '{TOP}/byteorder')")
 
 
+def test_a_stored_entry_whose_sizes_differ_is_refused():
+    """Stored, yet its compressed size is not its size (in both headers): no reader knows which."""
+    data = bytearray(zipped(entries()))
+    for start, field in ((header(data, f"{TOP}/data/weights/weight_3"), 18),
+                         (header(data, f"{TOP}/data/weights/weight_3", central=True), 20)):
+        size, = struct.unpack_from("<I", data, start + field)
+        struct.pack_into("<I", data, start + field, size - 4)
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        info = archive.getinfo(f"{TOP}/data/weights/weight_3")
+        assert info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size - 4
+    assert refused(bytes(data)) == refusal(f"a compressed entry '{TOP}/data/weights/weight_3'")
+
+
 def test_a_link_or_a_compressed_entry_is_refused():
     def link(info: zipfile.ZipInfo) -> None:
         if info.filename.endswith("weight_3"):
@@ -185,6 +218,41 @@ def test_a_top_folder_of_another_name_is_refused(top):
 def test_entries_under_two_folders_are_refused():
     items = [[zipfile.ZipInfo(f"{TOP}/{n}" if n != "byteorder" else "other/byteorder"), d] for n, d in entries()]
     assert refused(zipped(items)) == refusal(f"entries under {['archive', 'other']!r}, not one folder")
+
+
+def test_entries_under_four_folders_name_three():
+    tops = {"archive_format": "a", "archive_version": "b", "byteorder": "c"}
+    items = [[zipfile.ZipInfo(f"{tops.get(n, TOP)}/{n}"), d] for n, d in entries()]
+    assert refused(zipped(items)) == refusal(f"entries under {['a', 'archive', 'b']!r}, not one folder")
+
+
+def test_entries_that_torchs_zip_reader_lists_otherwise_are_refused():
+    """Two zips of one layout, one after the other: Python's zip reader reads the last (it
+    offsets the central directory by what precedes it), torch's the directory at the offset
+    recorded, the first zip's, where four weights have names of the same length."""
+    renamed = {f"data/weights/weight_{i}": f"data/weights/weight_{c}" for i, c in zip(range(1, 5), "WXYZ")}
+    data = zipped([[renamed.get(n, n), d] for n, d in entries()]) + zipped(entries())
+    assert sorted(torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records()) == \
+        sorted(renamed.get(n, n) for n, _ in entries())
+    assert refused(data) == refusal("entries that torch's zip reader sees otherwise (['data/weights/weight_1', "
+                                    "'data/weights/weight_2', 'data/weights/weight_3'])")
+
+
+def test_an_archive_torch_cannot_open_is_invalid():
+    """Python's zip reader finds the archive after a prefix of junk, torch's does not."""
+    data = bytes(1000) + zipped(entries())
+    assert len(torch_error(data)) > 200
+    assert invalid(data) == f"{PATH}: not an archive torch can read ({torch_error(data)[:200]})"
+
+
+def test_an_entry_torch_cannot_read_is_invalid():
+    """The program's local header is broken: its central directory entry, which both zip readers
+    list, is intact."""
+    data = bytearray(zipped(entries()))
+    data[header(data, f"{TOP}/{PROGRAM}") + 3] = 5
+    message = torch_error(bytes(data), PROGRAM)
+    assert len(message) > 200
+    assert invalid(bytes(data)) == f"{PATH}: not a readable pt2 archive ({PROGRAM}: {message[:200]})"
 
 
 @pytest.mark.parametrize("missing", ["archive_format", "byteorder", ".data/version", SAMPLE, CONSTANTS])
@@ -277,6 +345,10 @@ def test_a_malformed_program_is_invalid():
         "attribute 'items')")
     assert invalid(program(lambda doc: doc["graph_module"]["signature"].update(input_specs=[{"parameter": {}}]))) == (
         f"{PATH}: not a valid pt2 archive: malformed program or payload config (KeyError: 'parameter_name')")
+    long = "x" * 300
+    assert invalid(program(lambda doc: doc["graph_module"]["signature"]["input_specs"][0].update(
+        parameter={"arg": {"name": long}, "parameter_name": "p"}))) == (
+        f"{PATH}: not a valid pt2 archive: malformed program or payload config (KeyError: {repr(long)[:200]})")
 
 
 
@@ -288,6 +360,10 @@ def test_a_graph_node_of_other_fields_or_ops_is_refused():
     assert refused(program(lambda doc: nodes(doc).insert(1, 5))) == refusal("a graph node with fields 5")
     assert refused(program(lambda doc: nodes(doc)[3].update(x=1))) == refusal(
         f"a graph node with fields {sorted([*nodes(json.loads(dict(exported())[PROGRAM]))[3], 'x'])[:8]}")
+    fields = [*nodes(json.loads(dict(exported())[PROGRAM]))[3], "x", "y", "z"]
+    assert len(fields) > 8  # the message names the first 8
+    assert refused(program(lambda doc: nodes(doc)[3].update(x=1, y=1, z=1))) == refusal(
+        f"a graph node with fields {sorted(fields)[:8]}")
     assert refused(program(lambda doc: nodes(doc)[3]["metadata"].update(source_fn_stack="x"))) == refusal(
         f"a graph node with fields {sorted(nodes(json.loads(dict(exported())[PROGRAM]))[3])[:8]}")
     for field in ("stack_trace", "nn_module_stack", "torch_fn"):  # each field of a node's metadata may be left out
@@ -310,6 +386,9 @@ def test_a_target_anywhere_in_the_program_is_an_op_of_the_allow_list():
         nodes(doc)[3]["inputs"].append({"name": "x", "kind": 1, "arg": {"as_int": 1, "nested": [
             {"target": "torch.ops.higher_order.cond"}]}})
     assert refused(program(plant)) == refusal("a graph that calls torch.ops.higher_order.cond")
+    long = "x" * 300
+    assert refused(program(lambda doc: nodes(doc)[3]["inputs"].append({"name": "x", "kind": 1, "arg": {
+        "as_int": 1, "nested": [{"target": long}]}}))) == refusal(f"a graph that calls {long[:200]}")
     check(program(lambda doc: doc["graph_module"]["graph"]["sym_int_values"].update(x={"as_int": 1, "y": [
         {"target": "torch.ops.aten.add.Tensor"}]})))
 
@@ -353,6 +432,7 @@ def test_a_shape_expression_beyond_a_linear_form_is_refused():
     (None, True), ({"as_int": 2 ** 63 - 1}, True), ({"as_int": -2 ** 63}, True), ({"as_bool": True}, True),
     ({"as_float": 1.5}, True), ({"as_int": 2 ** 63}, False), ({"as_int": -2 ** 63 - 1}, False),
     ({"as_int": "1"}, False), ({"as_int": 1, "as_float": 1.0}, False), ({}, False), ([1], False), (1, False),
+    ({"as_int": "9" * 150}, False),
 ], ids=plain_ids(30))
 def test_a_shape_expressions_hint_is_an_int64_integer(hint, fits):
     items = program(lambda doc: symbol(doc).update(hint=hint))
@@ -373,8 +453,10 @@ def test_the_shape_expressions_are_spent_from_one_budget(monkeypatch):
     monkeypatch.setattr(safe_pt2, "Budget", lambda path: type(budget)(path, terms=spent))
     check(entries())
     monkeypatch.setattr(safe_pt2, "Budget", lambda path: type(budget)(path, terms=spent - 1))
-    with pytest.raises(UnsafeFileError, match=f"more than {spent - 1} terms"):
+    with pytest.raises(UnsafeFileError) as error:
         check(entries())
+    assert str(error.value) == (f"{PATH}: refused to load: its shape expressions and guards hold more than {spent - 1} "
+                                "terms, the budget of a load (reading them is sympy's work); see README, Trust")
 
 
 def test_an_input_guard_beyond_a_sum_of_sizes_is_refused():
@@ -392,7 +474,7 @@ def test_an_input_guard_beyond_a_sum_of_sizes_is_refused():
     ("s0", {"min_val": 0.5, "max_val": 1}, False), ("s0", {"min_val": 0, "max_val": True}, False),
     ("s0", {"min_val": 0}, False), ("s0", {"min_val": 0, "max_val": 1, "x": 1}, False), ("s0", [0, 1], False),
     ("S0", {"min_val": 0, "max_val": 1}, False), ("s0 ", {"min_val": 0, "max_val": 1}, False),
-    ("x" * 150, {"min_val": 0, "max_val": 1}, False),
+    ("x" * 150, {"min_val": 0, "max_val": 1}, False), ("s0", {"min_val": 0, "max_val": "9" * 150}, False),
 ], ids=plain_ids(30))
 def test_a_shape_symbols_range_is_of_int64_integers(name, bounds, fits):
     items = program(lambda doc: doc["range_constraints"].update({name: bounds}))
@@ -450,7 +532,7 @@ def test_a_tree_spec_of_tuples_lists_dicts_and_leaves_is_accepted(spec):
     ([1, {**LEAF, "x": 1}], {**LEAF, "x": 1}), ([1, {"type": None, "context": None}], {"type": None, "context": None}),
     ([1, {"type": "builtins.list", "context": "null", "children_spec": [LEAF, {**LEAF, "type": "os.X"}]}],
      {**LEAF, "type": "os.X"}),
-    ([1, [LEAF]], [LEAF]),
+    ([1, [LEAF]], [LEAF]), ([1, {**LEAF, "type": "x" * 150}], {**LEAF, "type": "x" * 150}),
 ], ids=plain_ids(30))
 def test_a_tree_spec_of_anything_else_is_refused(spec, node):
     """Protocol 1 only: torch reads another protocol's spec otherwise."""
@@ -458,7 +540,7 @@ def test_a_tree_spec_of_anything_else_is_refused(spec, node):
         f"an input or output structure {str(node)[:100]}")
 
 
-@pytest.mark.parametrize("spec", [[1], [1, LEAF, 2], {"1": LEAF}, 1])
+@pytest.mark.parametrize("spec", [[1], [1, LEAF, 2], {"1": LEAF}, 1, ["x" * 150]])
 def test_a_tree_spec_of_another_shape_is_refused(spec):
     assert refused(program(lambda doc: signature(doc).update(out_spec=json.dumps(spec)))) == refusal(
         f"an input or output structure {str(spec)[:100]}")
@@ -484,6 +566,7 @@ def test_the_inputs_and_outputs_are_of_an_exports_kinds():
     assert refused(program(lambda doc: specs(doc).append(both))) == refusal(f"an input {str(both)[:100]}")
     assert refused(program(lambda doc: specs(doc).append([]))) == refusal("an input []")
     assert refused(program(lambda doc: specs(doc).append({}))) == refusal("an input {}")
+    assert refused(program(lambda doc: specs(doc).append({"x" * 60: {}}))) == refusal(f"an input of kind {'x' * 50!r}")
     out = {"buffer_mutation": {"arg": {"name": "x"}, "buffer_name": "b"}}
     assert refused(program(lambda doc: specs(doc, "output_specs").append(out))) == refusal(
         "an output of kind 'buffer_mutation'")
@@ -491,6 +574,11 @@ def test_the_inputs_and_outputs_are_of_an_exports_kinds():
         "an output ['user_output']")
     two = {"user_output": {}, "loss_output": {}}
     assert refused(program(lambda doc: specs(doc, "output_specs").append(two))) == refusal(f"an output {two}")
+    long = {"user_output": {}, "x" * 150: {}}
+    assert refused(program(lambda doc: specs(doc, "output_specs").append(long))) == refusal(
+        f"an output {str(long)[:100]}")
+    assert refused(program(lambda doc: specs(doc, "output_specs").append({"x" * 60: {}}))) == refusal(
+        f"an output of kind {'x' * 50!r}")
     check(program(lambda doc: specs(doc).append({"user_input": {"arg": {"as_tensor": {"name": "ids"}}}})))
 
 
@@ -517,12 +605,18 @@ def weights(change: Callable[[dict], object], name: str = WEIGHTS, items: list |
 @pytest.mark.parametrize("change, what", [
     (lambda doc: doc.update(x=1), "a {name} with fields ['config', 'x']"),
     (lambda doc: doc.clear(), "a {name} with fields []"),
+    (lambda doc: doc.update(a=1, b=1, c=1, d=1, e=1), "a {name} with fields ['a', 'b', 'c', 'config', 'd']"),
     (lambda doc: doc["config"][FQN].update(use_pickle=True), "a pickled {where} (use_pickle True)"),
     (lambda doc: doc["config"][FQN].update(use_pickle=0), "a pickled {where} (use_pickle 0)"),
     (lambda doc: doc["config"][FQN].update(use_pickle="x" * 30), "a pickled {where} (use_pickle 'xxxxxxxxxxxxxxxxxxx)"),
     (lambda doc: doc["config"][FQN].pop("use_pickle"), "a {where} with fields ['is_param', 'path_name', "
                                                        "'tensor_meta']"),
     (lambda doc: doc["config"].update({FQN: [1]}), "a {where} with fields [1]"),
+    (lambda doc: doc["config"].update({FQN: [2, 1]}), "a {where} with fields [2, 1]"),
+    (lambda doc: doc["config"][FQN].update(a=1, b=1, c=1),
+     "a {where} with fields ['a', 'b', 'c', 'is_param', 'path_name', 'tensor_meta']"),
+    (lambda doc: doc["config"].update({"x" * 150: doc["config"][FQN]}),
+     "a {name} entry '" + "x" * 100 + "' that is not a tensor of its graph, as the graph declares it"),
     (lambda doc: doc["config"][FQN].update(path_name="opaque_obj_0"),
      "a {where} stored in 'opaque_obj_0', not as raw tensor bytes"),
     (lambda doc: doc["config"][FQN].update(path_name="tensor_0"),
@@ -539,6 +633,14 @@ def weights(change: Callable[[dict], object], name: str = WEIGHTS, items: list |
 ], ids=lambda v: "" if callable(v) else plain_ids(30, tail=True)(v))
 def test_a_payload_config_holds_plain_tensors_of_the_graph(change, what):
     assert refused(weights(change)) == refusal(what.format(name=WEIGHTS, where=f"{WEIGHTS} entry {FQN!r}"))
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, CONSTANTS])
+def test_a_payload_config_that_is_no_object_or_no_json_is_refused(name):
+    assert refused([[n, b"[]" if n == name else d] for n, d in entries()]) == refusal(f"a {name} with fields list")
+    assert invalid([[n, b"{" if n == name else d] for n, d in entries()]) == (
+        f"{PATH}: not a valid pt2 archive: {name} is not JSON (Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1))")
 
 
 def test_a_payload_stored_in_a_file_the_archive_lacks_is_invalid():
@@ -638,7 +740,7 @@ def test_every_plain_dtype_is_accepted():
 
 
 @pytest.mark.parametrize("size", [{"as_int": -1}, {"as_int": True}, {"as_int": 1.0}, {"as_int": 1, "x": 1}, 1,
-                                  {"as_expr": "s0"}], ids=plain_ids(200))
+                                  {"as_expr": "s0"}, {"as_int": "9" * 60}], ids=plain_ids(200))
 def test_a_size_is_a_natural_number(size):
     assert invalid(declared(lambda meta: meta["sizes"].__setitem__(0, size), 640)) == (
         f"{PATH}: not a valid pt2 archive: {WEIGHTS} entry {FQN!r} (in weight_0) has a size {str(size)[:50]}, not a "
@@ -732,6 +834,35 @@ def test_the_sample_inputs_may_hold_many_tensors():
     listed = sorted([n.partition("/")[2] for n, _ in sample_entries()] + ["data/1000000000"])
     assert refused(sample(extra=[["archive/data/1000000000", b""]])) == refusal(
         f"sample inputs with entries {listed[:8]}")
+
+
+def test_sample_inputs_under_two_folders_or_with_an_entry_twice_are_refused():
+    """Each condition alone: the entries' names are torch.save's, each in the allow-list."""
+    listed = [n.partition("/")[2] for n, _ in sample_entries()]
+    assert refused(sample(extra=[["other/data/5", b""]])) == refusal(
+        f"sample inputs with entries {sorted([*listed, 'data/5'])[:8]}")
+    with pytest.warns(UserWarning, match="Duplicate name: 'archive/version'"):
+        items = sample(extra=[["archive/version", b"3"]])
+    assert refused(items) == refusal(f"sample inputs with entries {sorted([*listed, 'version'])[:8]}")
+
+
+def test_sample_inputs_torch_cannot_open_or_read_are_invalid():
+    data = bytes(1000) + dict(exported())[SAMPLE]
+    assert invalid(with_sample(data)) == f"{PATH}: not an archive torch can read ({torch_error(data)[:200]})"
+    data = zipped([i for i in sample_entries() if not i[0].endswith("/data.pkl")], top="")
+    assert len(torch_error(data, "data.pkl")) > 200 and "data.pkl" in torch_error(data, "data.pkl")
+    assert invalid(with_sample(data)) == (f"{PATH}: not a valid pt2 archive: unreadable sample inputs "
+                                          f"({torch_error(data, 'data.pkl')[:200]})")
+
+
+def test_a_sample_pickle_that_pickletools_cannot_read_is_invalid():
+    """A STRING opcode whose text lacks its quotes: pickletools quotes the text in its error."""
+    pickled = b"\x80\x02S" + b"x" * 300 + b"\n."
+    with pytest.raises(ValueError) as error:
+        list(pickletools.genops(pickled))
+    assert len(str(error.value)) > 200
+    assert invalid(sample(pickled)) == (f"{PATH}: not a valid pt2 archive: unreadable sample inputs "
+                                        f"({str(error.value)[:200]})")
 
 
 def test_sample_inputs_that_are_no_zip_are_invalid():
