@@ -8,11 +8,16 @@ counts them; element-wise work (activations, norms, the cross product's Hadamard
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from dense.rankmixer import PerTokenFFN, check_mixing_width, mix_heads
 from dense.tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    from dense.tower_registry import TokenFields
 
 
 def linear_cost(fan_in: int, fan_out: int, bias: bool = True) -> tuple[int, int]:
@@ -218,9 +223,10 @@ def ablation_block(kind: str, num_tokens: int, dim: int, ffn_ratio: int, num_hea
     raise ValueError(f"unknown RankMixer ablation {kind!r}; expected one of {ABLATIONS}")
 
 
-def ablation_tower(kind: str, cfg, group_widths: list[int]) -> AblationTower:
-    """The ablation `kind` built from ModelConfig `cfg`, with RankMixer's tokenizer."""
+def ablation_tower(kind: str, cfg: TokenFields, group_widths: list[int], num_heads: int = 0) -> AblationTower:
+    """The ablation `kind` built from the token fields `cfg`, with RankMixer's tokenizer
+    (`num_heads`: self_attention's, model.attention.num_heads)."""
     tokenizer = build_tokenizer(cfg, group_widths)
-    blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, cfg.attention.num_heads)
+    blocks = [ablation_block(kind, tokenizer.num_tokens, cfg.hidden_dim, cfg.ffn_ratio, num_heads)
               for _ in range(cfg.num_layers)]
     return AblationTower(tokenizer, blocks, cfg.hidden_dim)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dense.layout import InputLayout
-from dense.towers import build_tower
+from dense.tower_registry import TOWERS
 
 if TYPE_CHECKING:
     from dense.model_config import ModelConfig
@@ -48,6 +48,13 @@ class TaskHeads(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
         return (sum(p.numel() for m in linears for p in m.parameters()),
                 sum(2 * m.in_features * m.out_features for m in linears))
+
+
+def build_tower(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    """The tower named by `model.tower`, from the token fields and the tables it declares; it
+    exposes `out_dim`. A ModelConfig exists once dense/tower_configs/ has registered every tower."""
+    spec = TOWERS.get(cfg.tower)
+    return spec.build(cfg, layout, *(getattr(cfg, key) for key in spec.tables))
 
 
 def build_dense(model: ModelConfig, features: list[FeatureSpec]) -> tuple[InputLayout, nn.Module, TaskHeads]:

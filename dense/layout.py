@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dense.sequence_modules import token_slots
+from dense.sequence_registry import token_slots
 from embeddings.features import FeatureSpec, attended
 
 

@@ -1,6 +1,6 @@
 """[model]: the dense side's config. The tokenizer, token and head fields are declared here;
 the `model.tower` choices and the towers' [model.<key>] tables are derived from the towers'
-own modules (dense/towers/), so that a tower is declared once, next to its code.
+own modules (dense/tower_configs/), so that a tower is declared once, next to its builder.
 
 trainer/config.py puts this section into the run's config tree; its loader checks the values
 against the types here and `unused_model_fields` names what the chosen tower leaves unread.
@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from dense.sequence_modules import SEQUENCE_MODULES, SequenceConfig
-from dense.tower_registry import TABLES, TOWERS, readers
-import dense.towers  # noqa: F401  (importing the package registers every tower)
+from dense.sequence_modules import SequenceConfig
+from dense.tower_registry import TABLES, TOWERS, TokenFields, readers
+import dense.tower_configs  # noqa: F401  (importing the package registers every tower)
 
 Tokenizer = Literal["slice", "group"]
 TokenizerBias = Literal["uniform", "zero"]
@@ -42,7 +42,7 @@ class ModelFields:
     and the task heads. `ModelConfig` adds the towers' own tables."""
 
     tower: str = "rankmixer"
-    """Registered dense tower (dense/towers/); ModelConfig's field holds the choices."""
+    """Registered dense tower (dense/tower_configs/); ModelConfig's field holds the choices."""
     recipe: Recipe = "rankmix"
     """rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the RankMixer paper's (RECIPES); keys given explicitly win."""
     tokenizer: Tokenizer = "slice"
@@ -67,7 +67,7 @@ class ModelFields:
     """Sequence modules (features.<name>.sequence_module): the time gap's buckets and each module's options."""
 
 
-TOKEN_FIELDS = ("tokenizer", "num_tokens", "tokenizer_bias", "token_dim", "hidden_dim", "num_layers", "ffn_ratio")
+TOKEN_FIELDS = tuple(TokenFields.__annotations__)
 """The [model] fields that only token towers (TowerSpec.tokens) read."""
 
 Tower = Literal[tuple(TOWERS.names())]  # type: ignore[valid-type]

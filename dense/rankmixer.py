@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import get_args
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-from dense.towers.rankmixer_towers import BlockNorm, TowerPooling
 
 
 def token_mixing(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -135,8 +132,11 @@ def check_mixing_width(dim: int, num_tokens: int) -> None:
                          f"tokens {num_tokens} (token mixing uses H = T heads)")
 
 
-NORMS = get_args(BlockNorm)
-POOLINGS = get_args(TowerPooling)
+# The values of model.rankmixer.norm and .pooling (dense/tower_configs/rankmixer_towers.py's
+# BlockNorm and TowerPooling, which tests/test_config_choices.py holds equal to these): spelt
+# out here, because the declaration builds from this module and so sits above it.
+NORMS = ("post", "pre")
+POOLINGS = ("mean", "flatten")
 
 
 class RankMixerBlock(nn.Module):

@@ -19,7 +19,7 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm's jagged ops)
 import torch
 from torch import nn
 
-from dense.sequence_modules import SEQUENCE_MODULES, token_slots
+from dense.sequence_registry import SEQUENCE_MODULES, token_slots
 from embeddings.features import FeatureSpec, attended, attended_tables, default_candidate, unpooled_features
 
 _MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
@@ -232,7 +232,7 @@ class SequenceInputs(nn.Module):
                    buckets aligned with its rows
         pooled     the bags' vectors by name [B, D_f]: a candidate on another table comes from there
         ->         name -> [B, D]: the pooled vector (pooling sum or mean) of every plain feature on
-                   these tables, and each attended sequence's token slots (dense/sequence_modules.py)
+                   these tables, and each attended sequence's token slots (dense/sequence_registry.py)
     """
 
     def __init__(self, features: list[FeatureSpec], cfg):

@@ -1,37 +1,23 @@
-"""What a sequence module is to the rest of the code (`features.<name>.sequence_module`), declared
-next to the module's own config: `[model.sequence.<key>]`. Standard library only, like the towers'
-declarations (dense/tower_registry.py): the config loads without torch. The modules themselves are
-in dense/sequence.py; docs/models.md, "Sequence module", has their equations.
+"""The sequence modules' declarations (`features.<name>.sequence_module`): each module's
+`[model.sequence.<key>]` table and builder, registered in dense/sequence_registry.py, and
+[model.sequence] itself. Standard library only, like the towers' declarations
+(dense/tower_configs/): the config loads without torch, and a builder imports its module on use.
+The modules themselves are in dense/sequence.py; docs/models.md, "Sequence module", has their
+equations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from embeddings.registry import Registry
+from dense.sequence_registry import SEQUENCE_TABLES, register_sequence
 
 if TYPE_CHECKING:
     from torch import nn
 
     from embeddings.features import FeatureSpec
-
-Builder = Callable[["SequenceConfig", "FeatureSpec"], "nn.Module"]
-SEQUENCE_MODULES: Registry[Builder | None] = Registry("features.<name>.sequence_module")
-"""Name -> builder of the module that reads a sequence position by position; None for `pool`,
-which TorchRec's EmbeddingBagCollection pools before the dense side sees the sequence."""
-SEQUENCE_TABLES: dict[str, type] = {}
-
-
-def register_sequence(name: str, table: type | None = None) -> Callable[[Builder | None], Builder | None]:
-    """Decorator: make `build` the sequence module `name`, reading [model.sequence.<table.key>]."""
-    def wrap(build):
-        if table is not None:
-            assert SEQUENCE_TABLES.setdefault(table.key, table) is table
-        SEQUENCE_MODULES.register(name)(build)
-        return build
-    return wrap
 
 
 def _positive(obj: Any, where: str, *names: str) -> None:
@@ -125,11 +111,3 @@ SequenceConfig = dataclasses.make_dataclass(
     bases=(SequenceFields,),
     namespace={"__module__": __name__,
                "__doc__": "Sequence modules (features.<name>.sequence_module): the time gap and each module's table."})
-
-
-def token_slots(f: FeatureSpec) -> list[tuple[str, str]]:
-    """(slot name, semantic group) of each vector an attended sequence outputs: one in its own
-    group, or `sequence_tokens` = k in k groups of their own (<group>.0, ...)."""
-    if f.sequence_tokens == 1:
-        return [(f.name, f.group)]
-    return [(f"{f.name}.{j}", f"{f.group}.{j}") for j in range(f.sequence_tokens)]

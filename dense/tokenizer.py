@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dense.model_config import ModelConfig
+    from dense.tower_registry import TokenFields
 
 
 class SliceTokenizer(nn.Module):
@@ -81,7 +81,7 @@ class GroupTokenizer(nn.Module):
         return width * dim + len(self.group_widths) * dim, 2 * width * dim
 
 
-def build_tokenizer(cfg: ModelConfig, group_widths: list[int]) -> nn.Module:
+def build_tokenizer(cfg: TokenFields, group_widths: list[int]) -> nn.Module:
     """`model.tokenizer` over e_input's semantic groups: slice (eq. 2: model.num_tokens
     slices of model.token_dim) or group (one token per group), each projected to model.hidden_dim."""
     if cfg.tokenizer == "slice":

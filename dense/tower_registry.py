@@ -1,4 +1,4 @@
-"""What a tower is to the rest of the code, declared by the tower's own module (dense/towers/):
+"""What a tower is to the rest of the code, declared by the tower's own module (dense/tower_configs/):
 
 Standard library only: the config (dense/model_config.py) loads the towers' declarations
 without torch, and a builder imports its tower's modules on use.
@@ -8,6 +8,8 @@ without torch, and a builder imports its tower's modules on use.
   tokenizes (the tokenizer and token fields of [model]), and the fields of its tables it skips.
   dense/model_config.py derives the `model.tower` choices and ModelConfig's tables from it, and
   the loader the fields a choice leaves unread.
+- A builder sees `TokenFields` and its own tables, not ModelConfig: ModelConfig is assembled from
+  the declarations, so a declaration that named it would import its own assembly back.
 - `ServingForm`: a tower whose evaluation forward does not trace into a serving artifact as it
   is gives a module that does (trainer/serving/export.py takes `serving_form(tower)`).
 """
@@ -16,17 +18,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from embeddings.registry import Registry
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from dense.layout import InputLayout
-    from dense.model_config import ModelConfig
 
-Builder = Callable[["ModelConfig", "InputLayout"], "nn.Module"]
+class TokenFields(Protocol):
+    """The [model] fields a token tower reads (declared in dense/model_config.py ModelFields)."""
+
+    tokenizer: str
+    num_tokens: int
+    tokenizer_bias: str
+    token_dim: int
+    hidden_dim: int
+    num_layers: int
+    ffn_ratio: int
+
+
+Builder = Callable[..., "nn.Module"]
+"""(TokenFields, InputLayout, *its tables in the order of `tables`) -> the tower module."""
 
 
 @dataclass(frozen=True)
@@ -34,11 +47,11 @@ class TowerSpec:
     """A registered tower: its builder, and what of ModelConfig it reads."""
 
     build: Builder
-    """(ModelConfig, InputLayout) -> the tower module; it exposes `out_dim`."""
+    """(TokenFields, InputLayout, *its tables) -> the tower module; it exposes `out_dim`."""
     tables: tuple[str, ...] = ()
     """Keys of the [model.<key>] tables the tower reads."""
     tokens: bool = True
-    """The tower tokenizes: it reads the token fields of [model] (dense/model_config.py TOKEN_FIELDS)."""
+    """The tower tokenizes: it reads the token fields of [model] (`TokenFields`)."""
     skip: tuple[str, ...] = ()
     """Fields of its tables that it does not read."""
     defaults: tuple[tuple[str, object], ...] = ()
@@ -53,8 +66,9 @@ TABLES: dict[str, type] = {}
 def register_tower(name: str, *, tables: tuple[type, ...] = (), tokens: bool = True,
                    skip: tuple[str, ...] = (), defaults: dict[str, object] | None = None) -> Callable[[Builder], Builder]:
     """Decorator: make the builder the tower `model.tower = name`, reading `tables` (dataclasses
-    whose class attribute `key` names their [model.<key>] table) except the fields in `skip`,
-    and training by `defaults` (dotted key -> value) unless a file or the command line says otherwise."""
+    whose class attribute `key` names their [model.<key>] table; the builder gets them in this
+    order after the layout) except the fields in `skip`, and training by `defaults` (dotted
+    key -> value) unless a file or the command line says otherwise."""
     def wrap(build: Builder) -> Builder:
         for table in tables:
             assert TABLES.setdefault(table.key, table) is table, f"two tables declare [model.{table.key}]"

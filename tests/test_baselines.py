@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from dense.baselines import CrossLayer, SelfAttention, ablation_block
 from dense.layout import InputLayout
 from dense.rankmixer import PerTokenFFN
-from dense.towers import build_tower
+from dense.heads import build_tower
 from dense.model_config import ModelConfig
-from dense.towers.baseline_towers import AttentionConfig, DCNv2Config, MLPConfig
+from dense.tower_configs.baseline_towers import AttentionConfig, DCNv2Config, MLPConfig
 from trainer.data.datasets import synth_features
 
 TOWERS = ["mlp", "dcnv2", "no_token_mixing", "shared_ffn", "self_attention"]

@@ -12,7 +12,7 @@ import pytest
 
 from embeddings.tables import table_configs
 from dense.model_config import TaskSpec
-from dense.towers.moe_towers import MoEConfig
+from dense.tower_configs.moe_towers import MoEConfig
 from embeddings.features import FeatureSpec
 from trainer.config import Config, DataConfig, OptimConfig
 from trainer.config_loader import describe, dump_toml, field_docs, load_config, validate

@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 
 from dense import rankmixer
-from dense.towers import rankmixer_towers
+from dense.tower_configs import rankmixer_towers
 from embeddings import features, managed, sparse_config, tables
 from trainer import config
 from embeddings.features import validate_features
@@ -27,7 +27,7 @@ def test_every_choice_has_its_implementation(mapping, choice):
     assert set(mapping) == set(get_args(choice))
 
 
-def test_the_towers_read_their_choices_from_the_types():
+def test_the_towers_implement_the_choices_of_the_types():
     assert rankmixer.NORMS == get_args(rankmixer_towers.BlockNorm) and rankmixer.POOLINGS == get_args(rankmixer_towers.TowerPooling)
 
 

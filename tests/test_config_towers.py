@@ -1,5 +1,5 @@
 """Each tower family's fields live in its own [model.<family>] table, declared with the tower
-(dense/towers/): a field that the chosen tower, tokenizer, feature kind or data order does not
+(dense/tower_configs/): a field that the chosen tower, tokenizer, feature kind or data order does not
 read is an error naming the field and the choice, and the resolved config a run writes holds
 only what the run reads, so that it loads again. A tower declared in one new module is a
 choice of the config, a table of it and a built tower, with nothing else edited."""
@@ -16,7 +16,7 @@ import torch
 
 from dense.layout import InputLayout
 from dense.tower_registry import TABLES, TOWERS
-from dense.towers import build_tower
+from dense.heads import build_tower
 from tests import cli
 from dense.model_config import ModelConfig
 from trainer.config import Config

@@ -36,13 +36,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from dense.layout import InputLayout
-from dense.heads import TaskHeads
+from dense.heads import TaskHeads, build_tower
 from dense.tower_registry import TOWERS
-from dense.towers import build_tower
 from dense.unimixer import sinkhorn
 from dense.model_config import ModelConfig
-from dense.towers.baseline_towers import MLPConfig
-from dense.towers.moe_towers import MoEConfig
+from dense.tower_configs.baseline_towers import MLPConfig
+from dense.tower_configs.moe_towers import MoEConfig
 from trainer.data.datasets import synth_features
 from embeddings.hooks import TrainingHooks
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags

@@ -14,9 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from cli import rankmix, rendezvous_port, spawn
 from dense.layout import InputLayout
 from dense.moe import PerTokenMoE, expert_hidden
-from dense.towers import build_tower
+from dense.heads import build_tower
 from dense.model_config import ModelConfig
-from dense.towers.moe_towers import MoEConfig
+from dense.tower_configs.moe_towers import MoEConfig
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]

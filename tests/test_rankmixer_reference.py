@@ -15,7 +15,7 @@ from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform
 from dense.layout import InputLayout
 from dense.model_config import ModelConfig
 from dense.tokenizer import SliceTokenizer
-from dense.towers import build_tower
+from dense.heads import build_tower
 from trainer.data.datasets import synth_features
 
 T, D = 4, 8

@@ -1,4 +1,5 @@
-"""The sequence modules' config and builders (dense/sequence_modules.py): every module built from a
+"""The sequence modules' config, builders and registry (dense/sequence_modules.py,
+dense/sequence_registry.py): every module built from a
 config reads the time gaps (and one without timestamps has no time path), reads its table, and
 each check of [model.sequence] names its option and passes at its limit."""
 
@@ -11,8 +12,8 @@ import torch
 from torch import nn
 
 from dense.sequence import SequenceInputs
-from dense.sequence_modules import (SEQUENCE_MODULES, SEQUENCE_TABLES, SequenceConfig, SequenceFields,
-                                    TargetAttentionConfig, TransformerConfig, register_sequence, token_slots)
+from dense.sequence_modules import SequenceConfig, SequenceFields, TargetAttentionConfig, TransformerConfig
+from dense.sequence_registry import SEQUENCE_MODULES, SEQUENCE_TABLES, register_sequence, token_slots
 from test_sequence import jagged, lookups, schema
 
 ATTENDED = [name for name in SEQUENCE_MODULES.names() if SEQUENCE_MODULES.get(name) is not None]

@@ -11,12 +11,11 @@ from cli import rankmix
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
 from embeddings.hooks import TrainingHooks
 from dense.layout import InputLayout
-from dense.heads import TaskHeads, build_dense
+from dense.heads import TaskHeads, build_dense, build_tower
 from dense.tower_registry import TOWERS
-from dense.towers import build_tower
 from dense.model_config import ModelConfig
-from dense.towers.baseline_towers import DCNv2Config, MLPConfig
-from dense.towers.moe_towers import MoEConfig
+from dense.tower_configs.baseline_towers import DCNv2Config, MLPConfig
+from dense.tower_configs.moe_towers import MoEConfig
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 

@@ -12,13 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import cli
 from dense.layout import InputLayout
 from dense.rankmixer import token_mixing
-from dense.towers import build_tower
+from dense.heads import build_tower
 from dense.unimixer import (PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, rankmixer_permutation,
                             scaling_stages, temperature)
 from test_checkpoint import losses
 from test_train import assert_loss_falls
 from dense.model_config import ModelConfig
-from dense.towers.unimixer_towers import UniMixerConfig
+from dense.tower_configs.unimixer_towers import UniMixerConfig
 from embeddings.hooks import TrainingHooks
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features

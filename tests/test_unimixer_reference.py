@@ -11,8 +11,8 @@ import torch
 
 from dense.layout import InputLayout
 from dense.model_config import ModelConfig
-from dense.towers import build_tower
-from dense.towers.unimixer_towers import UniMixerConfig
+from dense.heads import build_tower
+from dense.tower_configs.unimixer_towers import UniMixerConfig
 from dense.unimixer import (FrozenMixing, UniMixerTower, UniMixing, UniMixingLite, _newton_step, full_mixing,
                             matched_ffn_hidden, mixing_health, rankmixer_permutation, scaling_stages, temperature,
                             unimixer_cost)

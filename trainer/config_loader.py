@@ -27,7 +27,7 @@ from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, m
                                  redact_uri, with_placeholders, without_credentials)
 
 from dense.model_config import TaskSpec, unused_model_fields, validate_model
-from dense.sequence_modules import SEQUENCE_MODULES
+from dense.sequence_registry import SEQUENCE_MODULES
 from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES

@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from dense.tower_registry import register_tower
+from dense.tower_registry import TokenFields, register_tower
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dense.layout import InputLayout
-    from dense.model_config import ModelConfig
 
 BlockNorm = Literal["post", "pre"]
 TowerPooling = Literal["mean", "flatten"]
@@ -36,11 +35,10 @@ class RankMixerConfig:
 
 
 @register_tower("rankmixer", tables=(RankMixerConfig,))
-def build_rankmixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_rankmixer(cfg: TokenFields, layout: InputLayout, block: RankMixerConfig) -> nn.Module:
     # on use: torch (the config loads without it)
     from dense.rankmixer import RankMixerTower
     from dense.tokenizer import build_tokenizer
 
-    block = cfg.rankmixer
     return RankMixerTower(build_tokenizer(cfg, layout.group_widths), cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio,
                           norm=block.norm, pooling=block.pooling, dropout=block.dropout)

@@ -7,13 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from dense.tower_registry import check_ranges, register_tower
+from dense.tower_registry import TokenFields, check_ranges, register_tower
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dense.layout import InputLayout
-    from dense.model_config import ModelConfig
 
 
 @dataclass
@@ -52,7 +51,7 @@ class AttentionConfig:
 
 
 @register_tower("logreg", tokens=False)
-def build_logreg(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_logreg(cfg: TokenFields, layout: InputLayout) -> nn.Module:
     from dense.baselines import Passthrough  # on use: torch (the config loads without it)
 
     return Passthrough(layout.width)
@@ -64,25 +63,25 @@ BASELINE_DEFAULTS = {"optim.dense_warmup_steps": 0}
 
 
 @register_tower("mlp", tables=(MLPConfig,), tokens=False, defaults=BASELINE_DEFAULTS)
-def build_mlp(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_mlp(cfg: TokenFields, layout: InputLayout, mlp: MLPConfig) -> nn.Module:
     from dense.baselines import MLP  # on use: torch (the config loads without it)
 
-    return MLP(layout.width, cfg.mlp.hidden)
+    return MLP(layout.width, mlp.hidden)
 
 
 @register_tower("dcnv2", tables=(MLPConfig, DCNv2Config), tokens=False, defaults=BASELINE_DEFAULTS)
-def build_dcnv2(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_dcnv2(cfg: TokenFields, layout: InputLayout, mlp: MLPConfig, dcn: DCNv2Config) -> nn.Module:
     from dense.baselines import DCNv2  # on use: torch (the config loads without it)
 
-    return DCNv2(layout.width, cfg.dcnv2.cross_layers, cfg.dcnv2.cross_rank, cfg.mlp.hidden)
+    return DCNv2(layout.width, dcn.cross_layers, dcn.cross_rank, mlp.hidden)
 
 
 def _ablation(kind: str):
     """The builder of RankMixer with one piece swapped out (dense/baselines.py ABLATIONS)."""
-    def build(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+    def build(cfg: TokenFields, layout: InputLayout, attention: AttentionConfig | None = None) -> nn.Module:
         from dense.baselines import ablation_tower  # on use: torch (the config loads without it)
 
-        return ablation_tower(kind, cfg, layout.group_widths)
+        return ablation_tower(kind, cfg, layout.group_widths, attention.num_heads if attention else 0)
     return build
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from dense.tower_registry import check_ranges, register_tower
-from dense.towers.rankmixer_towers import RankMixerConfig
+from dense.tower_configs.rankmixer_towers import RankMixerConfig
+from dense.tower_registry import TokenFields, check_ranges, register_tower
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dense.layout import InputLayout
-    from dense.model_config import ModelConfig
 
 MoEInference = Literal["sparse", "dense"]
 
@@ -46,13 +45,13 @@ class MoEConfig:
 
 
 @register_tower("rankmixer_moe", tables=(RankMixerConfig, MoEConfig))
-def build_rankmixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_rankmixer_moe(cfg: TokenFields, layout: InputLayout, block: RankMixerConfig, m: MoEConfig) -> nn.Module:
     # on use: torch (the config loads without it)
     from dense.moe import PerTokenMoE, RankMixerMoETower, expert_hidden
     from dense.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(cfg, layout.group_widths)
-    t, d, m, block = tokenizer.num_tokens, cfg.hidden_dim, cfg.moe, cfg.rankmixer
+    t, d = tokenizer.num_tokens, cfg.hidden_dim
     hidden = expert_hidden(d, cfg.ffn_ratio, m.num_experts, m.expert_hidden)
 
     def moe() -> PerTokenMoE:

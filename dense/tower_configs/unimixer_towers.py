@@ -7,14 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from dense.tower_registry import check_ranges, register_tower
-from dense.towers.moe_towers import MoEConfig
+from dense.tower_configs.moe_towers import MoEConfig
+from dense.tower_registry import TokenFields, check_ranges, register_tower
 
 if TYPE_CHECKING:
     from torch import nn
 
     from dense.layout import InputLayout
-    from dense.model_config import ModelConfig
 
 MixingInit = Literal["permutation", "random"]
 Schedule = Literal["anneal", "two_stage"]
@@ -60,25 +59,23 @@ class UniMixerConfig:
 
 
 @register_tower("unimixer", tables=(UniMixerConfig,), skip=("num_basis", "global_rank"))
-def build_unimixer(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_unimixer(cfg: TokenFields, layout: InputLayout, u: UniMixerConfig) -> nn.Module:
     from dense.unimixer import UniMixing  # on use: torch (the config loads without it)
 
-    u = cfg.unimixer
-    return _unimixer_tower(cfg, layout, lambda length, block: UniMixing(length, block, cfg.hidden_dim, u.init,
+    return _unimixer_tower(cfg, u, layout, lambda length, block: UniMixing(length, block, cfg.hidden_dim, u.init,
                                                                         u.mixing_lr_mult))
 
 
 @register_tower("unimixer_lite", tables=(UniMixerConfig,))
-def build_unimixer_lite(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_unimixer_lite(cfg: TokenFields, layout: InputLayout, u: UniMixerConfig) -> nn.Module:
     from dense.unimixer import UniMixingLite  # on use: torch (the config loads without it)
 
-    u = cfg.unimixer
-    return _unimixer_tower(cfg, layout, lambda length, block: UniMixingLite(
+    return _unimixer_tower(cfg, u, layout, lambda length, block: UniMixingLite(
         length, block, cfg.hidden_dim, u.num_basis, u.global_rank, u.init, u.mixing_lr_mult))
 
 
 @register_tower("unimixer_moe", tables=(UniMixerConfig, MoEConfig), skip=("num_basis", "global_rank", "ffn_hidden"))
-def build_unimixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
+def build_unimixer_moe(cfg: TokenFields, layout: InputLayout, u: UniMixerConfig, m: MoEConfig) -> nn.Module:
     """UniMixing and a sparse per-token MoE per block (figure 2), the MoE's experts as
     RankMixer's MoE sizes them (model.moe)."""
     # on use: torch (the config loads without it)
@@ -87,9 +84,9 @@ def build_unimixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
     from dense.unimixer import UniMixerBlock, UniMixing
     from dense.unimixer_moe import UniMixerMoETower
 
-    tokenizer, u, m = build_tokenizer(cfg, layout.group_widths), cfg.unimixer, cfg.moe
+    tokenizer = build_tokenizer(cfg, layout.group_widths)
     t, d = tokenizer.num_tokens, cfg.hidden_dim
-    length, block, _ = mixing_shape(cfg, t, ffn=False)
+    length, block, _ = mixing_shape(cfg, u, t, ffn=False)
     hidden = expert_hidden(d, cfg.ffn_ratio, m.num_experts, m.expert_hidden)
     blocks = [UniMixerBlock(UniMixing(length, block, d, u.init, u.mixing_lr_mult), 0, PerTokenMoE(
         t, d, m.num_experts, hidden, budget=m.budget, l1_init=m.l1_init, l1_rate=m.l1_rate, consistency=m.consistency,
@@ -98,12 +95,12 @@ def build_unimixer_moe(cfg: ModelConfig, layout: InputLayout) -> nn.Module:
                             u.sinkhorn_stages, u.sinkhorn_steps)
 
 
-def mixing_shape(cfg: ModelConfig, num_tokens: int, ffn: bool = True) -> tuple[int, int, int]:
+def mixing_shape(cfg: TokenFields, u: UniMixerConfig, num_tokens: int, ffn: bool = True) -> tuple[int, int, int]:
     """(L, blk, SwiGLU width) of a UniMixer over `num_tokens` tokens: the defaults of
     model.unimixer.block_size (D/T) and ffn_hidden (RankMixer's FLOPs) resolved (0 without `ffn`)."""
     from dense.unimixer import matched_ffn_hidden  # on use: torch (the config loads without it)
 
-    d, u = cfg.hidden_dim, cfg.unimixer
+    d = cfg.hidden_dim
     if not u.block_size and d % num_tokens:
         raise ValueError(f"model.unimixer.block_size=0 takes D/T, but model.hidden_dim={d} is not divisible by "
                          f"the number of tokens {num_tokens}; set model.unimixer.block_size")
@@ -116,14 +113,14 @@ def mixing_shape(cfg: ModelConfig, num_tokens: int, ffn: bool = True) -> tuple[i
     return num_tokens * d, block, u.ffn_hidden or matched_ffn_hidden(num_tokens, d, block, cfg.ffn_ratio)
 
 
-def _unimixer_tower(cfg: ModelConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
+def _unimixer_tower(cfg: TokenFields, u: UniMixerConfig, layout: InputLayout, mixing: Callable) -> nn.Module:
     """Tokenizer and M Siamese UniMixer layers; `mixing(L, blk)` builds each layer's mixing."""
     # on use: torch (the config loads without it)
     from dense.tokenizer import build_tokenizer
     from dense.unimixer import UniMixerBlock, UniMixerTower
 
-    tokenizer, u = build_tokenizer(cfg, layout.group_widths), cfg.unimixer
-    length, block, hidden = mixing_shape(cfg, tokenizer.num_tokens)
+    tokenizer = build_tokenizer(cfg, layout.group_widths)
+    length, block, hidden = mixing_shape(cfg, u, tokenizer.num_tokens)
     blocks = [UniMixerBlock(mixing(length, block), hidden) for _ in range(cfg.num_layers)]
     return UniMixerTower(tokenizer, blocks, cfg.hidden_dim, u.tau_start, u.tau_end, u.tau_anneal_steps,
                          u.sinkhorn_stages, u.sinkhorn_steps)
