@@ -49,6 +49,7 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
     from dense.model_config import TaskSpec
     from trainer.data.datasets import synth_features
     from trainer.data.encode import RowEncoder
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
     from trainer.offline.synth import write_synthetic
 
@@ -70,8 +71,8 @@ def bench_reader(tmp: Path, rows: int, batch_size: int, repeat: int = 3,
                                  pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=encoder.columns)))
 
     def reader(shuffle_buffer: int) -> tuple[int, float, float]:
-        r = ParquetReader(str(train), encoder, batch_size=batch_size, shuffle=bool(shuffle_buffer),
-                          shuffle_buffer=shuffle_buffer, num_epochs=1, seed=0)
+        r = ParquetReader(str(train), encoder, ReaderOptions(batch_size=batch_size, shuffle=bool(shuffle_buffer),
+                                                             shuffle_buffer=shuffle_buffer, num_epochs=1, seed=0))
         return timed(lambda: sum(len(b) for b in r))
 
     raw()  # warm the page cache

@@ -33,10 +33,11 @@ sys.path.insert(0, {root!r})
 from trainer.config import TaskSpec
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 encoder = RowEncoder(synth_features(), [TaskSpec(name="click")], user_column="user_id")
-reader = ParquetReader({path!r}, encoder, batch_size={batch}, shuffle={shuffle}, shuffle_buffer={buffer},
-                       num_epochs=1, seed=0)
+reader = ParquetReader({path!r}, encoder, ReaderOptions(batch_size={batch}, shuffle={shuffle}, shuffle_buffer={buffer},
+                                                       num_epochs=1, seed=0))
 t = time.perf_counter()
 rows = sum(len(b) for b in reader)
 print(json.dumps({{"rows": rows, "seconds": time.perf_counter() - t,

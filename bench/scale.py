@@ -286,6 +286,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.dist import tune_malloc
 
@@ -303,8 +304,9 @@ if mode == "raw":
                pq.ParquetFile(f).iter_batches(batch_size=cfg.data.batch_size, columns=encoder.columns))
     print(json.dumps({{"rows": rows, "seconds": time.perf_counter() - t}}))
     sys.exit()
-reader = ParquetReader(",".join(files), encoder, batch_size=cfg.data.batch_size, shuffle=mode == "shuffled",
-                       shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=1)
+options = ReaderOptions(batch_size=cfg.data.batch_size, shuffle=mode == "shuffled",
+                        shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=1)
+reader = ParquetReader(",".join(files), encoder, options)
 marks, rows, rss = (0.1, 0.5), 0, []
 for batch in reader:
     rows += len(batch)

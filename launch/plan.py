@@ -50,9 +50,10 @@ from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
 from embeddings.sparse_config import EmbeddingsConfig
 from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
+from trainer.data.assignment import SLICE_ROWS
 from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import DECODE_AHEAD, PREFETCH_BATCHES, READ_BUFFER, SLICE_ROWS
+from trainer.data.reader import DECODE_AHEAD, PREFETCH_BATCHES, READ_BUFFER
 from trainer.train import autocast_dtype
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
 

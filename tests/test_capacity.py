@@ -15,6 +15,7 @@ from trainer.config_loader import load_config
 from trainer.offline import capacity
 from trainer.data.datasets import capacity_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 
@@ -103,7 +104,7 @@ def test_the_dataset_reads_through_its_schema_and_the_cli_writes_it(tmp_path):
     assert json.loads(proc.stdout)["train_rows"] == 2700
     features = capacity_features()
     encoder = RowEncoder(features, cfg.model.tasks, "user_id")
-    reader = ParquetReader(str(tmp_path / "out" / "train"), encoder, batch_size=512, shuffle=False)
+    reader = ParquetReader(str(tmp_path / "out" / "train"), encoder, ReaderOptions(batch_size=512, shuffle=False))
     batch = next(iter(reader))
     assert batch.sparse.keys() == [f.name for f in features] and batch.labels.shape == (512, 1)
     with pytest.raises(ValueError, match="data.synth_teacher must be one of \\('default', 'capacity', 'sequence'\\)"):

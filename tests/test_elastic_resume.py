@@ -73,11 +73,12 @@ def test_units_from_a_checkpoint_are_checked():
 # ----------------------------------------------------------------------------- one process, every rank
 
 def rank_readers(data: Path, world: int, shuffle: bool = True) -> list:
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
 
-    return [ParquetReader(str(data), make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle=shuffle,
-                          shuffle_buffer=BUFFER, seed=5, rank=r, world_size=world, num_epochs=1)
-            for r in range(world)]
+    return [ParquetReader(str(data), make_encoder(), ReaderOptions(
+        batch_size=GLOBAL_BATCH // world, shuffle=shuffle, shuffle_buffer=BUFFER, seed=5, rank=r, world_size=world,
+        num_epochs=1)) for r in range(world)]
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -146,12 +147,14 @@ def _phase(rank: int, port: int, world: int, data: str, shuffle: bool, steps: in
     import torch.distributed as dist
 
     from trainer.checkpoint.state import PerRankState, TrainedPosition
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    reader = ParquetReader(data, make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle=shuffle,
-                           shuffle_buffer=BUFFER, seed=5, rank=rank, world_size=world, num_epochs=1)
+    reader = ParquetReader(data, make_encoder(), ReaderOptions(
+        batch_size=GLOBAL_BATCH // world, shuffle=shuffle, shuffle_buffer=BUFFER, seed=5, rank=rank, world_size=world,
+        num_epochs=1))
     position = TrainedPosition(reader, "exact")
     ranks = PerRankState({"reader": position})
     if load:
@@ -230,13 +233,14 @@ def _partitions_phase(rank: int, port: int, world: int, root: str, steps: int | 
 
     from trainer.checkpoint.state import PerRankState, TrainedPosition
     from trainer.data.partitions import PartitionedReader
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     reader = PartitionedReader(root, lambda uri, name: ParquetReader(
-        uri, make_encoder(), batch_size=GLOBAL_BATCH // world, shuffle_buffer=BUFFER, seed=5, rank=rank,
-        world_size=world, num_epochs=1), marker="_SUCCESS")
+        uri, make_encoder(), ReaderOptions(batch_size=GLOBAL_BATCH // world, shuffle_buffer=BUFFER, seed=5, rank=rank,
+                                           world_size=world, num_epochs=1)), marker="_SUCCESS")
     position = TrainedPosition(reader, "exact")
     ranks = PerRankState({"reader": position})
     if load:
@@ -297,4 +301,5 @@ def test_a_position_after_the_epochs_last_batch_leaves_nothing_to_read_again(tmp
     assert resumed_epoch(states) == ({"epoch": 0, "units": [], "rows": 0}, 0)
     two = rank_readers(data, 2)[0]
     two.load_state_dict({**two.state_dict(), "resumed": resumed_epoch(states)[0]})
-    assert two.steps_in_epoch(0) == 0 and two._pieces(0, 0) == two._pieces(0, 1) == [] and len(two._pieces(1, 0)) > 1
+    pieces = two.assignment.pieces
+    assert two.steps_in_epoch(0) == 0 and pieces(0, 0) == pieces(0, 1) == [] and len(pieces(1, 0)) > 1

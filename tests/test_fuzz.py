@@ -32,6 +32,7 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.offline.csvlog import convert_csv
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -290,7 +291,8 @@ def check_reader(case: ReaderCase) -> None:
         except Refused:
             want = None
         try:
-            reader = ParquetReader(str(path), encoder, batch_size=case.batch_size, shuffle=False, drop_last=False)
+            options = ReaderOptions(batch_size=case.batch_size, shuffle=False, drop_last=False)
+            reader = ParquetReader(str(path), encoder, options)
             got = decoded(reader, case.features, case.user)
         except ValueError as e:
             message = str(e)

@@ -15,6 +15,7 @@ from dense.model_config import TaskSpec
 from trainer.config_loader import to_dict
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.offline.synth import write_synthetic
 
@@ -69,7 +70,7 @@ def test_torchrun_with_uneven_files_finishes_on_every_rank(uneven, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     readers = [ParquetReader(str(uneven / "train"), RowEncoder(synth_features(), [TaskSpec()]),
-                             batch_size=50, rank=r, world_size=2) for r in (0, 1)]
+                             ReaderOptions(batch_size=50, rank=r, world_size=2)) for r in (0, 1)]
     expected = sum(readers[0].steps_in_epoch(e) for e in range(3))
     assert expected == sum(readers[1].steps_in_epoch(e) for e in range(3))
     assert summary["steps"] == expected == 3 * (2_500 // 2 // 50)  # the even split, whatever the row groups

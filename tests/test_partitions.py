@@ -558,6 +558,7 @@ def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
 
     tmp_path = tmp_path / "LogX"  # an X: not a glob character
     tmp_path.mkdir()
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
 
     for i, (name, complete) in enumerate([("day=1", True), ("day=2", False), ("day=10", True)]):
@@ -567,7 +568,7 @@ def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
             (tmp_path / name / "_SUCCESS").write_text("")
     spec = complete_partitions(str(tmp_path), "_SUCCESS")
     assert spec == f"{tmp_path}/day=1,{tmp_path}/day=10"
-    reader = ParquetReader(spec, make_encoder(), batch_size=10, num_epochs=1)
+    reader = ParquetReader(spec, make_encoder(), ReaderOptions(batch_size=10, num_epochs=1))
     rows = sorted(int(u) for batch in reader for u in batch.users)
     assert rows == [*range(0, 100), *range(200, 300)]  # not day=2's 100..199
     assert complete_partitions(str(tmp_path), "").count(",") == 2  # every folder complete

@@ -19,6 +19,7 @@ from cli import rendezvous_port, spawn
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 ROWS = 100  # per file, one row group
@@ -58,7 +59,7 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
 
     def build(path: str, last: str = "") -> list:
         try:
-            reader = ParquetReader(path, Announcing(flag, last), batch_size=10, rank=rank, world_size=2)
+            reader = ParquetReader(path, Announcing(flag, last), ReaderOptions(batch_size=10, rank=rank, world_size=2))
             return ["read", reader.steps_in_epoch(0)]
         except Exception as e:
             return [type(e).__name__, str(e)]

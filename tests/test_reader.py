@@ -23,6 +23,7 @@ import torch
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.data.store import resolve_files
 
@@ -35,7 +36,7 @@ NUM_TAGS = 100
 
 def assignment(reader: ParquetReader, epoch: int) -> list[list]:
     """Every rank's pieces of `epoch`, as `reader` computes each rank's."""
-    return [reader._pieces(epoch, r) for r in range(reader.world_size)]
+    return [reader.assignment.pieces(epoch, r) for r in range(reader.options.world_size)]
 
 
 def make_table(start: int, n: int) -> pa.Table:
@@ -131,7 +132,7 @@ RESUME_EPOCHS = 3
 def resume_reader(path: Path, **kw) -> ParquetReader:
     args = dict(batch_size=RESUME_BATCH, shuffle_buffer=RESUME_BUFFER, seed=11, num_epochs=RESUME_EPOCHS)
     args.update(kw)
-    return ParquetReader(str(path), make_encoder(), **args)
+    return ParquetReader(str(path), make_encoder(), ReaderOptions(**args))
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +208,11 @@ def test_resume_in_evaluation_keeps_real_rows(tmp_path, rank, k):
     # rank 1 641 (11), so rank 0's 11th batch (k=10) is all padding and resuming lands inside it
     write_files(tmp_path, [300, 981], [100, 250])
     kw = dict(batch_size=64, shuffle=False, drop_last=False, rank=rank, world_size=2)
-    reference = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), **kw)]
+    reference = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))]
     assert len(reference) == 11
-    first = ParquetReader(str(tmp_path), make_encoder(), **kw)
+    first = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))
     list(itertools.islice(iter(first), k))
-    fresh = ParquetReader(str(tmp_path), make_encoder(), **kw)
+    fresh = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))
     fresh.load_state_dict(first.state_dict())
     rest = [snap(b) for b in fresh]
     assert len(rest) == len(reference) - k
@@ -229,13 +230,13 @@ def test_resume_in_evaluation_keeps_real_rows(tmp_path, rank, k):
 def test_exact_resume_on_second_rank(tmp_path, where):
     write_files(tmp_path, [600, 1800], [150, 700])
     kw = dict(batch_size=50, shuffle_buffer=300, seed=2, num_epochs=2, rank=1, world_size=2)
-    reference = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), **kw)]
-    first = ParquetReader(str(tmp_path), make_encoder(), **kw)
+    reference = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))]
+    first = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))
     steps = first.steps_in_epoch(0)
     assert len(reference) == steps + first.steps_in_epoch(1)
     k = {"early": 3, "end_epoch0": steps, "start_epoch1": steps + 1, "late": len(reference) - 2}[where]
     list(itertools.islice(iter(first), k))
-    fresh = ParquetReader(str(tmp_path), make_encoder(), **kw)
+    fresh = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(**kw))
     fresh.load_state_dict(first.state_dict())
     assert_same([snap(b) for b in fresh], reference[k:])
 
@@ -271,7 +272,7 @@ def even_data(tmp_path_factory) -> Path:
 def epochs_of(path: Path, epochs: int = 2, **kw) -> list[np.ndarray]:
     args = dict(batch_size=125, shuffle_buffer=350, seed=3, num_epochs=epochs)
     args.update(kw)
-    reader = ParquetReader(str(path), make_encoder(), **args)
+    reader = ParquetReader(str(path), make_encoder(), ReaderOptions(**args))
     steps = reader.steps_in_epoch(0)
     users = users_of([snap(b) for b in reader])
     assert len(users) == epochs * steps * args["batch_size"]
@@ -286,8 +287,8 @@ def test_every_row_once_per_epoch(even_data):
 def test_columns_stay_aligned_through_shuffling(even_data):
     source = pa.concat_tables(pq.read_table(p) for p in sorted(even_data.glob("*.parquet")))
     tags = source.column("tags").to_pylist()
-    reader = ParquetReader(str(even_data), make_encoder(), batch_size=125, shuffle_buffer=350, seed=5,
-                           num_epochs=1)
+    reader = ParquetReader(str(even_data), make_encoder(), ReaderOptions(batch_size=125, shuffle_buffer=350, seed=5,
+                                                                         num_epochs=1))
     seen = 0
     for batch in reader:
         users = batch.users.numpy()
@@ -350,8 +351,8 @@ def test_bounded_memory(tmp_path):
     write_files(tmp_path, [rows_per_file] * files, [rg, rg, 3_000, rg])
     gc.collect()
     baseline = pa.total_allocated_bytes()
-    reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=4096, shuffle_buffer=buffer, seed=1,
-                           num_epochs=1)
+    reader = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(batch_size=4096, shuffle_buffer=buffer, seed=1,
+                                                                        num_epochs=1))
     samples, rows = [], 0
     for batch in reader:
         samples.append(pa.total_allocated_bytes() - baseline)
@@ -374,7 +375,8 @@ def test_bounded_memory(tmp_path):
 
 
 def rank_epochs(path: Path, world_size: int, **kw) -> list[list[dict]]:
-    return [[snap(b) for b in ParquetReader(str(path), make_encoder(), rank=r, world_size=world_size, **kw)]
+    return [[snap(b) for b in ParquetReader(str(path), make_encoder(),
+                                            ReaderOptions(rank=r, world_size=world_size, **kw))]
             for r in range(world_size)]
 
 
@@ -398,7 +400,7 @@ def test_ranks_read_disjoint_row_groups(tmp_path):
 def test_uneven_files_same_number_of_batches(tmp_path, seed):
     write_files(tmp_path, [600, 1800], [150, 700])  # 4 x 150 rows and 700, 700, 400
     kw = dict(batch_size=50, shuffle_buffer=300, seed=seed, num_epochs=2)
-    probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, **kw)
+    probe = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(world_size=2, **kw))
     per_rank = rank_epochs(tmp_path, 2, **kw)
     rows = [[sum(p.num_rows for p in pieces) for pieces in assignment(probe, e)] for e in range(2)]
     assert rows == [[1200, 1200]] * 2  # row ranges, not whole row groups: the ranks are balanced
@@ -428,7 +430,7 @@ def test_uneven_row_groups_are_cut_into_pieces(tmp_path):
     write_files(tmp_path, [600, 1800], [150, 700])
     cut = 0
     for seed in range(4):
-        probe = ParquetReader(str(tmp_path), make_encoder(), world_size=2, batch_size=50, seed=seed)
+        probe = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(world_size=2, batch_size=50, seed=seed))
         for epoch in range(2):
             first, second = assignment(probe, epoch)
             if first[-1].stop < first[-1].group.num_rows:
@@ -461,8 +463,8 @@ def test_evaluation_over_two_ranks(tmp_path, batch_size):
 
 
 def test_evaluation_one_rank_no_padding_needed(even_data):
-    batches = [snap(b) for b in ParquetReader(str(even_data), make_encoder(), batch_size=500, shuffle=False,
-                                              drop_last=False)]
+    batches = [snap(b) for b in ParquetReader(str(even_data), make_encoder(),
+                                              ReaderOptions(batch_size=500, shuffle=False, drop_last=False))]
     assert len(batches) == 5
     assert all((b["weights"] == 1).all() for b in batches)
     np.testing.assert_array_equal(users_of(batches), np.arange(2500))
@@ -477,7 +479,7 @@ def test_reader_with_fewer_rows_than_a_batch_raises_instead_of_spinning(tmp_path
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, 5.0)
     try:
-        reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=64, num_epochs=0)
+        reader = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(batch_size=64, num_epochs=0))
         with pytest.raises(ValueError, match=err(f"{tmp_path}: a rank gets only 30 rows in epoch 0, "
                                                  "fewer than one batch of 64")):
             next(iter(reader))
@@ -495,7 +497,7 @@ def test_fewer_row_groups_than_ranks(tmp_path):
     np.testing.assert_array_equal(np.sort(np.concatenate(users)), np.arange(100))
     assert set(users[0]) == set(range(50))  # contiguous halves of the shuffled row group order
     # the only limit left: a rank needs one batch of rows (100 rows over 3 ranks: 33, 33, 34)
-    reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=34, rank=2, world_size=3)
+    reader = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(batch_size=34, rank=2, world_size=3))
     with pytest.raises(ValueError, match=err(f"{tmp_path}: a rank gets only 33 rows in epoch 0, "
                                              "fewer than one batch of 34")):
         next(iter(reader))
@@ -520,8 +522,8 @@ def write_bad(tmp_path: Path, column: str, value, type_: pa.DataType | None = No
 
 
 def read_all(path: Path, encoder: RowEncoder | None = None) -> list[dict]:
-    reader = ParquetReader(str(path), encoder or make_encoder(), batch_size=3 * RG, shuffle=False,
-                           num_epochs=1)
+    reader = ParquetReader(str(path), encoder or make_encoder(), ReaderOptions(batch_size=3 * RG, shuffle=False,
+                                                                               num_epochs=1))
     return [snap(b) for b in reader]
 
 
@@ -734,7 +736,7 @@ def test_path_not_found(tmp_path):
     write_files(tmp_path, [30], 10)
     spec = f"{tmp_path / 'part-000.parquet'},{missing}"
     with pytest.raises(ValueError, match=err(f"data path not found: {missing}")):
-        ParquetReader(spec, make_encoder(), batch_size=10)
+        ParquetReader(spec, make_encoder(), ReaderOptions(batch_size=10))
 
 
 def test_max_len_keeps_the_last_ids_and_null_lists_are_empty(tmp_path):
@@ -746,15 +748,15 @@ def test_max_len_keeps_the_last_ids_and_null_lists_are_empty(tmp_path):
     path = tmp_path / "f.parquet"
     pq.write_table(table, path, row_group_size=3)
     for kind in ("id_list", "sequence"):
-        reader = ParquetReader(str(path), make_encoder(tags=dict(kind=kind, max_len=2)), batch_size=6,
-                               shuffle=False, num_epochs=1)
+        reader = ParquetReader(str(path), make_encoder(tags=dict(kind=kind, max_len=2)),
+                               ReaderOptions(batch_size=6, shuffle=False, num_epochs=1))
         (batch,) = list(reader)
         kjt = batch.sparse.to_dict()
         assert kjt["tags"].lengths().tolist() == [2, 1, 0, 0, 2, 2]
         assert kjt["tags"].values().tolist() == [4, 5, 6, 8, 9, 10, 11]
         assert kjt["item"].lengths().tolist() == [1, 1, 0, 1, 1, 1]  # a null id is an empty bag
         assert kjt["item"].values().tolist() == [0, 1, 3, 4, 5]
-    (batch,) = list(ParquetReader(str(path), make_encoder(), batch_size=6, shuffle=False, num_epochs=1))
+    (batch,) = list(ParquetReader(str(path), make_encoder(), ReaderOptions(batch_size=6, shuffle=False, num_epochs=1)))
     kjt = batch.sparse.to_dict()
     assert kjt["tags"].lengths().tolist() == [5, 1, 0, 0, 3, 2]  # max_len 0 keeps all
     assert kjt["tags"].values().tolist() == list(range(1, 12))
@@ -785,7 +787,7 @@ def test_resolve_directory_recursive_and_sorted(tmp_path):
     expected = sorted(str(tmp_path / rel) for rel in ["z.parquet", "b/y.parquet", "a/deep/x.parquet",
                                                       "a/w.parquet"])
     assert files == expected
-    reader = ParquetReader(str(tmp_path), make_encoder(), batch_size=5)
+    reader = ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(batch_size=5))
     assert reader.num_rows == 20
 
 

@@ -17,6 +17,7 @@ import pytest
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 
@@ -34,7 +35,7 @@ def write(path: Path, sizes: list[int], bad_row: int = -1) -> str:
 
 def reader(path: str, **kw) -> ParquetReader:
     encoder = RowEncoder([FeatureSpec(name="item", num_embeddings=7)], [TaskSpec(name="click", label="click")], "user")
-    return ParquetReader(path, encoder, **{"batch_size": 4, "shuffle": False, "drop_last": False, **kw})
+    return ParquetReader(path, encoder, ReaderOptions(**{"batch_size": 4, "shuffle": False, "drop_last": False, **kw}))
 
 
 def rows_read(r: ParquetReader) -> list[int]:
@@ -93,6 +94,6 @@ def test_evaluation_steps_are_the_largest_rank_share_in_whole_batches(tmp_path):
 ])
 def test_windows_hold_the_fewest_pieces_that_reach_the_buffer(tmp_path, sizes, buffer, windows):
     r = reader(write(tmp_path / "d.parquet", sizes), shuffle_buffer=buffer)
-    assert [sum(p.num_rows for p in w) for w in r._windows(r._pieces(0, 0))] == windows
+    assert [sum(p.num_rows for p in w) for w in r.assignment.windows(r.assignment.pieces(0, 0))] == windows
     assert rows_read(r) == list(range(sum(sizes)))
     assert r.peak_buffered_rows == max(windows)  # one window decoded at a time

@@ -20,6 +20,7 @@ import pytest
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 # 7 + 1000 + 33 rows; row groups 3,3,1 | 10 x 97 + 30 | 10,10,10,3: odd, very uneven sizes
@@ -52,7 +53,7 @@ def data(tmp_path_factory) -> Path:
 def reader(path: Path, **kw) -> ParquetReader:
     args = dict(batch_size=BATCH, shuffle_buffer=100, seed=4, num_epochs=2)
     args.update(kw)
-    return ParquetReader(str(path), encoder(), **args)
+    return ParquetReader(str(path), encoder(), ReaderOptions(**args))
 
 
 def users(batches) -> list[np.ndarray]:

@@ -19,10 +19,12 @@ from cli import spawn
 from test_reader import assert_same, make_encoder, make_table, snap, users_of
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
+from trainer.data.assignment import SLICE_ROWS, Piece, RowGroup, sliced
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder
-from trainer.data.reader import (METADATA_THREADS, SLICE_ROWS, ParquetReader, Piece, RowGroup, _ahead, _concurrently,
-                                 _sliced)
+from trainer.data.identity import METADATA_THREADS, _concurrently
+from trainer.data.options import ReaderOptions
+from trainer.data.reader import ParquetReader, _ahead
 
 BIG = 2 * SLICE_ROWS + 1_234  # rows of the one row group of `big_file`: three slices, the last short
 
@@ -37,17 +39,17 @@ def big_file(tmp_path_factory) -> Path:
 
 def test_pieces_are_cut_at_the_row_groups_slice_boundaries():
     g = RowGroup("f", 0, 3 * SLICE_ROWS)
-    assert _sliced([Piece(g, 5, 2 * SLICE_ROWS + 7)]) == [
+    assert sliced([Piece(g, 5, 2 * SLICE_ROWS + 7)]) == [
         Piece(g, 5, SLICE_ROWS), Piece(g, SLICE_ROWS, 2 * SLICE_ROWS), Piece(g, 2 * SLICE_ROWS, 2 * SLICE_ROWS + 7)]
-    assert _sliced([Piece(g, 0, SLICE_ROWS)]) == [Piece(g, 0, SLICE_ROWS)]  # one slice: whole
+    assert sliced([Piece(g, 0, SLICE_ROWS)]) == [Piece(g, 0, SLICE_ROWS)]  # one slice: whole
     # a held-out tail starts mid row group: the cut is at the row group's own rows
     tail = RowGroup("f", 0, 10, first=SLICE_ROWS - 4)
-    assert _sliced([Piece(tail, 1, 10)]) == [Piece(tail, 1, 4), Piece(tail, 4, 10)]
+    assert sliced([Piece(tail, 1, 10)]) == [Piece(tail, 1, 4), Piece(tail, 4, 10)]
 
 
 def test_a_row_group_beyond_a_slice_gives_every_row_in_file_order(big_file):
-    batches = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), batch_size=1_000, shuffle=False,
-                                              drop_last=False)]
+    batches = [snap(b) for b in ParquetReader(str(big_file), make_encoder(),
+                                              ReaderOptions(batch_size=1_000, shuffle=False, drop_last=False))]
     users = users_of(batches, real_only=True)
     np.testing.assert_array_equal(users, np.arange(BIG))
     tags = pq.read_table(big_file, columns=["tags"]).column("tags").combine_chunks()
@@ -58,7 +60,8 @@ def test_a_row_group_beyond_a_slice_gives_every_row_in_file_order(big_file):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_two_ranks_read_disjoint_rows_of_one_big_row_group(big_file, shuffle):
     kw = dict(batch_size=700, shuffle=shuffle, shuffle_buffer=5_000, seed=3, num_epochs=1, world_size=2)
-    ranks = [[snap(b) for b in ParquetReader(str(big_file), make_encoder(), rank=r, **kw)] for r in range(2)]
+    ranks = [[snap(b) for b in ParquetReader(str(big_file), make_encoder(), ReaderOptions(rank=r, **kw))]
+             for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == BIG // 2 // 700
     users = [users_of(r) for r in ranks]
     assert not set(users[0]) & set(users[1])
@@ -68,18 +71,18 @@ def test_two_ranks_read_disjoint_rows_of_one_big_row_group(big_file, shuffle):
 
 
 def test_holdout_of_a_big_row_group_is_its_tail(big_file):
-    held = ParquetReader(str(big_file), make_encoder(), batch_size=1_000, shuffle=False, drop_last=False,
-                         holdout_fraction=0.6, holdout=True)
+    held = ParquetReader(str(big_file), make_encoder(), ReaderOptions(batch_size=1_000, shuffle=False, drop_last=False,
+                                                                      holdout_fraction=0.6, holdout=True))
     users = users_of([snap(b) for b in held], real_only=True)
     np.testing.assert_array_equal(users, np.arange(BIG - int(BIG * 0.6), BIG))
 
 
 def test_resume_inside_a_sliced_row_group_is_exact(big_file):
     kw = dict(batch_size=900, shuffle_buffer=20_000, seed=5, num_epochs=2)
-    reference = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), **kw)]
-    first = ParquetReader(str(big_file), make_encoder(), **kw)
+    reference = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), ReaderOptions(**kw))]
+    first = ParquetReader(str(big_file), make_encoder(), ReaderOptions(**kw))
     head = [snap(b) for b in itertools.islice(iter(first), len(reference) // 2 + 37)]
-    fresh = ParquetReader(str(big_file), make_encoder(), **kw)
+    fresh = ParquetReader(str(big_file), make_encoder(), ReaderOptions(**kw))
     fresh.load_state_dict(first.state_dict())
     assert_same(head + [snap(b) for b in fresh], reference)
     assert fresh.peak_buffered_rows < 20_000 + SLICE_ROWS
@@ -89,7 +92,7 @@ def _read_worker(rank: int, path: str, out: str) -> None:
     """Peak RSS growth of one shuffled pass over `path` with a 4,096-row shuffle buffer."""
     encoder = RowEncoder([FeatureSpec(name="item", kind="id", num_embeddings=1_000),
                           FeatureSpec(name="price", kind="numeric")], [TaskSpec(name="click", label="click")], "user")
-    reader = ParquetReader(path, encoder, batch_size=1_024, shuffle_buffer=4_096, seed=1, num_epochs=1)
+    reader = ParquetReader(path, encoder, ReaderOptions(batch_size=1_024, shuffle_buffer=4_096, seed=1, num_epochs=1))
     with open("/proc/self/status") as f:
         before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     with open("/proc/self/clear_refs", "w") as f:
@@ -142,15 +145,15 @@ def pins(monkeypatch) -> list[str]:
 
 def test_pin_memory_pins_every_batch_in_the_prefetch_thread(big_file, pins):
     kw = dict(batch_size=2_000, shuffle_buffer=10_000, seed=2, num_epochs=2)
-    plain = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), **kw)]
+    plain = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), ReaderOptions(**kw))]
     assert pins == []  # a CPU run does not pin
-    pinned = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), pin_memory=True, **kw)]
+    pinned = [snap(b) for b in ParquetReader(str(big_file), make_encoder(), ReaderOptions(pin_memory=True, **kw))]
     assert_same(pinned, plain)
     assert pins == ["rankmix-reader-prefetch"] * len(plain)
 
 
 def test_closing_a_pinning_reader_stops_its_thread(big_file, pins):
-    reader = ParquetReader(str(big_file), make_encoder(), batch_size=500, num_epochs=0, pin_memory=True)
+    reader = ParquetReader(str(big_file), make_encoder(), ReaderOptions(batch_size=500, num_epochs=0, pin_memory=True))
     batches = iter(reader)
     for _ in range(3):
         next(batches)
@@ -167,8 +170,8 @@ def test_a_data_error_in_the_prefetch_thread_is_raised_to_the_consumer(tmp_path,
     clicks[250] = 7
     pq.write_table(table.set_column(table.schema.get_field_index("click"), "click", pa.array(clicks)),
                    tmp_path / "bad.parquet", row_group_size=100)
-    reader = ParquetReader(str(tmp_path / "bad.parquet"), make_encoder(), batch_size=50, shuffle=False,
-                           num_epochs=1, pin_memory=True)
+    reader = ParquetReader(str(tmp_path / "bad.parquet"), make_encoder(), ReaderOptions(batch_size=50, shuffle=False,
+                                                                                        num_epochs=1, pin_memory=True))
     with pytest.raises(ValueError, match=r"bad.parquet, row group 2, column 'click': label must be 0 or 1, "
                                          r"got 7.0 at row 50$"):
         list(reader)
@@ -220,15 +223,16 @@ def test_the_next_slice_is_decoded_while_one_is_encoded(tmp_path, monkeypatch):
         return encode(self, p, table)
     monkeypatch.setattr(ParquetReader, "_decode", decoded)
     monkeypatch.setattr(ParquetReader, "_encode", encoded)
-    batches = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), batch_size=10, shuffle=False,
-                                              num_epochs=1)]
+    batches = [snap(b) for b in ParquetReader(str(tmp_path), make_encoder(), ReaderOptions(batch_size=10, shuffle=False,
+                                                                                           num_epochs=1))]
     assert overlapped == [True] * 4
     assert users_of(batches).tolist() == list(range(40))
 
 
 def test_closing_a_reader_mid_epoch_stops_its_decoding_and_encoding_threads(tmp_path):
     pq.write_table(make_table(0, 400), tmp_path / "f.parquet", row_group_size=50)
-    batches = iter(ParquetReader(str(tmp_path), make_encoder(), batch_size=20, shuffle=False, num_epochs=1))
+    batches = iter(ParquetReader(str(tmp_path), make_encoder(),
+                                 ReaderOptions(batch_size=20, shuffle=False, num_epochs=1)))
     next(batches)
     assert {"rankmix-reader-decode_0", "rankmix-reader-encode_0"} <= {t.name for t in threading.enumerate()}
     batches.close()

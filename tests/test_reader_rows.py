@@ -15,6 +15,7 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 
@@ -192,10 +193,10 @@ def reference_epoch(tables: list[tuple[str, pa.Table, int]], reader: ParquetRead
     """The reader's documented order, row by row: row groups permuted with (seed, epoch),
     windows of >= shuffle_buffer rows each permuted with (seed, epoch, rank, window)."""
     groups = [(t, i, rg) for _, t, rg in tables for i in range(-(-t.num_rows // rg))]
-    order = np.random.default_rng([reader.seed, epoch]).permutation(len(groups))
+    order = np.random.default_rng([reader.options.seed, epoch]).permutation(len(groups))
     windows, size = [[]], 0
     for g in order:
-        if windows[-1] and size >= reader.shuffle_buffer:
+        if windows[-1] and size >= reader.options.shuffle_buffer:
             windows.append([])
             size = 0
         t, i, rg = groups[g]
@@ -204,7 +205,7 @@ def reference_epoch(tables: list[tuple[str, pa.Table, int]], reader: ParquetRead
     spec = {f.name: f for f in features()}
     rows = []
     for w, window in enumerate(windows):
-        perm = np.random.default_rng([reader.seed, epoch, 0, w]).permutation(len(window))
+        perm = np.random.default_rng([reader.options.seed, epoch, 0, w]).permutation(len(window))
         rows += [window[j] for j in perm]
     return [{"item": ref_ids([r["item"]], spec["item"])[0], "cat": ref_ids([r["cat"]], spec["cat"])[0],
              "hist": ref_ids([r["hist"]], spec["hist"])[0], "dense": [np.float32(r["price"])],
@@ -216,7 +217,8 @@ def test_shuffled_reader_matches_row_by_row_reference(tmp_path):
               for i, (n, rg) in enumerate([(500, 64), (333, 100), (97, 97)])]
     encoder = RowEncoder(features(), [TaskSpec(name="click", label="click")], "user")
     batch = 70
-    reader = ParquetReader(str(tmp_path), encoder, batch_size=batch, shuffle_buffer=150, seed=5, num_epochs=2)
+    reader = ParquetReader(str(tmp_path), encoder,
+                           ReaderOptions(batch_size=batch, shuffle_buffer=150, seed=5, num_epochs=2))
     got = list(reader)
     steps = 930 // batch
     assert len(got) == 2 * steps

@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import trainer.data.identity as identity
-import trainer.data.reader as reader_module
 from cli import rendezvous_port, run_env, spawn
 from test_reader import assert_same, make_encoder, make_table, snap
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 
 ROWS = 500
@@ -35,7 +35,7 @@ HONOURED = "the saved position cannot be honoured (a run's input must not change
 
 
 def reader(folder: Path | str, **kw) -> ParquetReader:
-    return ParquetReader(str(folder), make_encoder(), batch_size=50, shuffle_buffer=120, seed=3, **kw)
+    return ParquetReader(str(folder), make_encoder(), ReaderOptions(batch_size=50, shuffle_buffer=120, seed=3, **kw))
 
 
 def write(path: Path, table: pa.Table, **kw) -> None:
@@ -212,8 +212,8 @@ def test_a_byte_flipped_anywhere_in_a_large_file_is_named(tmp_path):
 def test_the_digests_are_computed_once_per_reader_not_per_epoch(tmp_path, monkeypatch):
     folder, _, _ = data(tmp_path)
     hashed = []
-    real = reader_module.file_digest
-    monkeypatch.setattr(reader_module, "file_digest", lambda fs, info: hashed.append(info.path) or real(fs, info))
+    real = identity.file_digest
+    monkeypatch.setattr(identity, "file_digest", lambda fs, info: hashed.append(info.path) or real(fs, info))
     first = reader(folder, num_epochs=3)
     batches = sum(1 for _ in first)
     state = json.loads(json.dumps(first.state_dict()))
@@ -258,8 +258,8 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     hashed = []
-    real = reader_module.file_digest
-    reader_module.file_digest = lambda fs, info: hashed.append(info.path) or real(fs, info)
+    real = identity.file_digest
+    identity.file_digest = lambda fs, info: hashed.append(info.path) or real(fs, info)
     kw = dict(rank=rank, world_size=2)
     state = reader(Path(folder), **kw).state_dict()
     flip = Path(folder, "part-2.parquet")

@@ -18,6 +18,7 @@ from object_store import Server, filesystem, query, upload  # noqa: E402
 from dense.model_config import TaskSpec  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
+from trainer.data.options import ReaderOptions  # noqa: E402
 from trainer.data.reader import ParquetReader  # noqa: E402
 from trainer.data.store import resolve_files  # noqa: E402
 from trainer.offline.synth import write_synthetic  # noqa: E402
@@ -41,7 +42,7 @@ def _encoder() -> RowEncoder:
 
 
 def _batches(path: str, **kw) -> list:
-    reader = ParquetReader(path, _encoder(), batch_size=128, **kw)
+    reader = ParquetReader(path, _encoder(), ReaderOptions(batch_size=128, **kw))
     return reader, list(reader)
 
 

@@ -31,6 +31,7 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.credentials import redact_uri  # noqa: E402
+from trainer.data.options import ReaderOptions  # noqa: E402
 from trainer.data.reader import ParquetReader  # noqa: E402
 from trainer.data.store import resolve_files  # noqa: E402
 from trainer.errors import DataUnavailableError  # noqa: E402
@@ -94,9 +95,9 @@ def retries(caplog) -> list[str]:
 
 def test_read_goes_on_through_an_outage_mid_epoch(store, caplog):
     port, local, holder = store
-    reference = snaps(ParquetReader(str(local), encoder(), **KW))
+    reference = snaps(ParquetReader(str(local), encoder(), ReaderOptions(**KW)))
     # one try per request: pyarrow's own retries (3 by default) can ride out a 2 s outage alone
-    reader = ParquetReader(uri(port), encoder(), retry_seconds=30, retry_attempts=1, **KW)
+    reader = ParquetReader(uri(port), encoder(), ReaderOptions(retry_seconds=30, retry_attempts=1, **KW))
     it = iter(reader)
     got = snaps(next(it) for _ in range(4))
     assert reader.step == 4  # in the middle of epoch 0
@@ -126,7 +127,7 @@ def test_unreachable_store_at_start(store):
     port = free_port()  # nothing listens there
     started = time.monotonic()
     with pytest.raises(DataUnavailableError) as info:
-        ParquetReader(uri(port), encoder(), batch_size=8, retry_seconds=2, retry_attempts=1)
+        ParquetReader(uri(port), encoder(), ReaderOptions(batch_size=8, retry_seconds=2, retry_attempts=1))
     elapsed = time.monotonic() - started
     message = str(info.value)
     match = re.fullmatch(rf"s3 endpoint 127\.0\.0\.1:{port}, {BUCKET}/train: unreachable for (\d+\.\d) s "
@@ -139,7 +140,7 @@ def test_unreachable_store_at_start(store):
 
 def test_store_gone_for_longer_than_the_budget(store):
     port, _, holder = store
-    reader = ParquetReader(uri(port), encoder(), retry_seconds=1.5, retry_attempts=1, **KW)
+    reader = ParquetReader(uri(port), encoder(), ReaderOptions(retry_seconds=1.5, retry_attempts=1, **KW))
     it = iter(reader)
     next(it)
     holder["server"].stop()
@@ -157,9 +158,9 @@ def test_permanent_errors_are_not_retried(store):
     port = store[0]
     started = time.monotonic()
     with pytest.raises(ValueError, match=re.escape(f"data path not found: {redact_uri(uri(port, 'nothing'))}")):
-        ParquetReader(uri(port, "nothing"), encoder(), batch_size=8, retry_seconds=30)
+        ParquetReader(uri(port, "nothing"), encoder(), ReaderOptions(batch_size=8, retry_seconds=30))
     with pytest.raises(ValueError, match=re.escape(f"cannot read Parquet file {BUCKET}/corrupt/part-0.parquet: ")):
-        ParquetReader(uri(port, "corrupt"), encoder(), batch_size=8, retry_seconds=30)
+        ParquetReader(uri(port, "corrupt"), encoder(), ReaderOptions(batch_size=8, retry_seconds=30))
     assert time.monotonic() - started < 5.0  # far below the 30 s budget
 
 
@@ -180,9 +181,9 @@ def test_messages_never_show_credentials(store):
 def test_retry_options_are_checked(tmp_path):
     pq.write_table(pa.table({"item": [1], "price": [1.0], "click": [0], "user": [1]}), tmp_path / "a.parquet")
     with pytest.raises(ValueError, match=re.escape("retry_seconds must be >= 0, got -1")):
-        ParquetReader(str(tmp_path), encoder(), batch_size=1, retry_seconds=-1)
+        ParquetReader(str(tmp_path), encoder(), ReaderOptions(batch_size=1, retry_seconds=-1))
     with pytest.raises(ValueError, match=re.escape("retry_attempts must be >= 1, got 0")):
-        ParquetReader(str(tmp_path), encoder(), batch_size=1, retry_attempts=0)
+        ParquetReader(str(tmp_path), encoder(), ReaderOptions(batch_size=1, retry_attempts=0))
 
 
 

@@ -18,6 +18,7 @@ from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.checkpoint.selection import BestPoint
 
@@ -54,15 +55,17 @@ def test_holdout_is_the_tail_of_every_row_group_and_disjoint_from_training(tmp_p
     def rows(holdout: bool) -> list[int]:
         out = []
         for rank in range(world):
-            reader = ParquetReader(path, encoder, batch_size=7, shuffle=False, drop_last=False, rank=rank,
-                                   world_size=world, holdout_fraction=0.25, holdout=holdout)
+            reader = ParquetReader(path, encoder, ReaderOptions(batch_size=7, shuffle=False, drop_last=False, rank=rank,
+                                                                world_size=world, holdout_fraction=0.25,
+                                                                holdout=holdout))
             for batch in reader:
                 ids = batch.sparse.to_dict()["id"].values()  # one id per row
                 out += ids[batch.weights > 0].tolist()
         return sorted(out)
 
     with pytest.raises(ValueError, match=r"a holdout of 0.005 of every row group leaves no held-out rows"):
-        ParquetReader(path, encoder, batch_size=7, holdout_fraction=0.005, holdout=True)  # int(100 * 0.005) = 0
+        # int(100 * 0.005) = 0
+        ParquetReader(path, encoder, ReaderOptions(batch_size=7, holdout_fraction=0.005, holdout=True))
     held, trained = rows(True), rows(False)
     # int(n * 0.25) rows at the end of each row group: 25 of 100, 9 of 37, 16 of 64
     assert held == [*range(75, 100), *range(128, 137), *range(185, 201)]

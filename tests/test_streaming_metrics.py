@@ -101,6 +101,7 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trainer.config_loader import load_config
+    from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
     from trainer.dist import shutdown
     from trainer.train import Trainer
@@ -116,8 +117,8 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     window = trainer.window.compute()
     streamed = trainer.evaluate()  # the pipeline detached, the model in eval mode
     trainer.model.eval()
-    reader = ParquetReader(trainer.eval_path, trainer.encoder, batch_size=trainer.cfg.data.eval_batch_size,
-                           shuffle=False, drop_last=False, rank=rank, world_size=world)
+    reader = ParquetReader(trainer.eval_path, trainer.encoder, ReaderOptions(
+        batch_size=trainer.cfg.data.eval_batch_size, shuffle=False, drop_last=False, rank=rank, world_size=world))
     with torch.no_grad():
         split = [(trainer.model(b), b.labels, b.users, b.weights) for b in reader]
     last = seen[-trainer.cfg.metrics.window_batches:]

@@ -33,6 +33,7 @@ from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.partitions import PartitionedReader, complete_partitions
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed, memory_returned, on_own_arena, trim_heap
@@ -95,7 +96,8 @@ class Trainer:
         self.selection = ModelSelection(cfg, self.run_dir, train_path)
         if self.selection.split:  # its files' schema and its rows checked now, not after an epoch
             path, split = self.selection.split
-            ParquetReader(path, self.encoder, batch_size=1, drop_last=False, **split, **self.retries)
+            ParquetReader(path, self.encoder, ReaderOptions.from_config(cfg.data, training=False, batch_size=1,
+                                                                        **split))
         precision = autocast_dtype(cfg.train.mixed_precision, env.device)
         self.model, self.cost = build_sharded_model(cfg, env.device, self.batch_size, precision)
         order = input_feature_order(self.model.module.ebc)
@@ -156,10 +158,9 @@ class Trainer:
     def _reader(self, paths: str, seed: int, epochs: int = 0) -> ParquetReader:
         """A training reader of this rank's share of `paths`."""
         data = self.cfg.data
-        return ParquetReader(paths, self.encoder, batch_size=self.batch_size, shuffle=data.shuffle,
-                             shuffle_buffer=data.shuffle_buffer, seed=seed, num_epochs=epochs, rank=self.env.rank,
-                             world_size=self.env.world_size, holdout_fraction=data.valid_fraction,
-                             pin_memory=self.env.device.type == "cuda", **self.retries)  # then the H2D copies are async
+        return ParquetReader(paths, self.encoder, ReaderOptions.from_config(
+            data, training=True, batch_size=self.batch_size, rank=self.env.rank, world_size=self.env.world_size,
+            seed=seed, num_epochs=epochs, pin_memory=self.env.device.type == "cuda"))  # then the H2D copies are async
 
     # ------------------------------------------------------------------ the loop
 

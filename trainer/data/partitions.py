@@ -41,7 +41,9 @@ import torch.distributed as dist
 
 from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
-from trainer.data.reader import EpochRows, ParquetReader, file_change
+from trainer.data.assignment import EpochRows
+from trainer.data.identity import file_change
+from trainer.data.reader import ParquetReader
 from trainer.data.store import open_store
 from trainer.dist import side_group
 

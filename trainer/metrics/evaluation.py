@@ -11,6 +11,7 @@ from torch import nn
 from embeddings.hooks import TrainingHooks
 from trainer.config import Config
 from trainer.data.encode import RowEncoder
+from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv
 from trainer.metrics.streaming import SplitMetrics
@@ -35,8 +36,9 @@ class Evaluator:
         """Metrics over the files at `path` (`split`: ParquetReader's holdout arguments),
         the first metrics.eval_batches batches per rank when that is set."""
         data = self.cfg.data
-        reader = ParquetReader(path, self.encoder, batch_size=data.eval_batch_size, shuffle=False, drop_last=False,
-                               rank=self.env.rank, world_size=self.env.world_size, **self.retries, **split)
+        reader = ParquetReader(path, self.encoder, ReaderOptions.from_config(
+            data, training=False, batch_size=data.eval_batch_size, rank=self.env.rank, world_size=self.env.world_size,
+            **split))
         rows = reader.num_rows
         if self.cfg.metrics.eval_batches:
             rows = min(rows, self.cfg.metrics.eval_batches * data.eval_batch_size * self.env.world_size)
