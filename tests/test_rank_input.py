@@ -1,4 +1,4 @@
-"""Ranks agree on their input (trainer/data/reader.py, Agreement): two real gloo ranks whose
+"""Ranks agree on their input (trainer/data/identity.py, Agreement): two real gloo ranks whose
 listings of one folder differ, because a file arrived between them, both stop with the same
 one-line error naming that file instead of training different step counts; a rank that cannot
 list its input stops every rank; ranks that agree read on."""

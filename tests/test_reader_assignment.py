@@ -1,4 +1,4 @@
-"""The reader's assignment of rows (trainer.data.reader) on the paths the other reader tests
+"""The reader's assignment of rows (trainer.data.assignment) on the paths the other reader tests
 leave open, against row numbers worked out by hand: the held-out tail of every row group,
 a rank left without rows, evaluation's step count, and the windows a rank reads at once.
 

@@ -1,4 +1,4 @@
-"""Any dataset on any number of ranks (trainer.data.reader): row groups of any sizes, fewer
+"""Any dataset on any number of ranks (trainer.data.assignment): row groups of any sizes, fewer
 row groups than ranks, are cut into row ranges so that ranks read disjoint rows, get equal
 step counts, lose fewer than world_size * batch_size rows an epoch and resume exactly.
 

@@ -4,7 +4,7 @@ another world size share it (docs/design.md §5.2).
 A training reader's position (epoch, step) means the same rows only at the world size and
 batch that made it. So a checkpoint also records, per rank, the *units* of the epoch the rank
 has not consumed: (position in the epoch's sequence, row group, start, stop) row ranges, the
-slices the rank reads (trainer/data/reader.py, Windows), in its reading order. The
+slices the rank reads (trainer/data/assignment.py, Windows), in its reading order. The
 complement, within the epoch's rows, is what was consumed.
 
 - Unshuffled rows (shuffle off, or shuffle_buffer = 0) are consumed in order, so the first
