@@ -232,8 +232,8 @@ def _partitions_phase(rank: int, port: int, world: int, root: str, steps: int | 
     import torch.distributed as dist
 
     from trainer.checkpoint.state import PerRankState, TrainedPosition
-    from trainer.data.partitions import PartitionedReader
     from trainer.data.options import ReaderOptions
+    from trainer.data.partitions import PartitionedReader
     from trainer.data.reader import ParquetReader
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -40,8 +40,8 @@ import pyarrow.fs as pafs
 import torch.distributed as dist
 
 from trainer.credentials import redact_uri
-from trainer.data.batch import Batch
 from trainer.data.assignment import EpochRows
+from trainer.data.batch import Batch
 from trainer.data.identity import file_change
 from trainer.data.reader import ParquetReader
 from trainer.data.store import open_store

@@ -195,7 +195,7 @@ class ParquetReader:
         finally:
             files.close()
 
-    def _decode(self, p: Piece, files: "_LastFile") -> pa.Table:
+    def _decode(self, p: Piece, files: _LastFile) -> pa.Table:
         where = f"{p.group.path}, row group {p.group.index}"
         try:
             return self.store.call(partial(files.read, p, self.encoder.columns), where)
