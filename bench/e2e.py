@@ -249,10 +249,10 @@ class StepParts:
 
 def bench(cfg: Config, rounds: int, warmup: int) -> tuple[dict[str, tuple[float, float]], StepParts]:
     """Median (wall, CPU) seconds of each part and of the whole step over `rounds` rounds."""
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     with contextlib.redirect_stdout(io.StringIO()):  # the sharding plan: not what is measured
-        parts = StepParts(Trainer(cfg))
+        parts = StepParts(build_trainer(cfg))
     for _ in range(warmup):
         parts.round()
     samples = [parts.round() for _ in range(rounds)]
@@ -295,7 +295,7 @@ def build_trainers(config: str, towers: list[str], overrides: list[str], tower_s
                    run_dir: str) -> dict:
     """One Trainer per tower, each with its own run folder and the same data and seed; the
     shared overrides reach the towers that read them (the token sizes skip mlp and dcnv2)."""
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     trainers = {}
     for tower in towers:
@@ -304,7 +304,7 @@ def build_trainers(config: str, towers: list[str], overrides: list[str], tower_s
         extra = [f"--model.tower={tower}", *(f"--{s}" for s in tower_sets.get(tower, [])),
                  f"--train.run_dir={run_dir}/{tower}"]
         with contextlib.redirect_stdout(io.StringIO()):
-            trainers[tower] = Trainer(load_config(config, [*shared, *extra]))
+            trainers[tower] = build_trainer(load_config(config, [*shared, *extra]))
     return trainers
 
 

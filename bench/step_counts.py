@@ -10,7 +10,7 @@ counts do not. The script builds the Trainer of a config, trains --warmup steps,
                  rankmix (this repository), torch, torchrec + fbgemm, numpy, builtins
     CPU ms       the main thread's CPU time per step (thread_time, untraced; timing, so noisy)
 
-It reads only `load_config`, `Trainer`, `Trainer.batches` and `Trainer.train_step`, so it also
+It reads only `load_config`, `build_trainer`, `Trainer.batches` and `Trainer.train_step`, so it also
 counts an older checkout: run it there, with that checkout first on the path.
 
     .venv/bin/python bench/step_counts.py                        # MovieLens, RankMixer
@@ -88,13 +88,16 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     from trainer.config_loader import load_config  # the checkout first on the path: this one or an older one
-    from trainer.train import Trainer
+    try:
+        from trainer.assembly import build_trainer
+    except ImportError:  # a checkout before trainer/assembly.py, whose Trainer built itself
+        from trainer.train import Trainer as build_trainer
 
     import trainer
     repo = Path(trainer.__file__).resolve().parents[1]
     overrides = [f"--{s}" for s in (*args.set, *FORCED_SET, f"train.run_dir={tempfile.mkdtemp(prefix='rankmix-counts-')}")]
     with contextlib.redirect_stdout(io.StringIO()):
-        t = Trainer(load_config(args.config, overrides))
+        t = build_trainer(load_config(args.config, overrides))
     batches = t.batches()
     for _ in range(args.warmup):
         t.train_step(batches)

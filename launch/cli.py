@@ -37,8 +37,7 @@ from typing import Any, get_args
 from trainer.config import SynthTeacherName
 from trainer.config_loader import describe, load_config
 from trainer.credentials import redact_uri
-from trainer.stages import cold_stage, hot_stage, hot_summary, two_stages
-from trainer.errors import BAD_INPUT, Interrupted, NonFiniteLossError, RankmixError
+from trainer.errors import BAD_INPUT, RankmixError
 
 # Commands import the rest on use: `rankmix --help` answers in under 0.1 s, where torch and
 # TorchRec take seconds to import and numpy or pyarrow a tenth of one, and the `rankmix data`
@@ -111,36 +110,11 @@ def train(argv: list[str]) -> int:
         print("\n".join(describe()))
         return 0
     cfg = load_config(*config_args(argv))
-    if not two_stages(cfg):
-        return train_once(cfg)
-    if hot_summary(cfg) is None:
-        train_once(hot_stage(cfg), quiet=True, last=False)
-    return train_once(cold_stage(cfg), extra={f"hot/{k}": v for k, v in hot_summary(cfg).items()
-                                              if isinstance(v, (int, float))})
+    from trainer.run import train as train_run  # on use: torch and TorchRec
 
-
-def train_once(cfg, quiet: bool = False, extra: dict | None = None, last: bool = True) -> int:
-    """Train `cfg`; print its summary (with `extra`) as the last line (rank 0), unless `quiet`.
-    A training that is not the `last` leaves the process group to the next."""
-    # on use: torch and TorchRec
-    from trainer.dist import shutdown
-    from trainer.train import Trainer
-
-    trainer, ok = None, False  # ok: every rank reached the same point, so they can still meet
-    try:
-        trainer = Trainer(cfg)
-        summary = trainer.fit()
-        ok = True
-    except (NonFiniteLossError, Interrupted):  # every rank raises these after the same step
-        ok = True
-        raise
-    finally:  # threads and writers first, the process group last, whatever happened
-        if trainer is not None:
-            trainer.close(ok)
-        if last or not ok:
-            shutdown(wait_for_peers=ok)
-    if trainer.env.is_main and not quiet:
-        print(json.dumps({**summary, **(extra or {})}), flush=True)
+    summary = train_run(cfg)
+    if summary is not None:
+        print(json.dumps(summary), flush=True)
     return 0
 
 

@@ -54,7 +54,7 @@ from trainer.data.assignment import SLICE_ROWS
 from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import DECODE_AHEAD, PREFETCH_BATCHES, READ_BUFFER
-from trainer.train import autocast_dtype
+from trainer.precision import autocast_dtype
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
 
 GB = 2**30

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # What the server imports once; the children find it loaded.
-_PRELOAD = ["launch.cli", "trainer.train", "trainer.score", "trainer.serving.predict", "launch.sweep", "launch.plan"]
+_PRELOAD = ["launch.cli", "trainer.run", "trainer.score", "trainer.serving.predict", "launch.sweep", "launch.plan"]
 _context: multiprocessing.context.ForkServerContext | None = None
 _stores: list = []  # the rendezvous stores this process holds, alive until it exits
 

@@ -10,7 +10,7 @@ import torch
 
 from cli import rankmix
 from trainer.checkpoint import manager
-from trainer.calibration import fit_affine
+from trainer.components.calibration import fit_affine
 from trainer.metrics.streaming import LIFETIME_BINS, LOGIT_RANGE
 
 

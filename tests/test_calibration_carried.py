@@ -1,4 +1,4 @@
-"""A calibrated model's map (train.calibrate, trainer/calibration.py) is carried through
+"""A calibrated model's map (train.calibrate, trainer/components/calibration.py) is carried through
 `rankmix score --checkpoint`, `rankmix export` (pt2 and TorchScript) and `rankmix score
 --model` (issue 39): every score is sigmoid(a z + b) of the raw logit z of the same weights,
 with the (a, b) the run fitted, and far from the identity map's sigmoid(z).

@@ -1,4 +1,4 @@
-"""train.calibrate's map set in the model (trainer/calibration.py `calibrate_heads`,
+"""train.calibrate's map set in the model (trainer/components/calibration.py `calibrate_heads`,
 `reset_heads`, `task_heads`), in-process on a small model, so that `make test-mutation`
 reaches it: each task fitted on its own histogram, the map in the heads under wrappers, the
 mean prediction equal to the click rate, and a fit refused on logits already mapped."""
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dense.heads import TaskHeads
-from trainer.calibration import calibrate_heads, fit_affine, reset_heads, task_heads
+from trainer.components.calibration import calibrate_heads, fit_affine, reset_heads, task_heads
 from trainer.metrics.streaming import LOGIT_RANGE
 
 BINS = 256

@@ -70,13 +70,13 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
     from trainer.dist import shutdown
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     cfg = load_config(None, [f"--data.train_path={data}/train", f"--data.eval_path={data}/valid",
                              "--data.dataset=parquet", "--data.shuffle=false", "--metrics.progress=false",
                              "--metrics.tensorboard=false", f"--train.run_dir={out}.run", *overrides])
     cfg.features = synth_features()
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     batches = trainer.batches()
     losses = []
     for _ in range(steps):

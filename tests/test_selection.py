@@ -20,7 +20,7 @@ from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
-from trainer.checkpoint.selection import BestPoint
+from trainer.components.selection import BestPoint
 
 
 def test_best_point_follows_the_metric_direction_and_runs_out_of_patience():

@@ -206,9 +206,9 @@ def _count_worker(rank: int, world: int, port: int, args: list[str], out: str, c
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trainer.dist import shutdown
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
-    trainer = Trainer(load_config(config, args))
+    trainer = build_trainer(load_config(config, args))
     calls: list = []
     step = [0]
     device = DeviceTensors(trainer.env.device, [*trainer.model.parameters(), *trainer.model.buffers()])
@@ -302,9 +302,9 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
 
     from dense.rankmixer import RankMixerTower
     from trainer.dist import shutdown
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
-    trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
+    trainer = build_trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     tower = next(m for m in trainer.model.modules() if isinstance(m, RankMixerTower))
     dtypes: list[str] = []
     tower.register_forward_hook(lambda module, inputs, output: dtypes.append(str(output.dtype)))
@@ -334,7 +334,7 @@ def test_bf16_trains_through_the_pipeline_and_ddp_on_two_cpu_ranks(cache, tmp_pa
     ("none", "cuda", None, "highest"), ("auto", "cpu", None, "highest"), ("bf16", "cpu", torch.bfloat16, "highest")])
 def test_precision_choices(choice, device, dtype, matmul):
     """auto is bf16 autocast with TF32 matmuls on CUDA and float32 on the CPU; none opts out of both."""
-    from trainer.train import autocast_dtype, set_matmul_precision
+    from trainer.precision import autocast_dtype, set_matmul_precision
 
     assert autocast_dtype(choice, torch.device(device)) == dtype
     try:

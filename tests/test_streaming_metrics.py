@@ -104,9 +104,9 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
     from trainer.dist import shutdown
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
-    trainer = Trainer(load_config(config, args))
+    trainer = build_trainer(load_config(config, args))
     seen = []
     trainer.model.register_forward_hook(
         lambda module, inputs, logits: seen.append((logits.detach(), inputs[0].labels)) if module.training else None)
@@ -252,11 +252,11 @@ def _peak_worker(rank: int, port: int, command: list[str], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from launch.cli import main
     from trainer.config_loader import load_config
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     trainer = None
     if command[0] == "evaluate":
-        trainer = Trainer(load_config(command[2], command[3:]))
+        trainer = build_trainer(load_config(command[2], command[3:]))
         trainer.model.eval()
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

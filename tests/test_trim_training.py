@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def trainer(made_once, tmp_path, monkeypatch):
     """A Trainer of the debug config in this process (a world of one), closed afterwards and its
     process group, if it made it, left again."""
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     cache = made_once("trim-training-cache", lambda folder: None)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
@@ -29,7 +29,7 @@ def trainer(made_once, tmp_path, monkeypatch):
     args = ["--data.synth_rows=3000", "--data.batch_size=64", "--train.steps=12", "--checkpoint.enabled=false",
             "--metrics.progress=false", "--metrics.tensorboard=false", "--metrics.log_every=0",
             "--metrics.eval_every=0", f"--train.run_dir={tmp_path / 'run'}", f"--data.cache_dir={cache}"]
-    made = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
+    made = build_trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     yield made
     made.close()
     if own:

@@ -383,7 +383,7 @@ def test_two_stage_recipe_trains_hot_then_cold_from_the_hot_weights(tmp_path, ca
 
 def test_the_cold_stage_starts_from_the_hot_stages_best_validation_where_there_is_one(tmp_path):
     from trainer.config_loader import load_config
-    from trainer.stages import cold_stage, hot_stage, two_stages
+    from trainer.unimixer_two_stage import cold_stage, hot_stage, two_stages
 
     cfg = load_config(None, ["--model.tower=unimixer_lite", "--model.unimixer.schedule=two_stage",
                              f"--train.run_dir={tmp_path}", "--checkpoint.enabled=false"])
@@ -411,13 +411,13 @@ def test_default_mixing_mixes_at_init_and_after_a_short_run_and_moves(tmp_path, 
     these 40 steps below 14% of the rate)."""
     from dense.unimixer import UniMixerTower, mixing_health
     from trainer.config_loader import load_config
-    from trainer.train import Trainer
+    from trainer.assembly import build_trainer
 
     args = ["--model.tower=unimixer_lite", "--train.steps=40", "--model.unimixer.tau_anneal_steps=40",
             "--optim.dense_warmup_steps=0",
             "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.enabled=false",
             f"--train.run_dir={tmp_path}", f"--data.cache_dir={cache_dir}"]
-    trainer = Trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
+    trainer = build_trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     tower = next(m for m in trainer.model.modules() if isinstance(m, UniMixerTower))
     with torch.no_grad():
         start = [[p.detach().clone() for p in layer.block.mixing.parameters(recurse=False)] for layer in tower.layers]

@@ -1,53 +1,49 @@
 """The training loop: fetch, forward, finiteness check, backward, step, log, validate, evaluate.
 
-The Trainer holds the loop; what a run adds to it are components the loop calls through
-hooks (trainer/loop_hooks.py): continuous training, calibration and publishing.
+The Trainer holds the loop over a run's parts (`RunParts`, built by trainer/assembly.py); what a
+run adds to it are components (trainer/components/), which the loop calls through hooks and
+which see it through the narrow door of `trainer.components.base.Loop`.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import random
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from dense.cost import peak_flops
 from embeddings.hooks import TrainingHooks
-from embeddings.torchrec_compat import input_feature_order
-from trainer.calibration import Calibration
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.run_folder import claim_run_folders, run_folders
-from trainer.checkpoint.selection import ModelSelection
-from trainer.checkpoint.state import LRScheduleState, ModelState, OptimizerState, PerRankState, RNGState, TrainedPosition
-from trainer.config import Config, per_rank_batch_size
+from trainer.checkpoint.run_folder import RunLocks
+from trainer.checkpoint.state import (
+    LRScheduleState,
+    ModelState,
+    OptimizerState,
+    PerRankState,
+    RNGState,
+    TrainedPosition,
+)
+from trainer.components.base import LoopComponent
+from trainer.config import Config
 from trainer.config_loader import dump_toml
-from trainer.continuous import ContinuousTraining, partitioned_reader
-from trainer.credentials import redact_uri
 from trainer.data.batch import Batch
-from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
-from trainer.data.options import ReaderOptions
-from trainer.data.partitions import PartitionedReader, complete_partitions
+from trainer.data.partitions import PartitionedReader
 from trainer.data.reader import ParquetReader
-from trainer.dist import DistEnv, init_distributed, memory_returned, on_own_arena, trim_heap
+from trainer.dist import DistEnv, memory_returned, on_own_arena, trim_heap
 from trainer.errors import Interrupted
 from trainer.lifecycle import GRADIENT, LOSS, StepChecks
-from trainer.loop_hooks import LoopComponent
 from trainer.metrics.evaluation import Evaluator
 from trainer.metrics.logger import MetricLogger, StepMeter
 from trainer.metrics.report import TrainingReport
 from trainer.metrics.streaming import TrainingWindow
-from trainer.optimizer import build_optimizer, warmups
 from trainer.pipeline import build_pipeline
-from trainer.ranking_model import build_sharded_model
-from trainer.serving.publish import Publisher
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
@@ -57,90 +53,68 @@ logging.getLogger("torchrec").setLevel(logging.ERROR)
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
+@dataclass
+class RunParts:
+    """What the loop runs, built from the config (trainer/assembly.py `build_parts`)."""
+
+    cfg: Config
+    env: DistEnv
+    run_dir: Path
+    run_lock: RunLocks | None
+    """The claim on the run's folders (None on the ranks other than 0)."""
+    eval_path: str
+    """The test split's files."""
+    task_names: list[str]
+    task_weights: torch.Tensor
+    encoder: RowEncoder
+    batch_size: int
+    """Rows per rank per step."""
+    train_reader: ParquetReader | PartitionedReader
+    position: TrainedPosition
+    total_steps: int
+    """The planned steps (time order: 0 until continuous training counts its partitions)."""
+    model: nn.Module
+    hooks: TrainingHooks
+    evaluator: Evaluator
+    optimizer: torch.optim.Optimizer
+    dense_optimizer: torch.optim.Optimizer
+    dense_params: list[nn.Parameter]
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    logger: MetricLogger
+    window: TrainingWindow
+    report: TrainingReport
+    checkpoints: CheckpointManager
+
+
 class Trainer:
-    """One run of `rankmix train`: builds everything from the config, then `fit()`."""
+    """One run of `rankmix train`: the loop over its parts, then `fit()` (trainer/assembly.py
+    `build_trainer` builds one from a config)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.env: DistEnv = init_distributed(cfg.launch.backend, cfg.train.device, cfg.launch.pg_timeout_minutes)
-        self.run_dir = Path(cfg.train.run_dir)
-        # one run per folder: the run folder and the checkpoint folder, wherever it points
-        self.run_lock = claim_run_folders(run_folders(self.run_dir, cfg.checkpoint), self.env.is_main)
-        try:
-            self._build(cfg)
-        except BaseException:
-            if self.run_lock is not None:
-                self.run_lock.release()
-            raise
-
-    def _build(self, cfg: Config) -> None:
-        """Everything the run needs, its checkpoint restored; the run folder's config and plan
-        are written last, once the restore accepted this config."""
-        env = self.env
-        seed_everything(cfg.train.seed, cfg.train.deterministic and env.device.type == "cpu")
-        set_matmul_precision(cfg.train.mixed_precision, env.device)
-        files = build_dataset(cfg)
-        cfg.features, self.eval_path = files.features, files.eval_path
-        self.task_names = [t.name for t in cfg.model.tasks]
-        self.task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=env.device)
-        self.encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column,
-                                  cfg.model.sequence.time_buckets)
-        self.batch_size = per_rank_batch_size(cfg, env.world_size)
-        self.retries = {"retry_seconds": cfg.data.retry_seconds, "retry_attempts": cfg.data.retry_attempts}
+    def __init__(self, parts: RunParts, components: list[LoopComponent]):
+        """The loop over `parts`, calling `components` in order; restores the run, then writes its config and plan."""
+        p, cfg, env = parts, parts.cfg, parts.env
+        self.cfg, self.env, self.run_dir, self.run_lock, self.eval_path = cfg, env, p.run_dir, p.run_lock, p.eval_path
+        self.task_names, self.task_weights, self.batch_size = p.task_names, p.task_weights, p.batch_size
+        self.train_reader, self.encoder, self.position, self.total_steps = (p.train_reader, p.encoder, p.position,
+                                                                            p.total_steps)
+        self.model, self.hooks, self.evaluator = p.model, p.hooks, p.evaluator
+        self.optimizer, self.dense_optimizer, self.dense_params = p.optimizer, p.dense_optimizer, p.dense_params
+        self.scheduler, self.checkpoints, self.components = p.scheduler, p.checkpoints, components
+        self.logger, self.window, self.report = p.logger, p.window, p.report
         time_order = cfg.data.order == "time"
-        # shuffled order over KEY=VALUE folders reads the complete partitions only, as time order does
-        train_path = files.train_path if time_order else complete_partitions(
-            files.train_path, cfg.data.success_marker, **self.retries)
-        self.train_reader = (partitioned_reader(cfg, train_path, self.retries, self._reader) if time_order
-                             else self._reader(train_path, cfg.train.seed))
-        self.selection = ModelSelection(cfg, self.run_dir, train_path)
-        if self.selection.split:  # its files' schema and its rows checked now, not after an epoch
-            path, split = self.selection.split
-            ParquetReader(path, self.encoder, ReaderOptions.from_config(cfg.data, training=False, batch_size=1,
-                                                                        **split))
-        precision = autocast_dtype(cfg.train.mixed_precision, env.device)
-        self.model, self.cost = build_sharded_model(cfg, env.device, self.batch_size, precision)
-        order = input_feature_order(self.model.module.ebc)
-        if order:  # before any batch is read: the batches' keys in the sharded tables' order
-            self.encoder.order_pooled(order)
-        self.hooks = TrainingHooks.of(self.model)  # what the tower asks of the loop (embeddings/hooks.py)
-        self.evaluator = Evaluator(self.model, self.encoder, cfg, env, self.hooks, self.retries)
-        self.peak_flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(env.device, precision or torch.float32)
-        self.optimizer, self.dense_optimizer, self.dense_params = build_optimizer(self.model, cfg.optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmups(
-            self.optimizer, len(self.model.fused_optimizer.param_groups), cfg.optim))
         self.pipeline = build_pipeline(cfg.train.pipeline, env.world_size, env.device, self.model, self.optimizer,
                                        self._pipeline_loss, self.check_finite, self.check_gradients, time_order)
-        self.step = 0
-        self.position = TrainedPosition(self.train_reader, cfg.checkpoint.data_position)
-        # In time order the steps are those of the partitions after the restored position (ContinuousTraining).
-        self.total_steps = cfg.train.steps or (0 if time_order else sum(
-            self.train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs)))
-        if self.total_steps == 0 and not time_order:
-            raise ValueError(f"{redact_uri(files.train_path)}: not one batch of {self.batch_size} rows "
-                             f"per rank in {cfg.train.epochs} epoch(s)")
-        self.logger = MetricLogger(self.run_dir, self.total_steps, enabled=env.is_main,
-                                   tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress)
-        self.window = TrainingWindow(self.model, self.task_names, cfg.metrics.window_batches)
-        self.report = TrainingReport(self.logger, self.window, self.hooks, self.task_names, self.task_weights, self.cost,
-                                     self.peak_flops, bool(cfg.metrics.peak_tflops), env.world_size)
-        continuous = (ContinuousTraining(cfg, files.train_path, self.train_reader, self.model, self.task_names,
-                                         env.device) if time_order else None)
-        calibration = Calibration(cfg.train.calibrate, self.task_names)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, env.rank)
+        self.step, self.stop_requested = 0, False  # a component sets it to end the training after this step
         self.checks = StepChecks(env.device, env.world_size, env.is_main)
         self.checkpoint_parts = {
             "model": ModelState(self.model), "optim": OptimizerState(self.optimizer, self.dense_optimizer),
             "trainer": self, "ranks": PerRankState({"reader": self.position, "rng": RNGState(),
                                                     "scheduler": LRScheduleState(self.scheduler, self.optimizer)}),
-            **{c.checkpoint_part: c for c in (self.selection, continuous, calibration) if c and c.checkpoint_part}}
+            **{c.checkpoint_part: c for c in components if c.checkpoint_part}}
         self.restore()
         if not (cfg.train.steps or time_order):
             self._count_epoch_steps(cfg.train.epochs)
-        # In the order the loop calls them; the publisher tracks lookups from the restored state on.
-        self.components: list[LoopComponent] = [c for c in (self.selection, continuous, Publisher(
-            cfg, self.model, self.run_dir), calibration) if c]
-        for component in self.components:
+        for component in components:
             component.after_restore(self)
         if env.is_main:
             dump_toml(cfg, self.run_dir / "config.toml")
@@ -154,13 +128,6 @@ class Trainer:
                                                            for e in range(position.epoch, epochs))
         if self.logger.bar is not None:
             self.logger.bar.total = self.total_steps
-
-    def _reader(self, paths: str, seed: int, epochs: int = 0) -> ParquetReader:
-        """A training reader of this rank's share of `paths`."""
-        data = self.cfg.data
-        return ParquetReader(paths, self.encoder, ReaderOptions.from_config(
-            data, training=True, batch_size=self.batch_size, rank=self.env.rank, world_size=self.env.world_size,
-            seed=seed, num_epochs=epochs, pin_memory=self.env.device.type == "cuda"))  # then the H2D copies are async
 
     # ------------------------------------------------------------------ the loop
 
@@ -177,7 +144,7 @@ class Trainer:
                     meter = self._train_loop(batches)
         finally:
             batches.close()  # stops the reader's prefetch thread now, not at interpreter exit
-        self.checkpoints.wait()
+        self.wait_for_save()
         if self.stopping and (self.step < self.total_steps or self.cfg.data.follow):
             raise Interrupted(f"stopped by {self.checks.signal.name} after step {self.step}" +
                               (f"; resume from {self.checkpoints.latest()}" if self.checkpoints.latest() else ""))
@@ -187,7 +154,7 @@ class Trainer:
     def _train_loop(self, batches: Iterator[Batch]) -> StepMeter:
         """Steps until train.steps (or the epochs) are done; returns the throughput meter."""
         meter = StepMeter(len(self.task_names), self.env.device)
-        while self.step < self.total_steps and not self.selection.best.exhausted:
+        while self.step < self.total_steps and not self.stop_requested:
             for component in self.components:
                 component.before_step(self)
             tic = time.perf_counter()
@@ -205,7 +172,7 @@ class Trainer:
                 component.after_step(self)
             if self.due(self.cfg.metrics.eval_every) and not last:
                 self.evaluate()
-            saved = self.checkpoints.due(self.step, last=last or self.selection.best.exhausted,
+            saved = self.checkpoints.due(self.step, last=last or self.stop_requested,
                                          timed=self.checks.timed_save_step == self.step)
             if saved:
                 self.save_checkpoint()
@@ -361,7 +328,8 @@ class Trainer:
 
     def finish(self, metrics: dict[str, float], examples_per_sec: float) -> dict:
         """The run's summary: final metrics and throughput, also saved as summary.json."""
-        trained = {"steps": self.step, "epochs": self.epochs_trained(), **self.selection.summary(),
+        trained = {"steps": self.step, "epochs": self.epochs_trained(),
+                   **{k: v for c in self.components for k, v in c.summary().items()},
                    "data/rows_reread": self.position.rows_reread}
         return self.report.summary(metrics, examples_per_sec, trained, self.run_dir, self.env.is_main)
 
@@ -380,6 +348,10 @@ class Trainer:
         """The checkpoint parts of the model's weights as they are, trained to `step` (default: this one)."""
         return {"model": self.checkpoint_parts["model"],
                 "trainer": {"step": self.step if step is None else step, "world_size": self.env.world_size}}
+
+    def wait_for_save(self) -> None:
+        """Wait for the checkpoint save in flight, if any."""
+        self.checkpoints.wait()
 
     def save_checkpoint(self) -> None:
         """Save the run at this step, once the flags are read (`check`): never a non-finite update."""
@@ -412,31 +384,3 @@ class Trainer:
         self.logger.close()
         if self.run_lock is not None:
             self.run_lock.release()
-
-
-def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
-    """train.mixed_precision -> the tower's autocast dtype (weights stay fp32). auto is bf16
-    on CUDA only: most CPUs have no bf16 matrix units, and the CPU tests' exact comparisons are fp32."""
-    if mixed_precision == "none" or (mixed_precision == "auto" and device.type != "cuda"):
-        return None
-    return torch.bfloat16
-
-
-def set_matmul_precision(mixed_precision: str, device: torch.device) -> None:
-    """On CUDA, float32 matmuls outside autocast in TF32, unless train.mixed_precision=none
-    asks for float32 throughout. The CPU's are left alone (exact tests)."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("highest" if mixed_precision == "none" else "high")
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed every generator the run draws from; `deterministic` kernels (CPU runs: on CUDA
-    they cost a fill of every new tensor and NCCL and FBGEMM stay non-deterministic)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # Deterministic mode also fills every new tensor with NaN to expose reads of
-        # uninitialised memory: a debugging aid that costs a pass over each allocation.
-        torch.utils.deterministic.fill_uninitialized_memory = False

@@ -33,7 +33,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -45,15 +45,11 @@ from torchrec.distributed.types import ShardingPlan
 from embeddings.managed import MANAGED_COLLECTIONS, served_tables
 from trainer.checkpoint.manager import model_tensors, save_weights
 from trainer.config import ArtifactFormat, Config, ServedTables
-from trainer.loop_hooks import LoopComponent
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
 from trainer.checkpoint.safe_load import first_line
 from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out_folder, saved, served_model,
                                     write_artifact)
-
-if TYPE_CHECKING:
-    from trainer.train import Trainer
 
 TABLES_FILE, DELTA_FILE = PUBLISHED
 TABLE = "ebc.embedding_bags."  # a served table's weight: TABLE + name + ".weight"
@@ -61,10 +57,11 @@ ID_MAP = ("keys", "rows", "miss_rows")  # a managed table's id map (embeddings/m
 DELTA_KEYS = {"base_step", "manifest", "dense", "id_maps", "rows", "values"}  # and base_digest, since issue 38
 
 
-class Publisher(LoopComponent):
-    """Publishes a training run's model as `<folder>/<name>/` (`publish`, collective): a component
-    of the training loop ([publish]), after every publish.every_steps steps and at every partition's
-    end (publish.every_partition). Built once the run is restored: it tracks lookups from there.
+class Publisher:
+    """Publishes a training run's model as `<folder>/<name>/` (`publish`, collective), for the
+    training loop's publishing component (trainer/components/publisher.py, [publish]): after every
+    publish.every_steps steps and at every partition's end (publish.every_partition). Built
+    before the run is restored: it tracks lookups from there (a restore looks none up).
     `previous` is its state: the delta's base."""
 
     def __init__(self, cfg: Config, model: DistributedModelParallel, run_dir: Path):
@@ -81,26 +78,6 @@ class Publisher(LoopComponent):
         """Publish after this step (publish.every_steps)?"""
         every = self.cfg.publish.every_steps
         return every > 0 and step % every == 0
-
-    def after_checkpoint(self, trainer: Trainer) -> None:
-        if self.due(trainer.step):
-            self.publish_run(trainer, f"step-{trainer.step}")
-
-    def partition_end(self, trainer: Trainer, partition: str) -> None:
-        if self.cfg.publish.every_partition:
-            self.publish_run(trainer, partition, partition)
-
-    def publish_run(self, trainer: Trainer, name: str, partition: str | None = None) -> None:
-        """The run's model as it is after this step, once the flags are read and no save is in flight."""
-        trainer.check()
-        trainer.checkpoints.wait()  # one save at a time
-        trainer.logger.write(f"published {self.publish(name, trainer.step, trainer.weights(), partition)}")
-
-    def state_dict(self) -> dict:
-        return {"previous": self.previous}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.previous = state["previous"]
 
     def publish(self, name: str, step: int, weights: dict, partition: str | None = None) -> Path:
         """Every rank's changed rows to rank 0 and `weights` (checkpoint parts: the model and

@@ -12,14 +12,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from trainer.checkpoint import manager
+from trainer.components.base import Loop, LoopComponent
 from trainer.config import Config
-from trainer.loop_hooks import LoopComponent
-
-if TYPE_CHECKING:
-    from trainer.train import Trainer
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False}
 
@@ -77,6 +73,7 @@ class ModelSelection(LoopComponent):
     loop: it validates on schedule (metrics.valid_every, else at every epoch's end, and after the
     last step), tracks the best validation (`best`, the checkpoint part "best"), keeps that
     validation's weights in `folder` (train.restore_best), and puts them back after training.
+    Once `patience` validations brought no improvement, it asks the loop to stop.
     `split`: (files, ParquetReader's holdout arguments) of the validation split, None without one."""
 
     def __init__(self, cfg: Config, run_dir: Path, train_path: str):
@@ -90,21 +87,28 @@ class ModelSelection(LoopComponent):
         self.keep_weights = t.restore_best
         self.restored = False
 
-    def after_step(self, trainer: Trainer) -> None:
-        if self.split and ((trainer.due(self.every) if self.every else trainer.epoch_ended())
-                           or trainer.step == trainer.total_steps):
-            self.validate(trainer)
+    def after_restore(self, loop: Loop) -> None:
+        """A run restored after its patience ran out trains no further."""
+        if self.best.exhausted:
+            loop.stop_requested = True
 
-    def validate(self, trainer: Trainer) -> dict[str, float]:
+    def after_step(self, loop: Loop) -> None:
+        if self.split and ((loop.due(self.every) if self.every else loop.epoch_ended())
+                           or loop.step == loop.total_steps):
+            self.validate(loop)
+
+    def validate(self, loop: Loop) -> dict[str, float]:
         """Metrics over the validation split, logged as `valid`; the best so far has its weights
-        saved (collective)."""
-        trainer.check()  # before the best weights are saved
+        saved (collective); the loop asked to stop once patience runs out."""
+        loop.check()  # before the best weights are saved
         path, split = self.split
-        metrics = trainer.metrics_on(path, **split)
-        epochs = trainer.epochs_trained()
-        trainer.logger.log(trainer.step, "valid", {**metrics, "epochs": epochs})
-        trainer.checkpoints.wait()  # one save at a time
-        self.record(metrics, trainer.step, epochs, trainer.weights())
+        metrics = loop.metrics_on(path, **split)
+        epochs = loop.epochs_trained()
+        loop.logger.log(loop.step, "valid", {**metrics, "epochs": epochs})
+        loop.wait_for_save()  # one save at a time
+        self.record(metrics, loop.step, epochs, loop.weights())
+        if self.best.exhausted:
+            loop.stop_requested = True
         return metrics
 
     def record(self, metrics: dict[str, float], step: int, epochs: float, weights: dict) -> bool:
@@ -114,14 +118,14 @@ class ModelSelection(LoopComponent):
             manager.save_weights(self.folder, weights, step)
         return improved
 
-    def after_training(self, trainer: Trainer) -> dict[str, float]:
+    def after_training(self, loop: Loop) -> dict[str, float]:
         """End on the best validation's weights, unless they are the last."""
-        if self.split and self.keep_weights and self.best.step not in (0, trainer.step):
-            manager.load(self.folder, {"model": trainer.checkpoint_parts["model"]})
+        if self.split and self.keep_weights and self.best.step not in (0, loop.step):
+            manager.load(self.folder, {"model": loop.weights()["model"]})
             self.restored = True
-            trainer.logger.write(f"restored the weights of step {self.best.step}, the best validation "
-                                 f"({self.best.metric} {self.best.value:.5f})")
-            trainer.after_restore(self.best.step)  # the weights' own step (UniMixer's temperature)
+            loop.logger.write(f"restored the weights of step {self.best.step}, the best validation "
+                              f"({self.best.metric} {self.best.value:.5f})")
+            loop.after_restore(self.best.step)  # the weights' own step (UniMixer's temperature)
         return {}
 
     def summary(self) -> dict:

@@ -1,6 +1,6 @@
-"""The trainings one `rankmix train` runs: one, or UniMixer's two-stage recipe (UniMixer
-§4.5, `model.unimixer.schedule = "two_stage"`): where data is too scarce for a linear anneal,
-train hot (tau_start, held), then train again cold (tau_end, held) from the hot run's weights.
+"""UniMixer's two-stage recipe (UniMixer §4.5, `model.unimixer.schedule = "two_stage"`), the
+configs of its two trainings (trainer/run.py runs them): where data is too scarce for a linear
+anneal, train hot (tau_start, held), then train again cold (tau_end, held) from the hot run's weights.
 
 The hot stage runs in `<run_dir>/hot`, with its checkpoints on whatever the config says,
 so that the cold stage can start from its weights: those of its best validation where the

@@ -13,8 +13,8 @@ The fit reads the validation split's logit histogram (trainer/metrics/streaming.
 bins of 3e-5 over +-16), not its rows: fixed memory at any split size, and at that bin width
 the bin centres stand in for the logits to well under 1e-4 of the log loss.
 
-`Calibration` is the training loop's component (trainer/loop_hooks.py): after training, on the
-weights the run ends on, it fits the maps and keeps them with the best weights.
+`Calibration` is the training loop's component (trainer/components/base.py): after training, on
+the weights the run ends on, it fits the maps and keeps them with model selection's best weights.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from torch import nn
 
 from dense.heads import TaskHeads
 from trainer.checkpoint import manager
-from trainer.loop_hooks import LoopComponent
+from trainer.components.base import Loop, LoopComponent
 from trainer.metrics.streaming import LOGIT_RANGE
 
 if TYPE_CHECKING:
-    from trainer.train import Trainer
+    from trainer.components.selection import ModelSelection
+    from trainer.metrics.evaluation import Evaluator
 
 NEWTON_STEPS = 50
 """Newton steps at most; the log loss is convex in (a, b), and 10-20 reach float64 precision."""
@@ -90,26 +91,30 @@ def calibrate_heads(model: nn.Module, histogram: np.ndarray, kind: str) -> list[
 
 class Calibration(LoopComponent):
     """train.calibrate: after training, fit the heads' logit maps on the validation split for the
-    weights the run ends on, and keep them with the best weights. `fitted`: each task's (a, b)."""
+    weights the run ends on, and keep them with the best weights. `fitted`: each task's (a, b).
+    `selection` gives the validation split and the best weights; `evaluator` the histogram of the
+    logits of the last split `metrics_on` measured; `eval_path` is the test split."""
 
-    def __init__(self, kind: str, task_names: list[str]):
+    def __init__(self, kind: str, task_names: list[str], selection: ModelSelection, model: nn.Module,
+                 evaluator: Evaluator, eval_path: str):
         self.kind, self.task_names = kind, task_names
+        self.selection, self.model, self.evaluator, self.eval_path = selection, model, evaluator, eval_path
         self.fitted: list[tuple[float, float]] = []
 
-    def after_training(self, trainer: Trainer) -> dict[str, float]:
+    def after_training(self, loop: Loop) -> dict[str, float]:
         """The test metrics before the fit as uncalibrated/*, and the maps (empty when off)."""
-        if self.kind == "none" or not trainer.selection.split:
+        best = self.selection
+        if self.kind == "none" or not best.split:
             return {}
-        reset_heads(trainer.model)  # the raw logits, whatever map the initial weights brought
-        before = trainer.metrics_on(trainer.eval_path)
-        path, split = trainer.selection.split
-        trainer.metrics_on(path, **split)  # its histogram: the logits before any map
-        self.fitted = calibrate_heads(trainer.model, trainer.evaluator.histogram, self.kind)
-        trainer.logger.write("calibrated on the validation split: "
-                             + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(self.task_names, self.fitted)))
-        best = trainer.selection
+        reset_heads(self.model)  # the raw logits, whatever map the initial weights brought
+        before = loop.metrics_on(self.eval_path)
+        path, split = best.split
+        loop.metrics_on(path, **split)  # its histogram: the logits before any map
+        self.fitted = calibrate_heads(self.model, self.evaluator.histogram, self.kind)
+        loop.logger.write("calibrated on the validation split: "
+                          + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(self.task_names, self.fitted)))
         if best.keep_weights and best.best.step:  # the run ends on the best weights
-            manager.save_weights(best.folder, trainer.weights(best.best.step), best.best.step, tag=".calibrated")
+            manager.save_weights(best.folder, loop.weights(best.best.step), best.best.step, tag=".calibrated")
         return {**{f"uncalibrated/{k}": before[k] for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
                 **{f"{t}/calibration_{name}": v for t, ab in zip(self.task_names, self.fitted)
                    for name, v in zip("ab", ab)}}
