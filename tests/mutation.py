@@ -50,20 +50,33 @@ class Target:
     tests: tuple[str, ...]
     functions: tuple[str, ...] = ()
     warm: tuple[str, ...] = ()  # "test_module:function": cached makers to call before mutmut forks (conftest.py)
+    also: tuple[Target, ...] = ()  # more files against the same tests, in the same run: their tests are run once
+    # tests not run: multi-rank runs, whose ranks (other processes, 5-30 s) no mutant reaches
+    deselect: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
         return self.path.removesuffix(".py").replace("/", ".")
 
+    def parts(self) -> tuple[Target, ...]:
+        return (self, *self.also)
+
     def mutant_globs(self) -> list[str]:
         """mutmut's names of the mutants of `functions` (none: every mutant of the file)."""
         return [f"{self.module}.{_mangled(f)}__mutmut_*" for f in self.functions]
+
+    def selected(self) -> list[str]:
+        """Globs of every mutant of this run: a part's `functions`, or all of its file."""
+        return [glob for part in self.parts() for glob in part.mutant_globs() or [f"{part.module}.*"]]
 
 
 def _mangled(function: str) -> str:
     cls, _, name = function.rpartition(".")
     return f"x\u01c1{cls}\u01c1{name}" if cls else f"x_{name}"
 
+
+_READER_TESTS = ("tests/test_reader.py", "tests/test_reader_balance.py", "tests/test_reader_assignment.py",
+                 "tests/test_elastic_resume.py", "tests/test_reader_bounded.py")
 
 # The pure-logic modules, each with the fast test files that exercise it in-process. In the
 # large files only the named logic is mutated: the MoE's routing, experts and training step
@@ -92,13 +105,17 @@ MODULES = {
         "_MoETrainingStep.forward", "expert_hidden")),
     "config": Target("trainer/config_loader.py", ("tests/test_config.py", "tests/test_config_coercion.py"), (
         "apply_override", "_child", "_parse_scalar", "_build", "_coerce", "_entry", "_join")),
-    "reader": Target("trainer/data/reader.py", ("tests/test_reader.py", "tests/test_reader_balance.py",
-                                                  "tests/test_reader_assignment.py", "tests/test_elastic_resume.py",
-                                                  "tests/test_reader_bounded.py"), (
-        "_ahead", "_concurrently", "ParquetReader._split", "ParquetReader._spans", "ParquetReader._rank_rows", "ParquetReader._pieces",
-        "ParquetReader.steps_in_epoch", "ParquetReader.epoch_rows",
-        "ParquetReader._windows", "ParquetReader._order", "ParquetReader._epoch_size", "ParquetReader._placed",
-        "ParquetReader.with_units_left", "ParquetReader._checked_resumed")),
+    # the reader's three jobs (issue 57), in one run: the rows' assignment to ranks, the streaming ahead, the input's
+    # identity (its tests' stats and clean runs, 80 s with the multi-rank resumes, paid once)
+    "reader": Target("trainer/data/assignment.py", _READER_TESTS, (
+        "holdout_split", "RowAssignment._spans", "RowAssignment._rank_rows", "RowAssignment.pieces",
+        "RowAssignment.steps_in_epoch", "RowAssignment.epoch_rows", "RowAssignment.windows", "RowAssignment._order",
+        "RowAssignment._epoch_size", "RowAssignment._placed", "RowAssignment.with_units_left",
+        "RowAssignment.checked_resumed"), also=(Target("trainer/data/reader.py", _READER_TESTS, ("_ahead",)),
+                                                Target("trainer/data/identity.py", _READER_TESTS, ("_concurrently",))),
+        deselect=("tests/test_elastic_resume.py::test_four_ranks_stopped_mid_epoch_resume_on_two_then_three_and_train_"
+                  "every_row_once", "tests/test_elastic_resume.py::test_a_partition_stopped_at_four_ranks_resumes_on_"
+                  "two_and_the_next_follows")),
     # the ranks' own exchange of their units (PerRankState) is the spawned tests' to check
     "elastic": Target("trainer/data/elastic.py", ("tests/test_elastic_resume.py",)),
     # the listing's agreement over ranks (_agreed_listing, complete_partitions) is the two-rank tests' to check
@@ -273,10 +290,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "a file of whole rows and one byte more holds as many whole rows (the next seek(0) goes back)"),
     ("trainer.metrics.streaming.x\u01c1UserBuckets\u01c1_read", 'f.readinto(memoryview(rows).cast("b"))',
      "signed or unsigned, the bytes read are the same"),
-    ("trainer.data.reader.x\u01c1ParquetReader\u01c1with_units_left",
-     "windows = [len(w) for w in self._windows([Piece(None, a, b) for _, g, a, b in slices])]",
-     "_windows reads only the pieces' row counts"),
-    ("trainer.data.reader.x__concurrently",
+    ("trainer.data.assignment.x\u01c1RowAssignment\u01c1with_units_left",
+     "windows = [len(w) for w in self.windows([Piece(None, a, b) for _, g, a, b in slices])]",
+     "windows reads only the pieces' row counts"),
+    ("trainer.data.identity.x__concurrently",
      "with ThreadPoolExecutor(max_workers=max(2, min(METADATA_THREADS, len(calls)))) as pool:",
      "only no call or one differ, and a second thread then has nothing to run"),
     ("trainer.data.partitions.x__complete_folders",
@@ -721,7 +738,8 @@ def run_module(name: str, target: Target, workers: int) -> Path:
     for entry in LINKED:
         (folder / entry).symlink_to(REPO / entry)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    project["tool"]["mutmut"] |= {"only_mutate": [target.path],
+    project["tool"]["mutmut"]["pytest_add_cli_args"] += [arg for test in target.deselect for arg in ("--deselect", test)]
+    project["tool"]["mutmut"] |= {"only_mutate": [part.path for part in target.parts()],
                                   "pytest_add_cli_args_test_selection": list(target.tests)}
     (folder / "pyproject.toml").write_text(tomli_w.dumps(project))
     # One thread per worker: the workers share the cores, and a forked child must not
@@ -731,7 +749,7 @@ def run_module(name: str, target: Target, workers: int) -> Path:
            "RANKMIX_MUTATION_WARM": ",".join(target.warm), "RANKMIX_MUTATION_UNRUN": str(unrun)}
     with open(folder / "run.log", "w") as log:
         proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(workers),
-                               *target.mutant_globs()], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+                               *(target.selected() if any(p.functions for p in target.parts()) else [])], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"mutmut failed on {name} (exit {proc.returncode}); see {folder / 'run.log'}")
     if unrun.exists():
@@ -741,18 +759,23 @@ def run_module(name: str, target: Target, workers: int) -> Path:
 
 
 def results(folder: Path, target: Target) -> dict[str, str]:
-    """mutant name -> status, for the selected mutants of `target`."""
-    data = SourceFileMutationData(path=Path(target.path))
-    with contextlib.chdir(folder):  # mutmut reads its files relative to the working folder
-        data.load()
-    globs = target.mutant_globs() or [f"{target.module}.*"]
-    return {k: status_by_exit_code[v] for k, v in data.exit_code_by_key.items() if any(fnmatch(k, g) for g in globs)}
+    """mutant name -> status, for the selected mutants of `target` (all its parts)."""
+    statuses = {}
+    for part in target.parts():
+        data = SourceFileMutationData(path=Path(part.path))
+        with contextlib.chdir(folder):  # mutmut reads its files relative to the working folder
+            data.load()
+        globs = part.mutant_globs() or [f"{part.module}.*"]
+        statuses |= {k: status_by_exit_code[v] for k, v in data.exit_code_by_key.items()
+                     if any(fnmatch(k, g) for g in globs)}
+    return statuses
 
 
 def changed_lines(folder: Path, target: Target, mutant: str) -> list[str]:
     """The diff lines of `mutant` that start with - or +."""
+    path = next(part.path for part in target.parts() if mutant.startswith(f"{part.module}."))
     with contextlib.chdir(folder):
-        diff = get_diff_for_mutant(mutant, path=Path(target.path))
+        diff = get_diff_for_mutant(mutant, path=Path(path))
     return [line for line in diff.splitlines()[2:] if line[:1] in "-+"]
 
 
@@ -811,11 +834,12 @@ def main() -> None:
         for done in as_completed(running):
             name, target = running[done], MODULES[running[done]]
             folder, seconds = done.result()
-            print(f"{name}: mutated {target.path} against {', '.join(target.tests)}", flush=True)
+            paths = ", ".join(part.path for part in target.parts())
+            print(f"{name}: mutated {paths} against {', '.join(target.tests)}", flush=True)
             total, killed, entries = report(folder, target)
             rows[name] = (total, killed, len(entries), seconds)
             matched |= entries
-            modules += target.mutant_globs() or [f"{target.module}.*"]
+            modules += target.selected()
     # only entries of the functions mutated: two targets may share a file (stable_hash, csvlog_markers)
     stale = [e for i, e in enumerate(EQUIVALENT)
              if i not in matched and any(fnmatch(f"{e[0]}__mutmut_1", glob) for glob in modules)]
