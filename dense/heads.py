@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class TaskHeads(nn.Module):
     """One head per task: [B, in] -> logits [B, K]; linear, or a small MLP when hidden > 0.
     In eval mode (evaluation, scoring, exports) `calibration_a`, `calibration_b` [K] map each
-    task's logit z to a z + b: the identity until trainer/calibration.py fits them on the
+    task's logit z to a z + b: the identity until trainer/components/calibration.py fits them on the
     validation split (train.calibrate). Training sees the raw logits."""
 
     def __init__(self, in_dim: int, num_tasks: int, hidden: int = 0):

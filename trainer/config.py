@@ -180,7 +180,7 @@ class TrainConfig:
     restore_best: bool = True
     """With a validation split: end on the weights of the best validation, the test metrics measured there."""
     calibrate: Calibration = "none"
-    """With a validation split, after training: fit each task's logit map a z + b on it (trainer/calibration.py): none | bias (b) | platt (a and b); the test metrics before it become uncalibrated/*."""
+    """With a validation split, after training: fit each task's logit map a z + b on it (trainer/components/calibration.py): none | bias (b) | platt (a and b); the test metrics before it become uncalibrated/*."""
 
 
 @dataclass
