@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from launch import sweep as sweeps
-from trainer.checkpoint.files import write_atomic
+from trainer.files import write_atomic
 
 PROTOCOL = ("data.valid_fraction=0.1", "train.early_stopping_patience=2", "train.epochs=15",
             "metrics.progress=false", "metrics.tensorboard=false", "checkpoint.enabled=false")

@@ -42,7 +42,7 @@ import numpy as np
 
 from trainer.config_loader import load_config
 from trainer.credentials import redact_config, redact_uri, to_environment
-from trainer.checkpoint.files import write_atomic
+from trainer.files import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")

@@ -1,4 +1,4 @@
-"""Nothing is deleted through a link (trainer/checkpoint/files.py `swap_folder`), and one run holds a run
+"""Nothing is deleted through a link (trainer/checkpoint/links.py `swap_folder`), and one run holds a run
 folder, or a checkpoint folder, at a time (trainer/checkpoint/run_folder.py), issue 38 findings 3 and 10.
 
 `best` and the publish folder's `.weights` are links that rankmix renames onto a sibling
@@ -21,7 +21,7 @@ import pytest
 from cli import rankmix
 from test_trust import TRAIN, run  # noqa: F401 (the module's short run, made once per session)
 from trainer.checkpoint import run_folder
-from trainer.checkpoint.files import check_swap, swap_folder
+from trainer.checkpoint.links import check_swap, swap_folder
 from trainer.checkpoint.run_folder import LOCK_FILE, STALE_SECONDS, RunLock, RunLocks
 
 

@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from cli import rankmix
 from trainer.checkpoint import manager
-from trainer.checkpoint.files import swap_folder, write_atomic
+from trainer.checkpoint.links import swap_folder
 from trainer.checkpoint.run_folder import LOCK_FILE, RunLock
 from trainer.checkpoint.safe_load import UnsafeFileError
 from trainer.checkpoint.state import decode_state, encode_state
+from trainer.files import write_atomic
 
 TRAIN = ["--config", "configs/debug.toml", "--metrics.progress=false", "--metrics.tensorboard=false",
          "--train.steps=4", "--checkpoint.interval=2"]

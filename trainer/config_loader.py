@@ -31,8 +31,8 @@ from dense.sequence_registry import SEQUENCE_MODULES
 from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES
-from trainer.checkpoint.files import write_atomic
 from trainer.config import MAX_BATCH_ROWS, RECIPES, Config, unused_run_fields
+from trainer.files import write_atomic
 
 
 # ----------------------------------------------------------------------------- loading

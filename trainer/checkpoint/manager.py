@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
 from embeddings.features import FeatureSpec, managed_tables
-from trainer.checkpoint.files import check_swap, swap_folder
+from trainer.checkpoint.links import check_swap, swap_folder
 from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileError, first_line, read_metadata
 from trainer.checkpoint.views import ViewSavePlanner
 from trainer.config import CheckpointConfig

@@ -10,8 +10,8 @@ import torch
 
 from dense.cost import DenseCost, mfu
 from embeddings.hooks import TrainingHooks
-from trainer.checkpoint.files import write_atomic
 from trainer.data.assignment import EpochRows
+from trainer.files import write_atomic
 from trainer.metrics.logger import MetricLogger
 from trainer.metrics.streaming import TrainingWindow
 

@@ -56,7 +56,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from trainer.checkpoint.files import write_atomic
+from trainer.files import write_atomic
 
 __all__ = ["CsvLayout", "FileReport", "convert_files", "convert_csv", "stable_hash"]
 

@@ -1,5 +1,5 @@
-"""Files written whole: whoever reads them (another process, a run resumed after a kill)
-sees the old version or the new one, never half of either."""
+"""The link to the best weights (`best` -> `best.step-N/`), replaced with one rename, and the
+checks that it and the folder it points at are rankmix's own before anything is deleted."""
 
 from __future__ import annotations
 
@@ -7,17 +7,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def swap_folder(link: Path, new: Path) -> None:
