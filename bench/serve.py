@@ -31,7 +31,8 @@ from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.store import resolve_files
 from trainer.dist import shutdown
-from trainer.score import CheckpointModel, find_config
+from trainer.run_layout import find_config, resolve_checkpoint
+from trainer.score import CheckpointModel
 from trainer.serving.export import TABLES, export, load
 from trainer.serving.predict import raw_inputs
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             models[kind] = load(folder)[0]
             sizes[kind] = (folder / manifest["file"]).stat().st_size / 2 ** 20
             table_mb[kind] = manifest["table_bytes"] / 2 ** 20
-    state = manager.model_tensors(manager.resolve_load_path(args.checkpoint, "--checkpoint"))
+    state = manager.model_tensors(resolve_checkpoint(args.checkpoint, "--checkpoint"))
     eager_mb = sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)) / 2 ** 20
     print(f"{cfg.model.tower} tower, {len(cfg.features)} features, format {args.format}, "
           f"{torch.get_num_threads()} threads; eager = rankmix score --checkpoint (TorchRec model)")

@@ -38,6 +38,7 @@ from trainer.config import SynthTeacherName
 from trainer.config_loader import describe, load_config
 from trainer.credentials import redact_uri
 from trainer.errors import BAD_INPUT, RankmixError
+from trainer.run_layout import CONFIG, find_config
 
 # Commands import the rest on use: `rankmix --help` answers in under 0.1 s, where torch and
 # TorchRec take seconds to import and numpy or pyarrow a tenth of one, and the `rankmix data`
@@ -218,7 +219,6 @@ def export(argv: list[str]) -> int:
         print(json.dumps({"tensors": export_weights(args.checkpoint, args.out), "out": args.out}))
         return 0
     # on use: torch and TorchRec
-    from trainer.score import find_config
     from trainer.serving.export import export as export_artifact
 
     config_path, overrides = config_args(rest)
@@ -262,7 +262,7 @@ def score(argv: list[str]) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     # on use: torch and TorchRec
     from trainer.dist import shutdown
-    from trainer.score import CheckpointModel, Scorer, find_config
+    from trainer.score import CheckpointModel, Scorer
 
     config_path, overrides = artifact_config(args.model, rest) if args.model else config_args(rest)
     # scoring reads --data, never the run's data paths: their redacted credentials may stay so
@@ -294,9 +294,9 @@ def artifact_config(folder: str, argv: list[str]) -> tuple[str, list[str]]:
     if changed:
         raise ValueError(f"--model {folder} carries its own features, tasks and model; only "
                          f"{'/'.join(p + '*' for p in SCORING_OPTIONS)} options apply to it, not {changed}")
-    path = Path(folder) / "config.toml"
+    path = Path(folder) / CONFIG
     if not path.is_file():
-        raise ValueError(f"--model {folder}: no config.toml there (not a `rankmix export` folder)")
+        raise ValueError(f"--model {folder}: no {CONFIG} there (not a `rankmix export` folder)")
     return str(path), [o for o in config_args(argv)[1] if o.startswith(SCORING_OPTIONS)]
 
 

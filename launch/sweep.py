@@ -43,6 +43,7 @@ import numpy as np
 from trainer.config_loader import load_config
 from trainer.credentials import redact_config, redact_uri, to_environment
 from trainer.files import write_atomic
+from trainer.run_layout import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 AXES = ("params", "flops")
@@ -256,7 +257,7 @@ def run_point(config: str | None, point: Point, python: str) -> None:
         f.write(redact_uri(" ".join(command + point.overrides)) + "\n")
         f.flush()
         proc = subprocess.run(command + overrides, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0 or not (point.run_dir / "summary.json").exists():
+    if proc.returncode != 0 or not RunFolder(point.run_dir).summary.exists():
         tail = redact_uri("".join(log.read_text().splitlines(keepends=True)[-15:]))
         raise RuntimeError(f"{point.tower} [{point.label}] failed (exit {proc.returncode}), see {log}:\n{tail}")
 
@@ -265,9 +266,9 @@ def result_of(point: Point) -> dict:
     """The run's summary plus its dense parameters and FLOPs (from summary.json when the
     trainer wrote them, else computed from the run's resolved config.toml, whose redacted
     data paths are never opened)."""
-    summary = json.loads((point.run_dir / "summary.json").read_text())
+    summary = json.loads(RunFolder(point.run_dir).summary.read_text())
     if "dense_params" not in summary or "flops_per_sample" not in summary:
-        cost = cost_of_config(load_config(str(point.run_dir / "config.toml"), [], allow_redacted=True))
+        cost = cost_of_config(load_config(str(RunFolder(point.run_dir).config), [], allow_redacted=True))
         summary["dense_params"], summary["flops_per_sample"] = cost
     return summary
 
@@ -304,7 +305,7 @@ def reusable(config: str | None, point: Point) -> bool:
     """The run has a summary, trained from this same config and overrides; a summary from
     other settings (the sweep re-run with another --set into the same --out) is an error
     rather than a silently mixed table."""
-    if not (point.run_dir / "summary.json").exists():
+    if not RunFolder(point.run_dir).summary.exists():
         return False
     record = point.run_dir / POINT_FILE
     if record.exists() and redact_config(json.loads(record.read_text())) != fingerprint(config, point):
@@ -405,7 +406,7 @@ def validation_curves(points: list[Point]) -> dict[str, list[tuple[float, float]
     reached each validation (from the runs' metrics.jsonl); runs without validation add nothing."""
     curves: dict[str, dict[float, list[float]]] = {}
     for p in points:
-        log = p.run_dir / "metrics.jsonl"
+        log = RunFolder(p.run_dir).metrics
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         for r in records:
             if r.get("kind") == "valid":

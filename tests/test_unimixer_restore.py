@@ -11,10 +11,11 @@ import torch.distributed as dist
 from dense.model_config import TaskSpec
 from dense.unimixer import UniMixerTower
 from test_serving_model import features, table
-from trainer.checkpoint.manager import model_tensors, resolve_load_path, save_weights, trained_step
+from trainer.checkpoint.manager import model_tensors, save_weights, trained_step
 from trainer.checkpoint.state import ModelState
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
+from trainer.run_layout import resolve_checkpoint
 from trainer.serving.export import serving_model
 from trainer.serving.predict import raw_inputs
 
@@ -72,7 +73,7 @@ def test_an_annealed_checkpoint_scores_and_exports_at_its_annealed_temperature(w
         _, scored, _ = scoring.predict(rows, RowEncoder(cfg.features, cfg.model.tasks), "test")
     torch.testing.assert_close(scored, expected, atol=1e-6, rtol=0)
 
-    source = resolve_load_path(str(tmp_path / "best"), "--checkpoint")
+    source = resolve_checkpoint(str(tmp_path / "best"), "--checkpoint")
     assert trained_step(source) == STEP
     served = serving_model(cfg, model_tensors(source), trained_step(source))
     assert served.tower.tower.tau.item() == pytest.approx(TAU)  # the FrozenMixing's tower

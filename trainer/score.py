@@ -33,6 +33,7 @@ from trainer.data.store import reason, resolve_files
 from trainer.dist import DistEnv, init_distributed
 from trainer.checkpoint.state import ModelState, apply_trained_step
 from trainer.metrics.streaming import SplitMetrics
+from trainer.run_layout import resolve_checkpoint
 
 
 def _output_paths(fs, files: list[str], out: str) -> list[Path]:
@@ -50,17 +51,6 @@ def _output_paths(fs, files: list[str], out: str) -> list[Path]:
     return targets
 
 
-def find_config(path: str) -> Path:
-    """The config.toml of the run that `path` (a run folder or one of its step folders) belongs to."""
-    if not Path(path).is_dir():
-        raise ValueError(f"--checkpoint {path}: no such folder")
-    here = Path(path).resolve()
-    for folder in (here, *here.parents[:2]):
-        if (folder / "config.toml").is_file():
-            return folder / "config.toml"
-    raise ValueError(f"no config.toml in {path} or the two folders above it; pass --config")
-
-
 class CheckpointModel:
     """A trained checkpoint in evaluation mode (world size 1): Parquet rows -> logits."""
 
@@ -70,7 +60,7 @@ class CheckpointModel:
         if self.env.world_size > 1:
             raise ValueError("rankmix score runs as one process; launch it without torchrun")
         self.model = shard_model(build_model(cfg), cfg.embeddings, self.env.device)  # the tower in fp32
-        source = manager.resolve_load_path(checkpoint_path, "--checkpoint")
+        source = resolve_checkpoint(checkpoint_path, "--checkpoint")
         manager.require_saved_world_size(cfg.features, source, 1, advice=(
             f"; its serving artifact keeps every rank's map: rankmix export --checkpoint {checkpoint_path} "
             "--out DIR, then rankmix score --model DIR"))

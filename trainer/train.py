@@ -44,6 +44,7 @@ from trainer.metrics.logger import MetricLogger, StepMeter
 from trainer.metrics.report import TrainingReport
 from trainer.metrics.streaming import TrainingWindow
 from trainer.pipeline import build_pipeline
+from trainer.run_layout import RunFolder
 
 # TorchRec's own chatter (planner reservations, deprecations inside DMP) is not the user's to act on.
 warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
@@ -117,7 +118,7 @@ class Trainer:
         for component in components:
             component.after_restore(self)
         if env.is_main:
-            dump_toml(cfg, self.run_dir / "config.toml")
+            dump_toml(cfg, RunFolder(self.run_dir).config)
             self.report.describe(self.run_dir, self.model.plan, self.batch_size)
 
     def _count_epoch_steps(self, epochs: int) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dense.tower_registry import TOWERS
 from trainer.config import Config
+from trainer.run_layout import COMPLETE, RunFolder
 
 
 def two_stages(cfg: Config) -> bool:
@@ -28,26 +29,25 @@ def two_stages(cfg: Config) -> bool:
 def hot_stage(cfg: Config) -> Config:
     """The first stage: at tau_start throughout, in <run_dir>/hot, saving its final step."""
     hot = copy.deepcopy(cfg)
-    hot.train.run_dir = str(Path(cfg.train.run_dir) / "hot")
+    hot.train.run_dir = str(RunFolder(Path(cfg.train.run_dir)).hot.root)
     hot.model.unimixer.tau_anneal_steps = 0
     hot.checkpoint.enabled, hot.checkpoint.save_final = True, True
-    hot.checkpoint.folder = ""
+    hot.checkpoint.folder = ""  # RunFolder.hot: its checkpoints in its own folder, apart from the cold stage's
     return hot
 
 
 def cold_stage(cfg: Config) -> Config:
     """The second stage: at tau_end throughout, in run_dir, from the hot stage's weights."""
-    hot = Path(cfg.train.run_dir) / "hot"
+    hot = RunFolder(Path(cfg.train.run_dir)).hot
     cold = copy.deepcopy(cfg)
     u = cold.model.unimixer
     u.tau_start, u.tau_anneal_steps = u.tau_end, 0
-    best = hot / "best"
-    cold.checkpoint.load_path = str(best if (best / ".metadata").exists() else hot)
+    cold.checkpoint.load_path = str(hot.best if (hot.best / COMPLETE).exists() else hot.root)
     cold.checkpoint.load_mode = "weights"
     return cold
 
 
 def hot_summary(cfg: Config) -> dict | None:
     """The hot stage's summary.json, once it has finished."""
-    path = Path(cfg.train.run_dir) / "hot" / "summary.json"
+    path = RunFolder(Path(cfg.train.run_dir)).hot.summary
     return json.loads(path.read_text()) if path.exists() else None

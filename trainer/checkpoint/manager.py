@@ -30,33 +30,7 @@ from trainer.checkpoint.safe_load import LoadPlanner, SafeReader, UnsafeFileErro
 from trainer.checkpoint.views import ViewSavePlanner
 from trainer.config import CheckpointConfig
 from trainer.dist import gloo_group, raise_on_every_rank, side_group
-
-PREFIX = "step-"
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of the complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = [int(p.name[len(PREFIX):]) for p in folder.iterdir()
-             if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / ".metadata").exists()]
-    return sorted(steps)
-
-
-def resolve_load_path(path: str, option: str = "checkpoint.load_path") -> Path:
-    """A `step-N` folder, or a run / checkpoint folder whose latest complete one is taken;
-    errors name `option`, where the path came from."""
-    p = Path(path)
-    if (p / ".metadata").exists():
-        return p
-    for folder in (p, p / "checkpoints"):
-        steps = complete_steps(folder)
-        if steps:
-            return folder / f"{PREFIX}{steps[-1]}"
-    if p.name.startswith(PREFIX) and p.is_dir():
-        raise ValueError(f"{option}={path}: incomplete checkpoint (no .metadata: "
-                         "the save was interrupted)")
-    raise ValueError(f"{option}={path}: no complete checkpoint there")
+from trainer.run_layout import STEP_PREFIX, RunFolder, complete_steps, resolve_checkpoint
 
 
 class CheckpointManager:
@@ -64,7 +38,7 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int):
         self.cfg = cfg
-        self.folder = Path(cfg.folder) if cfg.folder else run_dir / "checkpoints"
+        self.folder = RunFolder(run_dir, checkpoint_folder=cfg.folder).checkpoints
         self.rank = rank
         self._last_save_time = time.monotonic()
         self._pending: tuple[Path, Future, Callable[[str], None]] | None = None
@@ -74,7 +48,7 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """This run's newest complete checkpoint, if any."""
         steps = complete_steps(self.folder)
-        return self.folder / f"{PREFIX}{steps[-1]}" if steps else None
+        return self.folder / f"{STEP_PREFIX}{steps[-1]}" if steps else None
 
     def restore(self, parts: dict[str, Any], features: list[FeatureSpec], world_size: int) -> tuple[Path, bool] | None:
         """Load this run's newest complete checkpoint into `parts`, else checkpoint.load_path's
@@ -84,7 +58,7 @@ class CheckpointManager:
         if latest[0] is not None:
             path, full = latest[0], True
         elif self.cfg.load_path:
-            path, full = resolve_load_path(self.cfg.load_path), self.cfg.load_mode == "full"
+            path, full = resolve_checkpoint(self.cfg.load_path), self.cfg.load_mode == "full"
         else:
             return None
         require_saved_world_size(features, path, world_size)
@@ -111,7 +85,7 @@ class CheckpointManager:
         """Write `parts` as step-`step` (collective), then apply retention. With async_save
         the writing goes on in the background; the previous save is finished first."""
         self.wait()
-        path = self.folder / f"{PREFIX}{step}"
+        path = self.folder / f"{STEP_PREFIX}{step}"
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if path.exists():  # a save of this step was interrupted, or is being redone
@@ -162,8 +136,8 @@ class CheckpointManager:
             return
         kept = set(steps[-self.cfg.keep:])
         for p in self.folder.iterdir():
-            step = p.name[len(PREFIX):]
-            if p.name.startswith(PREFIX) and step.isdigit() and int(step) not in kept \
+            step = p.name[len(STEP_PREFIX):]
+            if p.name.startswith(STEP_PREFIX) and step.isdigit() and int(step) not in kept \
                     and int(step) < steps[-1]:
                 shutil.rmtree(p, ignore_errors=True)
 
@@ -216,7 +190,7 @@ def _fits_in_memory(path: Path, tensors: Iterable[TensorStorageMetadata]) -> Non
 def export_weights(path: str, out: str) -> int:
     """The model weights of checkpoint `path` as one torch.save file of whole tensors
     (no process group needed); returns the number of tensors."""
-    model = model_tensors(resolve_load_path(path, "--checkpoint"))
+    model = model_tensors(resolve_checkpoint(path, "--checkpoint"))
     tmp = Path(out).with_name(f".{Path(out).name}.tmp")
     torch.save(model, tmp)
     os.replace(tmp, out)  # a reader never sees half a file

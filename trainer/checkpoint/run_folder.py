@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.errors import BAD_INPUT
+from trainer.run_layout import RunFolder
 
 if TYPE_CHECKING:
     from trainer.config import CheckpointConfig
@@ -292,11 +293,12 @@ def run_folders(run_dir: Path, checkpoint: CheckpointConfig) -> dict[Path, str]:
     """The folders a run writes, each with the option that chose it: the run folder, and the
     checkpoint folder wherever it points. The default `<run_dir>/checkpoints` is locked too: a
     run whose checkpoint.folder names it then collides with this run, not only with its run folder."""
-    folders = {Path(run_dir): "--train.run_dir"}
-    if checkpoint.folder:
-        folders[Path(checkpoint.folder)] = "--checkpoint.folder"
+    run = RunFolder(Path(run_dir), checkpoint_folder=checkpoint.folder)
+    folders = {run.root: "--train.run_dir"}
+    if not run.default_checkpoints:
+        folders[run.checkpoints] = "--checkpoint.folder"
     elif checkpoint.enabled:  # else nothing is written or read there, and the folder is not made
-        folders[Path(run_dir) / "checkpoints"] = "--train.run_dir"
+        folders[run.checkpoints] = "--train.run_dir"
     return folders
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from trainer.checkpoint import manager
 from trainer.components.base import Loop, LoopComponent
 from trainer.config import Config
+from trainer.run_layout import RunFolder
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False}
 
@@ -83,7 +84,7 @@ class ModelSelection(LoopComponent):
         self.every = cfg.metrics.valid_every
         self.best = BestPoint(t.select_metric, t.early_stopping_patience)
         self.checkpoint_part = "best" if self.split else None
-        self.folder = run_dir / "best"
+        self.folder = RunFolder(run_dir).best
         self.keep_weights = t.restore_best
         self.restored = False
 

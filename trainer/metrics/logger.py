@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trainer.run_layout import RunFolder
+
 
 class StepMeter:
     """Mean task losses and examples/s since the last flush, and examples/s over the run
@@ -51,10 +53,10 @@ class MetricLogger:
         self.jsonl = None
         if not enabled:
             return
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.jsonl = open(RunFolder(run_dir).metrics, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self.writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tensorboard))
         if progress:
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, mininterval=1.0)
 

@@ -14,6 +14,7 @@ from trainer.data.assignment import EpochRows
 from trainer.files import write_atomic
 from trainer.metrics.logger import MetricLogger
 from trainer.metrics.streaming import TrainingWindow
+from trainer.run_layout import RunFolder
 
 
 class TrainingReport:
@@ -75,5 +76,5 @@ class TrainingReport:
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
         self.logger.close()
         if is_main:
-            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
+            write_atomic(RunFolder(run_dir).summary, json.dumps(summary, indent=1))
         return summary

@@ -37,7 +37,7 @@ from dense.sequence import build_sequences
 from embeddings.features import attended
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs
-from trainer.checkpoint.manager import model_tensors, resolve_load_path, trained_step
+from trainer.checkpoint.manager import model_tensors, trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
 from trainer.checkpoint.safe_load import UnsafeFileError, inside
@@ -45,6 +45,7 @@ from trainer.serving.safe_pt2 import load_pt2
 from trainer.serving.served_model import ManagedRows, ServingModel, TimedServingModel
 from trainer.serving.readme import write_readme
 from trainer.checkpoint.state import apply_trained_step
+from trainer.run_layout import CONFIG, resolve_checkpoint
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
@@ -69,7 +70,7 @@ def export(cfg: Config, checkpoint: str, out: str, fmt: str = "pt2", tables: str
         if value not in choices:
             raise ValueError(f"{option} must be one of {'|'.join(choices)}, got {value!r}")
     check_widths(cfg, tables)
-    source = resolve_load_path(checkpoint, "--checkpoint").resolve()
+    source = resolve_checkpoint(checkpoint, "--checkpoint").resolve()
     folder = out_folder(out)
     cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, inference=moe)))
     step = trained_step(source)
@@ -106,7 +107,7 @@ def write_artifact(cfg: Config, folder: Path, files: dict[str, bytes], manifest:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        dump_toml(cfg, tmp / "config.toml")
+        dump_toml(cfg, tmp / CONFIG)  # the run's config, under its name in a run
         write_readme(tmp / "README.md", cfg, manifest)
         umask = os.umask(0)
         os.umask(umask)
@@ -142,7 +143,7 @@ def _is_export(folder: Path) -> bool:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
-    ours = {"README.md", "config.toml", "manifest.json", "example_inputs.pt", "example_outputs.pt", *FORMATS.values(),
+    ours = {"README.md", CONFIG, "manifest.json", "example_inputs.pt", "example_outputs.pt", *FORMATS.values(),
             *PUBLISHED}
     return isinstance(manifest, dict) and manifest.get("file") in FORMATS.values() and \
         {p.name for p in folder.iterdir()} <= ours

@@ -48,6 +48,7 @@ from trainer.config import ArtifactFormat, Config, ServedTables
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
 from trainer.checkpoint.safe_load import first_line
+from trainer.run_layout import CONFIG, RunFolder
 from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out_folder, saved, served_model,
                                     write_artifact)
 
@@ -67,7 +68,7 @@ class Publisher:
     def __init__(self, cfg: Config, model: DistributedModelParallel, run_dir: Path):
         p = cfg.publish
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
-        self.folder = Path(p.folder) if p.folder else run_dir / "publish"
+        self.folder = RunFolder(run_dir, publish_folder=p.folder).publish
         # (name, step, tables_digest) of this process's last publish: the delta's base (the digest on rank 0 only)
         self.previous: tuple[str, int, str | None] | None = None
         if p.every_steps > 0 or p.every_partition:
@@ -157,7 +158,7 @@ class Publisher:
 
     def _latest_metrics(self) -> dict[str, dict]:
         """The last record of each kind (train, eval, valid, ...) in the run's metrics.jsonl."""
-        path = self.run_dir / "metrics.jsonl"
+        path = RunFolder(self.run_dir).metrics
         latest = {}
         for line in path.read_text().splitlines() if path.exists() else []:
             record = json.loads(line)
@@ -319,7 +320,7 @@ def apply(base: str, delta: str, out: str) -> dict:
         weights[table][rows] = change["values"][table]
     id_maps = {t: tuple(m[k] for k in ID_MAP) for t, m in change["id_maps"].items()}
     manifest = json.loads(change["manifest"])
-    cfg = load_config(str(Path(base) / "config.toml"), [], allow_redacted=True)
+    cfg = load_config(str(Path(base) / CONFIG), [], allow_redacted=True)  # the artifact keeps the run's config
     state = {**{f"{TABLE}{t}.weight": w for t, w in weights.items()}, **change["dense"]}
     model = served_model(cfg, state, id_maps, manifest["step"], manifest["tables"], delta)
     files, _ = artifact_files(cfg, model, manifest["format"], manifest["tables"])
