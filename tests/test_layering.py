@@ -29,9 +29,9 @@ FLOORS = {"embeddings": 0, "dense": 1, "trainer": 2, "launch": 3}
 # A module, or a subpackage, stands on the floor of the longest name here that is it or holds it.
 INNER_FLOORS: dict[str, list[tuple[str, list[str]]]] = {
     "trainer": [
-        ("helpers", ["errors", "dist", "credentials", "files", "precision"]),
+        ("helpers", ["errors", "dist", "credentials", "files", "precision", "run_layout"]),
         ("config", ["config", "config_loader"]),
-        # metrics' arithmetic: it reads no data; evaluation and report read it and stand on "parts"
+        # metrics' arithmetic reads no data; evaluation and report do, and stand on "parts"
         ("measures", ["metrics"]),
         ("generators", ["offline"]),  # they score their teacher with measures' auc
         ("data", ["data"]),  # datasets.py builds the generators' data sets
