@@ -61,7 +61,8 @@ def test_complete_steps_are_the_numbered_folders_with_metadata_in_order(tmp_path
         _step(tmp_path, step)
     _step(tmp_path, 40, complete=False)
     (tmp_path / "step-x").mkdir()
-    (tmp_path / "other-5").mkdir()
+    (tmp_path / "saved5").mkdir()  # a digit after five characters and a .metadata, but no step- before it
+    (tmp_path / "saved5" / ".metadata").write_bytes(b"")
     assert complete_steps(tmp_path) == [2, 10, 30]
     assert complete_steps(tmp_path / "missing") == []
 
@@ -96,6 +97,9 @@ def test_resolve_refuses_an_incomplete_step_and_a_folder_without_checkpoints(tmp
     with pytest.raises(ValueError) as missing:
         resolve_checkpoint(str(tmp_path / "nowhere"))
     assert str(missing.value) == f"checkpoint.load_path={tmp_path / 'nowhere'}: no complete checkpoint there"
+    with pytest.raises(ValueError) as gone:  # a step's name alone is not an interrupted save
+        resolve_checkpoint(str(tmp_path / "step-9"))
+    assert str(gone.value) == f"checkpoint.load_path={tmp_path / 'step-9'}: no complete checkpoint there"
 
 
 @pytest.mark.parametrize("given", ["run", "run/checkpoints", "run/checkpoints/step-20", "run/best"])
