@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 import torch
 
 from trainer.metrics.ranking import auc
+from trainer.run_layout import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {"full": dict(days=8, rows=30_000, drift=0.3, table_rows=1000),
@@ -85,7 +86,7 @@ def train(run: Path, eval_path: Path, *extra: str) -> list[dict]:
     rankmix("train", "--config", "configs/synth.toml", "--data.dataset=parquet", f"--data.eval_path={eval_path}",
             f"--train.run_dir={run}", "--train.steps=0", "--metrics.log_every=1", "--metrics.progress=false",
             "--metrics.tensorboard=false", *extra)
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in RunFolder(run).metrics.read_text().splitlines()]
 
 
 def in_time_order(log: Path, marker: str) -> list[str]:
@@ -135,7 +136,7 @@ def study(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, tuple[floa
     records = train(run, log / days[-1], *in_time_order(log, "_SUCCESS"), "--checkpoint.keep=0")
     results["continuous"] = continuous(records, batch_rows)
     freeze = max(r["step"] for r in first if r["kind"] == "progressive")
-    later = frozen_aucs(log, run / "checkpoints" / f"step-{freeze}", days[half:], tmp / "frozen")
+    later = frozen_aucs(log, RunFolder(run).step(freeze), days[half:], tmp / "frozen")
     results["frozen"] = {d: results["continuous"][d] if d not in later else (later[d], 0.0) for d in days[1:]}
 
     results["from scratch"] = {}

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainer.run_layout import RunFolder
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,7 +57,7 @@ def train(args: argparse.Namespace, folder: Path) -> Path:
                           text=True)
     if proc.returncode:
         sys.exit(f"training failed:\n{proc.stderr[-3000:]}")
-    return folder / "run" / "publish"
+    return RunFolder(folder / "run").publish
 
 
 def summary(publish: Path, every: int) -> dict:

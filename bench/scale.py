@@ -55,6 +55,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trainer.run_layout import COMPLETE, RunFolder
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 2**30
 ID_SPACE = 2**40
@@ -363,11 +365,11 @@ def disk_speed(folder: Path, size: int) -> tuple[float, float]:
 def save_speed(run: Path, step: int) -> tuple[float, float]:
     """(GB, GB/s) of the save of `step`: from the step's train log record (written just before
     the save starts) to the mtime of the checkpoint's `.metadata` (written last)."""
-    folder = run / "checkpoints" / f"step-{step}"
+    folder = RunFolder(run).step(step)
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in RunFolder(run).metrics.read_text().splitlines()]
     start = max(r["time"] for r in logged if r["step"] == step and r["kind"] == "train")
-    return size / GB, size / GB / max((folder / ".metadata").stat().st_mtime - start, 1e-6)
+    return size / GB, size / GB / max((folder / COMPLETE).stat().st_mtime - start, 1e-6)
 
 
 LOAD = """
@@ -468,7 +470,7 @@ def rehearse(args: argparse.Namespace, tmp: Path, table: Table) -> None:
     size, gbs = save_speed(run, total)
     table.add(f"sync save at step {total} (2 ranks)", f"{size:.2f} GB at {gbs:.2f} GB/s",
               f"disk write {write_gbs:.2f} GB/s", gbs / write_gbs)
-    loaded = load_speed(run / "checkpoints" / f"step-{total}")
+    loaded = load_speed(RunFolder(run).step(total))
     load_gbs = loaded["bytes"] / GB / loaded["seconds"]
     table.add("load of the model (DCP, one process)", f"{loaded['bytes'] / GB:.2f} GB at {load_gbs:.2f} GB/s",
               f"disk read {read_gbs:.2f} GB/s", load_gbs / read_gbs)
