@@ -21,7 +21,7 @@ ARGS   ?=
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
-.PHONY: setup train test test-portability test-mutation bench clean
+.PHONY: setup train test lint test-portability test-mutation bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ train: setup
 # and they took a third of the suite's time.
 test: setup
 	$(PYTEST) tests -m "not bench" $(ARGS)
+
+# ruff, as configured in pyproject.toml; `make test` runs the same check (tests/test_lint.py).
+lint: setup
+	$(BIN)/ruff check .
 
 # Tests of trained quantities under other kernels (ATen's dispatch level) and one thread:
 # other rounding, other summation order. `make test-portability PORTABILITY_ARGS=` runs them all.

@@ -58,9 +58,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from tower import matmul_step  # bench/tower.py (this script's folder): the same reference product
 
 from dense.cost import mfu
-from tower import matmul_step  # bench/tower.py (this script's folder): the same reference product
 from trainer.config import Config
 from trainer.config_loader import load_config, unused_fields
 from trainer.data.batch import Batch
@@ -107,7 +107,7 @@ class Clock:
     On a shared machine wall time includes waiting for a core; CPU time does not, so the
     two ratios together tell work the step adds from time it loses to neighbours."""
 
-    def __enter__(self) -> "Clock":
+    def __enter__(self) -> Clock:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
         return self
 
@@ -262,7 +262,8 @@ def bench(cfg: Config, rounds: int, warmup: int) -> tuple[dict[str, tuple[float,
 
 def profile(step: Callable[[], object], steps: int, rows: int) -> str:
     """Top CPU ops of `steps` calls of `step`."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -342,11 +343,11 @@ def compare_towers(trainers: dict, rounds: int, warmup: int, steps: int) -> list
     rows = []
     for name, trainer in trainers.items():
         examples = trainer.batch_size / statistics.median(seconds[name])
-        rows.append({"tower": name, "examples_per_sec": examples, "flops": trainer.cost.flops,
-                     "mfu": mfu(examples, trainer.cost.flops, peak)})
+        rows.append({"tower": name, "examples_per_sec": examples, "flops": trainer.report.cost.flops,
+                     "mfu": mfu(examples, trainer.report.cost.flops, peak)})
     for row in rows:
         row["ratio"] = row["examples_per_sec"] / rows[0]["examples_per_sec"]
-        row["flops_ratio"] = row["flops"] / first.cost.flops
+        row["flops_ratio"] = row["flops"] / first.report.cost.flops
     return rows
 
 
@@ -408,16 +409,21 @@ def main() -> None:
             print(tower_lines(compare_towers(trainers, args.rounds, args.warmup, args.steps)))
             for name, trainer in trainers.items() if args.profile else ():
                 batches = trainer.batches()
-                print(f"\n{name}:\n{profile(lambda: trainer.train_step(batches), args.profile, rows=25)}")
+
+                def step(trainer=trainer, batches=batches):
+                    return trainer.train_step(batches)
+
+                print(f"\n{name}:\n{profile(step, args.profile, rows=25)}")
             return
         times, parts = bench(cfg, args.rounds, args.warmup)
         env = parts.trainer.env
         if env.rank == 0:  # every rank ran the same parts; rank 0's are printed
-            print(f"pipeline: {type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else 'none (plain loop)'}"
-                  f"; {env.world_size} rank(s); forward FLOPs per sample {parts.trainer.cost.flops:,.0f}")
+            pipeline = type(parts.trainer.pipeline).__name__ if parts.trainer.pipeline else "none (plain loop)"
+            print(f"pipeline: {pipeline}"
+                  f"; {env.world_size} rank(s); forward FLOPs per sample {parts.trainer.report.cost.flops:,.0f}")
             print(table(times, parts.trainer.batch_size * env.world_size))
             if args.json:
-                print(json.dumps({"flops": parts.trainer.cost.flops,
+                print(json.dumps({"flops": parts.trainer.report.cost.flops,
                                   "ms": {name: [1e3 * t for t in wall_cpu] for name, wall_cpu in times.items()}}))
         if args.profile:
             text = profile(parts.time_step, args.profile, rows=30)

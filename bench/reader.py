@@ -101,9 +101,10 @@ def peak_memory(tmp: Path, sizes: list[int]) -> dict:
     for mb in sizes:
         src = tmp / f"mem_{mb}.tsv"
         make_tsv(src, mb)
-        code = ("import json,resource,sys; sys.path.insert(0, %r); from trainer.offline.criteo import convert_criteo;"
-                "convert_criteo([%r], %r); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-                % (str(ROOT), str(src), str(tmp / f"mem_out_{mb}")))
+        code = (f"import json,resource,sys; sys.path.insert(0, {str(ROOT)!r}); "
+                "from trainer.offline.criteo import convert_criteo;"
+                f"convert_criteo([{str(src)!r}], {str(tmp / f'mem_out_{mb}')!r}); "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         rss_kb = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                     text=True).stdout.split()[-1])
         out[f"peak_rss_mb_{mb}mb_input"] = round(rss_kb / 1024)

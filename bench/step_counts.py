@@ -95,7 +95,8 @@ def main() -> None:
 
     import trainer
     repo = Path(trainer.__file__).resolve().parents[1]
-    overrides = [f"--{s}" for s in (*args.set, *FORCED_SET, f"train.run_dir={tempfile.mkdtemp(prefix='rankmix-counts-')}")]
+    overrides = [f"--{s}"
+                 for s in (*args.set, *FORCED_SET, f"train.run_dir={tempfile.mkdtemp(prefix='rankmix-counts-')}")]
     with contextlib.redirect_stdout(io.StringIO()):
         t = build_trainer(load_config(args.config, overrides))
     batches = t.batches()

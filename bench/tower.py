@@ -44,10 +44,10 @@ from torch.utils.flop_counter import FlopCounterMode
 # The repository, for a machine where it is not installed (python3 bench/tower.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dense.heads import build_tower  # noqa: E402
 from dense.layout import InputLayout  # noqa: E402
 from dense.model_config import ModelConfig  # noqa: E402
 from dense.tower_registry import TOWERS  # noqa: E402
-from dense.heads import build_tower  # noqa: E402
 from embeddings.features import FeatureSpec  # noqa: E402
 from embeddings.hooks import TrainingHooks  # noqa: E402
 from trainer.dist import tune_malloc  # noqa: E402

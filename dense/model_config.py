@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+import dense.tower_configs  # noqa: F401  (importing the package registers every tower)
 from dense.sequence_modules import SequenceConfig
 from dense.tower_registry import TABLES, TOWERS, TokenFields, readers
-import dense.tower_configs  # noqa: F401  (importing the package registers every tower)
 
 Tokenizer = Literal["slice", "group"]
 TokenizerBias = Literal["uniform", "zero"]
@@ -44,13 +44,15 @@ class ModelFields:
     tower: str = "rankmixer"
     """Registered dense tower (dense/tower_configs/); ModelConfig's field holds the choices."""
     recipe: Recipe = "rankmix"
-    """rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the RankMixer paper's (RECIPES); keys given explicitly win."""
+    ("""rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the """
+     """RankMixer paper's (RECIPES); keys given explicitly win.""")
     tokenizer: Tokenizer = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8
     """T, tokens for the slice tokenizer (the group tokenizer makes one per group)."""
     tokenizer_bias: TokenizerBias = "zero"
-    """Initial tokenizer biases: zero (tokens start from the embeddings alone) | uniform (nn.Linear's +-1/sqrt(fan-in), the paper's)."""
+    ("""Initial tokenizer biases: zero (tokens start from the embeddings alone) | uniform (nn.Linear's """
+     """+-1/sqrt(fan-in), the paper's).""")
     token_dim: int = 0
     """slice tokenizer: d, width of one slice of e_input (0: ceil(len(e_input) / T), the tail zero-padded)."""
     hidden_dim: int = 64
@@ -104,7 +106,8 @@ def unused_model_fields(model: ModelConfig) -> dict[str, tuple[str, str]]:
         for f in fields(getattr(model, key)):
             if key not in uses.tables or f.name in uses.skip:
                 read_by = ", ".join(readers(key, f.name))
-                unused[f"model.{key}.{f.name}"] = ("model.tower", f"tower {model.tower!r} does not read it (read by {read_by})")
+                unused[f"model.{key}.{f.name}"] = ("model.tower",
+                                                   f"tower {model.tower!r} does not read it (read by {read_by})")
     return unused
 
 

@@ -31,7 +31,6 @@ from dense.rankmixer import RankMixerTower, in_dtype, uniform_init
 from dense.tower_registry import ServingForm
 from embeddings.hooks import HookProvider, TrainingHooks
 
-
 TRAIN, EVAL = 0, 1  # rows of the statistics buffers
 
 
@@ -255,7 +254,8 @@ class _MoETrainingStep(torch.autograd.Function):
 
     The same function as `PerTokenMoE.forward_tm` plus `_train_inference_router` (equal
     to float rounding; under autocast the output keeps the products' dtype, as
-    `_FFNResidual`'s does, where the reference's sum would promote it), in fewer passes: the experts' first layer and both routers are one product ([D, E h + 2 E]
+    `_FFNResidual`'s does, where the reference's sum would promote it), in fewer passes:
+    the experts' first layer and both routers are one product ([D, E h + 2 E]
     per token), GELU writes the hidden units straight into the expert-major layout of
     the second product, both gated sums share one pass over the expert outputs; the
     hand-written backward mirrors it (one product for all three weight gradients, GELU's

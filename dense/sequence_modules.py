@@ -92,7 +92,8 @@ class SequenceFields:
     """The fields every sequence module reads: how the time gap is embedded."""
 
     time_buckets: int = 32
-    """Buckets of the time gap (request time - behaviour time, seconds): 0 holds no timestamp, bucket k >= 1 gaps in [2^(k-1) - 1, 2^k - 1), the last one everything beyond."""
+    ("""Buckets of the time gap (request time - behaviour time, seconds): 0 holds no timestamp, bucket k >= 1 """
+     """gaps in [2^(k-1) - 1, 2^k - 1), the last one everything beyond.""")
     time_dim: int = 8
     """Width of the time-gap embedding."""
 

@@ -55,7 +55,8 @@ class TowerSpec:
     skip: tuple[str, ...] = ()
     """Fields of its tables that it does not read."""
     defaults: tuple[tuple[str, object], ...] = ()
-    """(dotted key, value): run defaults this tower trains best with, over model.recipe's; a key given explicitly wins."""
+    """(dotted key, value): run defaults this tower trains best with, over model.recipe's; a key given explicitly
+    wins."""
 
 
 TOWERS: Registry[TowerSpec] = Registry("model.tower")
@@ -64,7 +65,8 @@ TABLES: dict[str, type] = {}
 
 
 def register_tower(name: str, *, tables: tuple[type, ...] = (), tokens: bool = True,
-                   skip: tuple[str, ...] = (), defaults: dict[str, object] | None = None) -> Callable[[Builder], Builder]:
+                   skip: tuple[str, ...] = (),
+                   defaults: dict[str, object] | None = None) -> Callable[[Builder], Builder]:
     """Decorator: make the builder the tower `model.tower = name`, reading `tables` (dataclasses
     whose class attribute `key` names their [model.<key>] table; the builder gets them in this
     order after the layout) except the fields in `skip`, and training by `defaults` (dotted

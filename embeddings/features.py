@@ -43,11 +43,13 @@ class FeatureSpec:
     embedding_dim: int = 16
     """Width of the embedding table."""
     hashing: Hashing = "modulo"
-    """modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own row (TorchRec MCH), stale ones evicted."""
+    ("""modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own """
+     """row (TorchRec MCH), stale ones evicted.""")
     eviction_policy: EvictionPolicy = "lfu"
     """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
     eviction_interval: int = 100
-    """managed: training steps between evictions; a new id gets a row at the next one (until then the shard's miss row)."""
+    ("""managed: training steps between evictions; a new id gets a row at the next one (until then the shard's """
+     """miss row).""")
     pooling: Pooling = "sum"
     """How an id list is pooled into one vector: sum | mean."""
     group: str = "default"
@@ -67,13 +69,16 @@ class FeatureSpec:
     fill_null: float | None = None
     """numeric: value that replaces nulls (unset: a null is an error)."""
     sequence_module: str = "pool"
-    """sequence: pool (a pooled bag, as id_list) | target_attention (behaviours weighted by the candidate) | transformer (self-attention, then target attention); dense/sequence.py."""
+    ("""sequence: pool (a pooled bag, as id_list) | target_attention (behaviours weighted by the candidate) | """
+     """transformer (self-attention, then target attention); dense/sequence.py.""")
     candidate: str = ""
     """sequence, not pool: the id feature whose vector attends (default: the id feature sharing this table)."""
     sequence_tokens: int = 1
-    """sequence, not pool: vectors the module outputs, each its own group and so its own token under the group tokenizer."""
+    ("""sequence, not pool: vectors the module outputs, each its own group and so its own token under the group """
+     """tokenizer.""")
     timestamps: str = ""
-    """sequence, not pool: list column of the behaviours' times (seconds, aligned with the ids); the gap to data.time_column is embedded."""
+    ("""sequence, not pool: list column of the behaviours' times (seconds, aligned with the ids); the gap to """
+     """data.time_column is embedded.""")
 
     def __post_init__(self) -> None:
         self.column = self.column or self.name

@@ -17,7 +17,6 @@ from torch import nn
 from embeddings.sharding import local_shards
 from embeddings.torchrec_compat import MC_SEQUENCE_WEIGHTS
 
-
 BLOCK_ROWS = 16_384
 
 

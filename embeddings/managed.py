@@ -13,18 +13,30 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
 from torchrec.distributed import sharding_plan as sp
-from torchrec.modules.mc_embedding_modules import (BaseManagedCollisionEmbeddingCollection,
-                                                   ManagedCollisionEmbeddingBagCollection,
-                                                   ManagedCollisionEmbeddingCollection)
+from torchrec.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection
 
-from embeddings.hooks import HookProvider, TrainingHooks
-from embeddings.tables import FUSED, build_sequence_tables, fuse_optimizer, tables_of
-from embeddings.torchrec_compat import (FREE_SLOT, MC_SEQUENCE_WEIGHTS, MC_WEIGHTS, MCH_BUFFERS, MCH_ROWS,
-                                        MCH_SEGMENTS, MCH_SORTED_IDS, CountingMCH, ManagedSequenceTablesSharder,
-                                        ManagedTablesSharder, mc_table_configs)
 from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
+from embeddings.hooks import HookProvider, TrainingHooks
 from embeddings.sparse_config import EmbeddingsConfig
+from embeddings.tables import FUSED, build_sequence_tables, fuse_optimizer, tables_of
+from embeddings.torchrec_compat import (
+    FREE_SLOT,
+    MC_SEQUENCE_WEIGHTS,
+    MC_WEIGHTS,
+    MCH_BUFFERS,
+    MCH_ROWS,
+    MCH_SEGMENTS,
+    MCH_SORTED_IDS,
+    CountingMCH,
+    ManagedSequenceTablesSharder,
+    ManagedTablesSharder,
+    mc_table_configs,
+)
 
 SEQUENCE_WEIGHTS = "sequence_tables.embeddings."  # the attended sequences' tables (embeddings/tables.py)
 EVICTION_POLICIES = {"lfu": DistanceLFU_EvictionPolicy, "lru": LRU_EvictionPolicy}  # features.*.eviction_policy
@@ -72,7 +84,8 @@ def _managed_collisions(features: list[FeatureSpec], tables: list[EmbeddingBagCo
                              "needs 2 at least (a miss row, and a row for ids); 2 x the world size is enough")
     modules = {t.name: TrackedMCH(
         zch_size=t.num_embeddings, device=torch.device("meta"),
-        eviction_policy=EVICTION_POLICIES[spec[t.name].eviction_policy](), eviction_interval=spec[t.name].eviction_interval,
+        eviction_policy=EVICTION_POLICIES[spec[t.name].eviction_policy](),
+        eviction_interval=spec[t.name].eviction_interval,
         input_hash_size=MANAGED_ID_RANGE, buckets=buckets, name=t.name) for t in tables}
     return ManagedCollisionCollection(modules, tables)
 

@@ -30,10 +30,10 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from embeddings.managed import managed_modules, managed_plans, managed_sharders
+from embeddings.registry import Registry
+from embeddings.sparse_config import EmbeddingsConfig
 from embeddings.tables import FUSED
 from embeddings.torchrec_compat import ReplicateAcrossRanks
-from embeddings.sparse_config import EmbeddingsConfig
-from embeddings.registry import Registry
 
 
 @dataclass(frozen=True)

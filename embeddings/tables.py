@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torchrec import (DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
-                      PoolingType)
+from torchrec import (
+    DataType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    PoolingType,
+)
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward

@@ -16,11 +16,15 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.mc_embedding import (ManagedCollisionEmbeddingCollectionSharder,
-                                               ShardedManagedCollisionEmbeddingCollection)
+from torchrec.distributed.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
-from torchrec.distributed.mc_embeddingbag import (ManagedCollisionEmbeddingBagCollectionSharder,
-                                                   ShardedManagedCollisionEmbeddingBagCollection)
+from torchrec.distributed.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv

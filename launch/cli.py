@@ -131,11 +131,10 @@ def launch(argv: list[str]) -> int:
     parser.add_argument("--max-restarts", type=int, default=0)
     args, train_args = parser.parse_known_args(argv)
     options = torchrun_args(args)
-    from torch.distributed.run import main as torchrun  # on use: torch
-
     # on use: torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun  # on use: torch
 
     try:
         torchrun([*options, "-m", "launch.cli", "train", *train_args])

@@ -17,11 +17,11 @@ node without a visible GPU fails instead of training on its CPU.
 """
 
 # torchx's component linter reads annotations as written: no `from __future__ import
-# annotations`, and Optional / Dict rather than `X | None` / `dict`.
+# annotations`, and Optional / Dict rather than `X | None` / `dict` (hence the noqa for ruff's UP rules).
 import shlex
 import sys
 from pathlib import PurePosixPath
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional  # noqa: UP035
 
 import torchx.specs as specs
 from torchx.components.dist import ddp
@@ -48,32 +48,40 @@ def train(
     name: str = "rankmix",
     max_retries: int = 0,
     max_restarts: int = 0,
-    env: Optional[Dict[str, str]] = None,
-    allow_env: Optional[List[str]] = None,
+    env: Optional[Dict[str, str]] = None,  # noqa: UP006, UP045
+    allow_env: Optional[List[str]] = None,  # noqa: UP006, UP045
     rdzv_port: int = 29500,
-    mounts: Optional[List[str]] = None,
+    mounts: Optional[List[str]] = None,  # noqa: UP006, UP045
     data_on_every_node: bool = False,
 ) -> specs.AppDef:
     """Train with `config` on nnodes x nproc_per_node processes.
 
     Args:
-        overrides: `--section.key=value` options passed to `rankmix train` (no secrets: the job spec shows them; see check_overrides)
+        overrides: `--section.key=value` options passed to `rankmix train` (no secrets: the job spec shows them;
+            see check_overrides)
         config: TOML run config, relative to the image's working directory
-        nnodes: number of hosts, or an elastic range MIN:MAX: when a host is lost or joins, torchrun restarts the ranks on the hosts there are (max_restarts) and the run resumes from its newest checkpoint at the new world size, mid-epoch included
+        nnodes: number of hosts, or an elastic range MIN:MAX: when a host is lost or joins, torchrun restarts the
+            ranks on the hosts there are (max_restarts) and the run resumes from its newest checkpoint at the new
+            world size, mid-epoch included
         nproc_per_node: processes (one per GPU on GPU hosts) per host
         cpu: CPUs per host (0: 2 per process)
         gpu: GPUs per host; more than 0 trains on CUDA (--train.device=cuda), 0 on CPU
         memMB: memory per host in MB (0: 8192 per process on CPU, 32768 per process on GPU hosts)
         image: container image (Slurm and local_cwd: the working directory holding the repo)
-        python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a container image, its own, e.g. python3)
+        python: interpreter with rankmix installed, as the hosts see it (default: the one running torchx; in a
+            container image, its own, e.g. python3)
         name: job name
         max_retries: times the scheduler restarts a failed job
-        max_restarts: times torchrun restarts the ranks inside the job, each resuming from the newest checkpoint (an elastic nnodes range needs at least 1)
+        max_restarts: times torchrun restarts the ranks inside the job, each resuming from the newest checkpoint
+            (an elastic nnodes range needs at least 1)
         env: extra environment variables (no secrets: the job spec shows them; see check_env)
-        allow_env: names of env variables refused as secrets that are none (NAME,NAME2): they go into the job spec as given
+        allow_env: names of env variables refused as secrets that are none (NAME,NAME2): they go into the job spec
+            as given
         rdzv_port: c10d rendezvous port on the first host
-        mounts: volumes for every host, as torchx's ddp takes them (type=bind,src=/shared,dst=/shared or type=volume,src=PVC,dst=/shared); with nnodes > 1, --data.cache_dir must be on a writable one
-        data_on_every_node: with nnodes > 1, the data is already on every host (a node-local copy, or an object store), so --data.cache_dir needs no shared volume
+        mounts: volumes for every host, as torchx's ddp takes them (type=bind,src=/shared,dst=/shared or
+            type=volume,src=PVC,dst=/shared); with nnodes > 1, --data.cache_dir must be on a writable one
+        data_on_every_node: with nnodes > 1, the data is already on every host (a node-local copy, or an object
+            store), so --data.cache_dir needs no shared volume
     """
     check_overrides(list(overrides), config)
     check_env(env or {}, allow_env or [])
@@ -98,7 +106,7 @@ def train(
     return app
 
 
-def check_device(device: Optional[str], gpu: int, nproc_per_node: int) -> str:
+def check_device(device: str | None, gpu: int, nproc_per_node: int) -> str:
     """The job's device: cuda with --gpu, else cpu; ValueError where --train.device or
     --nproc_per_node does not fit --gpu."""
     expected = "cuda" if gpu > 0 else "cpu"
@@ -110,7 +118,7 @@ def check_device(device: Optional[str], gpu: int, nproc_per_node: int) -> str:
     return expected
 
 
-def check_shared_cache(cache_dir: Optional[str], mounts: List[str]) -> None:
+def check_shared_cache(cache_dir: str | None, mounts: list[str]) -> None:
     """ValueError unless --data.cache_dir is on a writable mount: every node reads the data
     from it (say --data_on_every_node where each node has its own copy)."""
     shared = [m.dst_path for m in specs.parse_mounts(mounts)
@@ -121,7 +129,7 @@ def check_shared_cache(cache_dir: Optional[str], mounts: List[str]) -> None:
                          "where the data is already on every node")
 
 
-def check_overrides(overrides: List[str], config: str) -> None:
+def check_overrides(overrides: list[str], config: str) -> None:
     """ValueError for a secret in the job's command line, which the job spec shows: in every
     override (as given, and as `--key=value` where the value is a separate argument) and in
     --config, by its value (URI credentials, found by trainer.credentials' one parser, wherever
@@ -142,7 +150,7 @@ def check_overrides(overrides: List[str], config: str) -> None:
                              "a Slurm environment file (exported in the shell that submits), or an instance role")
 
 
-def check_env(env: Dict[str, str], allow: List[str] = ()) -> None:
+def check_env(env: dict[str, str], allow: list[str] = ()) -> None:
     """ValueError for a secret in `env`, by its name or its value (trainer.credentials), unless
     `allow` names it: Slurm's `srun --export` line and the Kubernetes pod spec show env in
     plain text to whoever can read the job. The message never shows the value."""

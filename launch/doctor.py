@@ -140,8 +140,10 @@ def _lookup(device: str) -> None:
     # on use: a missing or broken FBGEMM is a finding of the doctor's, not an import error
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
-                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     on_cpu = device == "cpu"
     spec = (10, 4, EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE,

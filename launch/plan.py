@@ -45,17 +45,17 @@ from dense.heads import build_dense
 from embeddings.init import BLOCK_ROWS
 from embeddings.managed import build_managed_bags, build_managed_sequences, managed_plans
 from embeddings.sharding import Cluster, NoPlanError, build_plan, plan_tables
+from embeddings.sparse_config import EmbeddingsConfig
 from embeddings.tables import build_embedding_bags, build_sequence_tables, sequence_table_configs, table_configs
 from embeddings.torchrec_compat import mch_bytes_per_slot, mch_module
-from embeddings.sparse_config import EmbeddingsConfig
 from trainer.checkpoint.views import LOAD_CHUNK_BYTES
 from trainer.config import Config, per_rank_batch_size
 from trainer.data.assignment import SLICE_ROWS
 from trainer.data.datasets import declared_features
 from trainer.data.encode import RowEncoder
 from trainer.data.reader import DECODE_AHEAD, PREFETCH_BATCHES, READ_BUFFER
-from trainer.precision import autocast_dtype
 from trainer.metrics.streaming import BUCKET_ROWS, LIFETIME_BINS
+from trainer.precision import autocast_dtype
 
 GB = 2**30
 RUNTIME_BYTES = 2**29
@@ -316,7 +316,8 @@ def _add_managed_tables(cfg: Config, memory: list[RankMemory], device: str, loca
         per_row = mch_bytes_per_slot(mch_module(getattr(holder, path), table))
         _add_shards(memory, sharding.sharding_spec.shards, cfg.embeddings, per_row)
         sizes = [s.shard_sizes[0] for s in sharding.sharding_spec.shards]
-        lines.append(f"{table} | row_wise | " + (f"{len(sizes)} x {sizes[0]:,}" if len(set(sizes)) == 1 else str(sizes)))
+        lines.append(f"{table} | row_wise | "
+                     + (f"{len(sizes)} x {sizes[0]:,}" if len(set(sizes)) == 1 else str(sizes)))
     return lines
 
 

@@ -202,6 +202,8 @@ def cost_of_config(cfg) -> tuple[int, int] | None:
     None when neither is known without preparing the data (the tower's name is still checked)."""
     # on use: torch, which `rankmix sweep --help` and the grid's errors do without (0.3 s, not 4)
     from torch import nn
+
+    # on use, as torch above
     from dense.heads import build_dense
     from dense.tower_registry import TOWERS
     from trainer.data.datasets import SYNTH_TEACHERS
@@ -224,6 +226,8 @@ def counted_cost(model, width: int) -> tuple[int, int]:
     registered without an analytic cost()."""
     # on use: torch, as in cost_of_config
     import torch
+
+    # on use, as torch above
     from dense.cost import flops_per_sample
 
     return sum(p.numel() for p in model.parameters()), flops_per_sample(model, width, torch.device("cpu"))
@@ -521,7 +525,8 @@ def sweep(argv: list[str]) -> int:
         {"baseline_auc": baseline_auc, "baseline": baseline_name, "form": "dAUC = a * x^b", "fits": fits},
         indent=1))
     if rows:
-        plot(rows, fits, baseline_auc, out / "sweep.png", title=f"{Path(args.config).name if args.config else 'defaults'}: AUC against size, 1 point per run")
+        plot(rows, fits, baseline_auc, out / "sweep.png",
+             title=f"{Path(args.config).name if args.config else 'defaults'}: AUC against size, 1 point per run")
     curves = validation_curves(done)
     if curves:
         write_atomic(out / "curves.json", json.dumps(curves, indent=1))

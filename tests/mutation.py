@@ -146,6 +146,7 @@ MODULES = {
     # the trust boundary: the checkpoint reader, the run folder's lock, the converter's markers
     "safe_load": Target("trainer/checkpoint/safe_load.py", ("tests/test_safe_load_unit.py",)),
     "run_folder": Target("trainer/checkpoint/run_folder.py", ("tests/test_run_lock_unit.py",)),
+    "run_layout": Target("trainer/run_layout.py", ("tests/test_run_layout.py",)),
     "csvlog_markers": Target("trainer/offline/csvlog.py", ("tests/test_markers.py",), (
         "_marker", "_markers", "_digest", "_read_marker", "_adopt_legacy_markers", "_names", "_part_of",
         "_name_hash")),
@@ -308,11 +309,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "unreachable one fails (tested); only a store failing between two listings would spend the defaults"),
     ("trainer.data.elastic.x_shared_units", 'end = ""  # where the previous unit ended, as (row group, stop)',
      "the sentinel is only compared with (row group, stop) tuples, which equal neither None nor ''"),
-    ("trainer.components.calibration.x_fit_affine", 'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])',
-     _NEWTON),
-    ("trainer.components.calibration.x_fit_affine", "step = np.linalg.solve(hess - 1e-12 * np.eye(len(theta)), grad)", _NEWTON),
-    ("trainer.components.calibration.x_fit_affine", "step = np.linalg.solve(hess + 1.000000000001 * np.eye(len(theta)), grad)",
-     _NEWTON),
+    ("trainer.components.calibration.x_fit_affine",
+     'theta = np.array([1.0, 0.0]) if kind == "platt" else np.array([1.0])', _NEWTON),
+    ("trainer.components.calibration.x_fit_affine",
+     "step = np.linalg.solve(hess - 1e-12 * np.eye(len(theta)), grad)", _NEWTON),
+    ("trainer.components.calibration.x_fit_affine",
+     "step = np.linalg.solve(hess + 1.000000000001 * np.eye(len(theta)), grad)", _NEWTON),
     ("trainer.components.calibration.x_fit_affine", "if np.abs(step).max() <= 1e-12:",
      "a step of exactly 1e-12 is as converged either way"),
     ("trainer.components.calibration.x_calibrate_heads", "a, b = torch.tensor(fitted, dtype=None).T", _HEAD_DTYPE),
@@ -387,7 +389,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.metrics.ranking.x_uauc", 'return float("NAN")', _NAN),
     ("trainer.metrics.ranking.x_calibration",
      'return float(probs.double().sum()) / positives if positives else float("NAN")', _NAN),
-    ("trainer.metrics.ranking.x_uauc_sums", "u, s, y = users[order], scores[order], labels[order].astype(None)", _FLOAT64),
+    ("trainer.metrics.ranking.x_uauc_sums",
+     "u, s, y = users[order], scores[order], labels[order].astype(None)", _FLOAT64),
     ("trainer.metrics.ranking.x_uauc_sums", "count = np.bincount(uid).astype(None)", _FLOAT64),
     ("trainer.metrics.ranking.x_uauc_sums", "tie_start = user_start | np.r_[False, s[1:] != s[:-1]]",
      "the first row starts a user, so user_start already sets the first element"),
@@ -739,7 +742,8 @@ def run_module(name: str, target: Target, workers: int) -> Path:
     for entry in LINKED:
         (folder / entry).symlink_to(REPO / entry)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    project["tool"]["mutmut"]["pytest_add_cli_args"] += [arg for test in target.deselect for arg in ("--deselect", test)]
+    project["tool"]["mutmut"]["pytest_add_cli_args"] += [arg for test in target.deselect
+                                                         for arg in ("--deselect", test)]
     project["tool"]["mutmut"] |= {"only_mutate": [part.path for part in target.parts()],
                                   "pytest_add_cli_args_test_selection": list(target.tests)}
     (folder / "pyproject.toml").write_text(tomli_w.dumps(project))
@@ -750,7 +754,8 @@ def run_module(name: str, target: Target, workers: int) -> Path:
            "RANKMIX_MUTATION_WARM": ",".join(target.warm), "RANKMIX_MUTATION_UNRUN": str(unrun)}
     with open(folder / "run.log", "w") as log:
         proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(workers),
-                               *(target.selected() if any(p.functions for p in target.parts()) else [])], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+                               *(target.selected() if any(p.functions for p in target.parts()) else [])],
+                              cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"mutmut failed on {name} (exit {proc.returncode}); see {folder / 'run.log'}")
     if unrun.exists():

@@ -77,7 +77,8 @@ def main(asset: Path = ASSET) -> None:
                            capture_output=True)
             towers[tower] = losses(run_dir)
     made_with = machine()
-    rows = {tower: "[\n" + ",\n".join(f"   {json.dumps(r)}" for r in steps) + "\n  ]" for tower, steps in towers.items()}
+    rows = {tower: "[\n" + ",\n".join(f"   {json.dumps(r)}" for r in steps) + "\n  ]"
+            for tower, steps in towers.items()}
     body = ",\n".join(f"  {json.dumps(t)}: {r}" for t, r in rows.items())
     asset.write_text(f'{{\n "made_with": {json.dumps(made_with)},\n "losses": {{\n{body}\n }}\n}}\n')
     print(f"wrote {asset}")

@@ -10,10 +10,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dense.baselines import CrossLayer, SelfAttention, ablation_block
-from dense.layout import InputLayout
-from dense.rankmixer import PerTokenFFN
 from dense.heads import build_tower
+from dense.layout import InputLayout
 from dense.model_config import ModelConfig
+from dense.rankmixer import PerTokenFFN
 from dense.tower_configs.baseline_towers import AttentionConfig, DCNv2Config, MLPConfig
 from trainer.data.datasets import synth_features
 

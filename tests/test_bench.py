@@ -173,7 +173,7 @@ def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
     rows = re.findall(r"^\| (.+?) \| (.+?) \| (.+?) \| (.+?) \|$", proc.stdout, re.M)
     assert rows[0] == ("figure", "value", "reference", "ratio")
     assert [r[0] for r in rows[1:]] == SCALE_FIGURES
-    for figure, value, reference, ratio in rows[1:]:
+    for figure, _value, _reference, ratio in rows[1:]:
         assert re.fullmatch(r"\d+\.\d\d", ratio), (figure, ratio)  # a finite number: never nan or inf
     figures = {r[0]: r for r in rows[1:]}
     assert figures["data: rows (train + eval)"][1] == "300,000 in 6 files, ids Zipf over 2^40"
@@ -184,7 +184,8 @@ def test_scale_rehearsal_runs_every_stage_in_its_small_preset(tmp_path):
     # the split's parts are shares of their sum, which bench/e2e.py printed beside them
     split = [float(r[3]) for r in rows[1:] if "step split" in r[0] and not r[0].endswith("end-to-end")]
     assert sum(split) == pytest.approx(1.0, abs=0.01 * len(split))
-    assert re.fullmatch(r"[\d.,]+ GFLOP/s \(3 x 33\.6 MFLOP a row\)", figures["RankMixer T16 D256 L2 k4, 4 ranks: MFU"][1])
+    assert re.fullmatch(r"[\d.,]+ GFLOP/s \(3 x 33\.6 MFLOP a row\)",
+                        figures["RankMixer T16 D256 L2 k4, 4 ranks: MFU"][1])
     assert list(tmp_path.iterdir()) == []  # the data and runs are deleted without --keep
 
 

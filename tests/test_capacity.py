@@ -12,11 +12,11 @@ import pytest
 
 from cli import rankmix
 from trainer.config_loader import load_config
-from trainer.offline import capacity
 from trainer.data.datasets import capacity_features
 from trainer.data.encode import RowEncoder
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
+from trainer.offline import capacity
 
 
 def _table(folder):

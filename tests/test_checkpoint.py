@@ -187,7 +187,8 @@ def test_killed_rank_restarts_under_torchrun_and_ends_bitwise_equal(reference, c
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in out  # the restarted workers picked up the newest checkpoint
-    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}", tmp_path, sequences=True)
+    assert_same_state(reference / "checkpoints" / f"step-{STEPS}", run / "checkpoints" / f"step-{STEPS}", tmp_path,
+                      sequences=True)
     assert losses(run) == losses(reference)
 
 

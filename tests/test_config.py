@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import typing
 import math
 import re
+import typing
 from pathlib import Path
 
 import pytest
 
-from embeddings.tables import table_configs
 from dense.model_config import TaskSpec
 from dense.tower_configs.moe_towers import MoEConfig
 from embeddings.features import FeatureSpec
+from embeddings.tables import table_configs
 from trainer.config import Config, DataConfig, OptimConfig
 from trainer.config_loader import describe, dump_toml, field_docs, load_config, validate
 
@@ -167,8 +167,8 @@ def test_malformed_override(override):
     ("[train]\ndeterministic = 1\n", "config key train.deterministic must be bool, got 1"),
     ("[train]\nrun_dir = 3\n", "config key train.run_dir must be str, got 3"),
     ('[embeddings]\nsharding_types = "row_wise"\n', "config key embeddings.sharding_types must be a list"),
-    ("[embeddings]\nsharding_types = [1]\n", "embeddings.sharding_types[0] must be one of ('table_wise', 'column_wise', "
-     "'table_column_wise', 'row_wise', 'table_row_wise'), got 1"),
+    ("[embeddings]\nsharding_types = [1]\n", "embeddings.sharding_types[0] must be one of ('table_wise', "
+     "'column_wise', 'table_column_wise', 'row_wise', 'table_row_wise'), got 1"),
     ("data = 3\n", "config key data must be a table, got int"),
     ("[[features]]\nname = 'a'\nnum_embeddings = 'many'\n",
      "config key features.a.num_embeddings must be int, got 'many'"),
@@ -315,8 +315,8 @@ def features_toml(*tables: str) -> str:
     ("[data]\nshuffle_buffer = -1\n", "data.shuffle_buffer must be >= 0, got -1"),
     ("[train]\ndevice = 'tpu'\n", "train.device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'"),
     ("[train]\nepochs = 0\n", "train.steps and train.epochs are both 0: nothing to train"),
-    ("[embeddings]\nsharding_types = ['data_parallel']\n", "embeddings.sharding_types[0] must be one of ('table_wise', 'column_wise', "
-     "'table_column_wise', 'row_wise', 'table_row_wise'), got 'data_parallel'"),
+    ("[embeddings]\nsharding_types = ['data_parallel']\n", "embeddings.sharding_types[0] must be one of "
+     "('table_wise', 'column_wise', 'table_column_wise', 'row_wise', 'table_row_wise'), got 'data_parallel'"),
     ("[embeddings]\nsharding_types = []\n", "embeddings.sharding_types is empty"),
     ("[model]\ntasks = []\n", "model.tasks is empty"),
     ("[[model.tasks]]\nname = 'a'\n[[model.tasks]]\nname = 'a'\n", "model.tasks has duplicate names: ['a', 'a']"),

@@ -10,8 +10,8 @@ import pytest
 from dense import rankmixer
 from dense.tower_configs import rankmixer_towers
 from embeddings import features, managed, sparse_config, tables
-from trainer import config
 from embeddings.features import validate_features
+from trainer import config
 from trainer.config_loader import load_config
 from trainer.data.datasets import SYNTH_TEACHERS
 
@@ -28,7 +28,8 @@ def test_every_choice_has_its_implementation(mapping, choice):
 
 
 def test_the_towers_implement_the_choices_of_the_types():
-    assert rankmixer.NORMS == get_args(rankmixer_towers.BlockNorm) and rankmixer.POOLINGS == get_args(rankmixer_towers.TowerPooling)
+    assert (rankmixer.NORMS == get_args(rankmixer_towers.BlockNorm)
+            and rankmixer.POOLINGS == get_args(rankmixer_towers.TowerPooling))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dense.layout import InputLayout
-from dense.tower_registry import TABLES, TOWERS
 from dense.heads import build_tower
-from tests import cli
+from dense.layout import InputLayout
 from dense.model_config import ModelConfig
+from dense.tower_registry import TABLES, TOWERS
+from tests import cli
 from trainer.config import Config
 from trainer.config_loader import dump_toml, load_config, to_dict, unused_fields
 from trainer.data.datasets import synth_features
@@ -28,7 +28,8 @@ DEBUG = "configs/debug.toml"
 
 @pytest.mark.parametrize("overrides, message", [
     (["--model.moe.budget=0.3"],
-     "model.moe.budget is set, but tower 'rankmixer' does not read it (read by rankmixer_moe, unimixer_moe); remove it"),
+     "model.moe.budget is set, but tower 'rankmixer' does not read it (read by rankmixer_moe, unimixer_moe); "
+     "remove it"),
     (["--model.tower=dcnv2", "--model.num_tokens=4"],
      "model.num_tokens is set, but tower 'dcnv2' has no tokens; remove it"),
     (["--model.tower=mlp", "--model.dcnv2.cross_layers=2"],
@@ -105,7 +106,8 @@ def test_help_groups_the_fields_by_tower_table():
     proc = cli.rankmix("train", "--help")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    for table, readers in [("moe", "rankmixer_moe, unimixer_moe"), ("unimixer", "unimixer, unimixer_lite, unimixer_moe"), ("dcnv2", "dcnv2")]:
+    for table, readers in [("moe", "rankmixer_moe, unimixer_moe"),
+                           ("unimixer", "unimixer, unimixer_lite, unimixer_moe"), ("dcnv2", "dcnv2")]:
         header = next(line for line in lines if line.startswith(f"[model.{table}]"))
         assert header.endswith(f"({readers}).")
         after = lines[lines.index(header) + 1]
@@ -162,8 +164,8 @@ def test_a_tower_declared_in_one_new_module_is_a_choice_a_table_and_built(tmp_pa
 
 @pytest.mark.parametrize("overrides,warmup", [
     ([], 300), (["--model.tower=unimixer_lite"], 300), (["--model.tower=mlp"], 0), (["--model.tower=dcnv2"], 0),
-    (["--model.tower=mlp", "--optim.dense_warmup_steps=300"], 300), (["--model.tower=dcnv2", "--model.recipe=paper"], 0),
-    (["--model.recipe=paper"], 0)])
+    (["--model.tower=mlp", "--optim.dense_warmup_steps=300"], 300),
+    (["--model.tower=dcnv2", "--model.recipe=paper"], 0), (["--model.recipe=paper"], 0)])
 def test_each_tower_family_trains_by_its_own_defaults(overrides, warmup):
     """Issue 42: the dense warm-up stays for token towers; MLP and DCNv2 train without it
     (it cost them 0.011 and 0.0016 AUC on held-out data), unless the warm-up is given."""

@@ -16,14 +16,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cli import rankmix, rankmix_ranks as train
+from cli import rankmix
+from cli import rankmix_ranks as train
 from test_checkpoint import REPO, ok, tensors, train_args
 from trainer.checkpoint.manager import complete_steps
+from trainer.checkpoint.state import decode_state
 from trainer.config_loader import dump_toml, load_config
 from trainer.data.datasets import synth_features
-from trainer.offline.synth import day_teachers, teacher_click_logit, write_days
 from trainer.metrics.ranking import auc, calibration, logloss, normalized_entropy
-from trainer.checkpoint.state import decode_state
+from trainer.offline.synth import day_teachers, teacher_click_logit, write_days
 
 
 def resume_error(proc) -> str:
@@ -55,8 +56,8 @@ def test_shuffled_resume_refuses_a_replaced_or_added_file(tmp_path):
     part.write_bytes(original)  # the same rows rewritten by another writer would be another file
     pq.write_table(table, part.with_name("part-00004.parquet"))
     message = resume_error(train(1, *train_args(run, cache, 6)))
-    assert message == (f"{saved}: {part.with_name('part-00004.parquet')} was added; the saved position cannot be honoured "
-                       "(a run's input must not change; see docs/continuous.md)")
+    assert message == (f"{saved}: {part.with_name('part-00004.parquet')} was added; the saved position cannot be "
+                       "honoured (a run's input must not change; see docs/continuous.md)")
 
 
 # ----------------------------------------------------------------------------- time order

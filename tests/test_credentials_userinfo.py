@@ -10,12 +10,20 @@ from __future__ import annotations
 import string
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from cli import rankmix
 from launch.component import train
-from trainer.credentials import (has_credentials, is_redacted, malformed_userinfo, redact_uri, secret_kind,
-                                 to_environment, with_placeholders)
+from trainer.credentials import (
+    has_credentials,
+    is_redacted,
+    malformed_userinfo,
+    redact_uri,
+    secret_kind,
+    to_environment,
+    with_placeholders,
+)
 from trainer.data.store import resolve_files
 
 URI = "s3://minio:hunter2#x@bucket/train"

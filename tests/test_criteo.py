@@ -178,6 +178,7 @@ def test_parallel_equals_sequential(tmp_path):
     seq = convert_criteo(srcs, str(tmp_path / "seq"), workers=1)
     par = convert_criteo(srcs, str(tmp_path / "par"), workers=2)
     assert [f["rows"] for f in par["files"]] == [100, 100]
+    assert {**par, "out": None} == {**seq, "out": None}  # the same summary, but for the output folder
     for name in ("day_0-00000.parquet", "day_1-00000.parquet"):
         assert pq.read_table(tmp_path / "par" / name).equals(pq.read_table(tmp_path / "seq" / name))
     assert _read(tmp_path / "par").to_pylist() == [_expected(line) for line in lines]

@@ -19,9 +19,9 @@ from cli import rankmix
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
 from trainer.config_loader import dump_toml, load_config
-from trainer.offline.csvlog import stable_hash
 from trainer.data.datasets import synth_features
 from trainer.data.encode import RowEncoder
+from trainer.offline.csvlog import stable_hash
 
 REPO = Path(__file__).resolve().parents[1]
 

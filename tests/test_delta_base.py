@@ -13,7 +13,6 @@ import torch
 from cli import rankmix
 from trainer.serving.publish import tables_digest
 
-
 pytestmark = pytest.mark.slow  # two training runs, made once
 # The least a publishing run needs: TorchScript artifacts (quicker to write than pt2), few rows,
 # one evaluation batch, no checkpoint.

@@ -19,8 +19,16 @@ import torch.distributed as dist
 
 import trainer.dist as dist_module
 from cli import rendezvous_port
-from trainer.dist import (_attempt_store, memory_returned, node_memory_bytes, on_own_arena, raise_on_every_rank,
-                          trim_heap, tune_malloc, usable_cpus)
+from trainer.dist import (
+    _attempt_store,
+    memory_returned,
+    node_memory_bytes,
+    on_own_arena,
+    raise_on_every_rank,
+    trim_heap,
+    tune_malloc,
+    usable_cpus,
+)
 
 BLOCK_MB = 256
 

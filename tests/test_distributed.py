@@ -69,8 +69,8 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], data: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-    from trainer.dist import shutdown
     from trainer.assembly import build_trainer
+    from trainer.dist import shutdown
 
     cfg = load_config(None, [f"--data.train_path={data}/train", f"--data.eval_path={data}/valid",
                              "--data.dataset=parquet", "--data.shuffle=false", "--metrics.progress=false",
@@ -147,7 +147,8 @@ def _cli_worker(rank: int, world: int, ports: list[int], run: str, cache: str) -
     for i, port in enumerate(ports):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        code = main(["train", "--config", str(REPO / "configs" / "debug.toml"), "--train.steps=6", "--metrics.eval_batches=2",
+        code = main(["train", "--config", str(REPO / "configs" / "debug.toml"), "--train.steps=6",
+                     "--metrics.eval_batches=2",
                      f"--train.run_dir={run}/{i}", f"--data.cache_dir={cache}", "--metrics.progress=false",
                      "--checkpoint.async_save=true", "--checkpoint.interval=3", "--embeddings.plan=column_wise"])
         assert code == 0
@@ -221,7 +222,8 @@ def test_uneven_files_on_two_ranks_train_every_row_but_a_bounded_few(data_dir, t
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2", "--config",
                            str(tmp_path / "uneven.toml"), f"--train.run_dir={run}", "--metrics.progress=false",
                            "--metrics.tensorboard=false", "--checkpoint.enabled=false"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**env, "PYTHONWARNINGS": "ignore"})
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "data"]

@@ -35,15 +35,15 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from dense.layout import InputLayout
 from dense.heads import TaskHeads, build_tower
-from dense.tower_registry import TOWERS
-from dense.unimixer import sinkhorn
+from dense.layout import InputLayout
 from dense.model_config import ModelConfig
 from dense.tower_configs.baseline_towers import MLPConfig
 from dense.tower_configs.moe_towers import MoEConfig
-from trainer.data.datasets import synth_features
+from dense.tower_registry import TOWERS
+from dense.unimixer import sinkhorn
 from embeddings.hooks import TrainingHooks
+from trainer.data.datasets import synth_features
 from trainer.lifecycle import GRADIENT, LOSS, StepFlags
 from trainer.metrics.logger import StepMeter
 

@@ -26,14 +26,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
-from trainer.offline.csvlog import convert_csv
 from trainer.data.encode import RowEncoder
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
+from trainer.offline.csvlog import convert_csv
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
-from trainer.offline.csvlog import hashed_column, stable_hash
 from trainer.data.feature_ops import spread, spread_ids
 from trainer.data.ids import encode_ids
+from trainer.offline.csvlog import hashed_column, stable_hash
 
 GOLDEN = 0x9E3779B97F4A7C15
 STATES = [GOLDEN * k % 2 ** 64 for k in range(1, 5)] + [0, 1]
@@ -76,7 +76,10 @@ def test_hashed_column_hashes_each_string_and_nulls_the_empty_ones():
 # tables, the serving artifact's raw ids (reduce=False), and where errors point.
 
 
-def _list(rows: list, typ: pa.DataType = pa.int64()) -> pa.Array:
+INT64 = pa.int64()
+
+
+def _list(rows: list, typ: pa.DataType = INT64) -> pa.Array:
     return pa.array(rows, pa.list_(typ))
 
 

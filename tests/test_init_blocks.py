@@ -35,10 +35,11 @@ def reference_rows(seed: int, table: str, shape: tuple[int, int], start: int, co
 
 def _init_worker(rank: int, world: int, port: int, plan: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
-    from embeddings.init import BLOCK_ROWS as block_rows, init_embeddings
+    from embeddings.init import BLOCK_ROWS as block_rows
+    from embeddings.init import init_embeddings
     from embeddings.sharding import local_shards, shard_model
-    from embeddings.tables import fuse_optimizer
     from embeddings.sparse_config import EmbeddingsConfig
+    from embeddings.tables import fuse_optimizer
 
     assert block_rows == BLOCK_ROWS
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pytest
 
 from cli import rankmix
-from test_data_safety import train_on_a_changed_log
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
+from test_data_safety import train_on_a_changed_log
 from trainer.data.encode import RowEncoder
 
 WHERE = "f.parquet, row group 0"

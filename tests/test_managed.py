@@ -20,10 +20,10 @@ from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, _mch_remap
 
 from cli import rankmix, rendezvous_port, spawn
 from cli import rankmix_ranks as train_ranks
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
 from embeddings.managed import TrackedMCH, served_tables
 from test_checkpoint import assert_same_state, tensors
 from trainer.checkpoint.manager import model_tensors
-from embeddings.features import FeatureSpec, MANAGED_ID_RANGE
 from trainer.config_loader import load_config
 from trainer.data.feature_ops import spread, spread_ids
 from trainer.data.ids import encode_ids
@@ -154,8 +154,8 @@ def _evict_worker(rank: int, port: int, optimizer: str, collection: str, out: st
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from trainer.ranking_model import build_model
     from embeddings.sharding import shard_model
+    from trainer.ranking_model import build_model
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     table, overrides = EVICTED[collection]
@@ -215,8 +215,8 @@ def _mch_reference(ids: torch.Tensor, state: dict[str, torch.Tensor], table: str
     for rank, (start, end) in enumerate(zip(segments, segments[1:])):
         mine = bucket == rank
         remapped = _mch_remap({"f": JaggedTensor(mixed[mine], lengths=torch.ones(int(mine.sum()), dtype=torch.int64))},
-                              buffers["_mch_sorted_raw_ids"][start:end], buffers["_mch_remapped_ids_mapping"][start:end],
-                              end - 1)
+                              buffers["_mch_sorted_raw_ids"][start:end],
+                              buffers["_mch_remapped_ids_mapping"][start:end], end - 1)
         out[mine] = remapped["f"].values()
     return out
 

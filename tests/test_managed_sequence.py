@@ -186,7 +186,8 @@ def test_plain_and_managed_sequences_train_together_on_two_ranks_and_serve(made_
                  "--checkpoint.interval=5")
     summary = json.loads(proc.stdout.splitlines()[-1])
     plan = (tmp_path / "run" / "plan.txt").read_text()
-    assert all(f"module: {m}\n" in plan for m in ("ebc", "sequence_tables", "managed_tables", "managed_sequence_tables"))
+    assert all(f"module: {m}\n" in plan
+               for m in ("ebc", "sequence_tables", "managed_tables", "managed_sequence_tables"))
     assert {"managed/item.miss_rate", "managed/user_id.miss_rate"} <= summary.keys()
     export_and_score(tmp_path / "run", next(cache.glob("*/valid")), tmp_path)
 

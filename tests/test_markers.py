@@ -12,8 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from trainer.offline.csvlog import (CsvLayout, _adopt_legacy_markers, _digest, _marker, _markers, _name_hash, _names,
-                                    _part_of, _read_marker, convert_csv)
+from trainer.offline.csvlog import (
+    CsvLayout,
+    _adopt_legacy_markers,
+    _digest,
+    _marker,
+    _markers,
+    _name_hash,
+    _names,
+    _part_of,
+    _read_marker,
+    convert_csv,
+)
 
 LAYOUT = dict(label="click", numeric=["id"])
 

@@ -12,10 +12,10 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from cli import rankmix, rendezvous_port, spawn
-from dense.layout import InputLayout
-from dense.moe import PerTokenMoE, expert_hidden
 from dense.heads import build_tower
+from dense.layout import InputLayout
 from dense.model_config import ModelConfig
+from dense.moe import PerTokenMoE, expert_hidden
 from dense.tower_configs.moe_towers import MoEConfig
 from trainer.data.datasets import synth_features
 
@@ -82,7 +82,7 @@ def test_training_step_equals_autograd_through_the_expert_loop_and_the_router_te
     torch.testing.assert_close(active, (g_infer > 0).float().mean(dim=1))
     ((s + v) * cotangent).sum().add(3 * reference).backward()
     for (name, _), got, want in zip([("s", s), *moe.named_parameters()], fast, (p.grad for p in params)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_sparse_inference_equals_dense_inference_where_gates_are_zero():
@@ -142,7 +142,7 @@ def test_lambda_moves_towards_the_budget():
 def test_lambda_turns_negative_when_the_routers_are_sparser_than_the_budget():
     moe = make_moe()
     moe.budget = 0.9
-    for step in range(1, 80):
+    for _step in range(1, 80):
         moe.forward_tm(torch.randn(T, B, D))
         moe.adapt(moe.take_pending())
     assert moe.l1_coef.item() < -1e-3  # crossed zero, then grew in magnitude

@@ -6,7 +6,7 @@ import csv
 import random
 import re
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -144,7 +144,7 @@ def test_history_matches_raw(raw_inter, rows) -> None:
 
 def test_calendar_features_are_utc(raw_inter, rows) -> None:
     for user, item, _, ts in random.Random(1).sample(raw_inter, 500):
-        when = datetime.fromtimestamp(ts, tz=timezone.utc)
+        when = datetime.fromtimestamp(ts, tz=UTC)
         row = rows[(user, item, ts)]
         assert (row["hour"], row["weekday"]) == (when.hour, when.weekday())
 

@@ -38,7 +38,8 @@ def write_movielens(folder: Path, to_id=lambda i: i) -> Path:
     (folder / "ml-100k.item").write_text("item_id:token\tmovie_title:token_seq\trelease_year:token\t"
                                          "class:token_seq\n" +
                                          "".join(f"{to_id(i)}\tTitle {i}\t{y}\t{g}\n" for i, y, g in items))
-    ratings = [(rng.randint(1, USERS), rng.randint(1, ITEMS), rng.randint(1, 5), 880_000_000 + rng.randint(0, 40) * 3_600)
+    ratings = [(rng.randint(1, USERS), rng.randint(1, ITEMS), rng.randint(1, 5),
+                880_000_000 + rng.randint(0, 40) * 3_600)
                for _ in range(RATINGS)]
     (folder / "ml-100k.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n" +
                                           "".join(f"{to_id(u)}\t{to_id(i)}\t{r}\t{t}\n" for u, i, r, t in ratings))

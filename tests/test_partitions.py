@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
+from trainer.checkpoint.state import decode_state, encode_state
 from trainer.data.partitions import Partition, PartitionedReader, list_partitions
-from trainer.metrics.progressive import ProgressiveMetrics
 from trainer.data.reader import EpochRows
 from trainer.errors import DataUnavailableError
-from trainer.checkpoint.state import decode_state, encode_state
+from trainer.metrics.progressive import ProgressiveMetrics
 
 
 class OnePass:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import GB, plan_cluster
 from cli import rankmix, rendezvous_port, spawn
+from launch.plan import GB, plan_cluster
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
@@ -32,8 +32,8 @@ def _measure(rank: int, port: int, optimizer: str, data_type: str, managed: bool
     import torch
     import torch.distributed as dist
 
-    from trainer.ranking_model import build_model
     from embeddings.sharding import local_shards, shard_model
+    from trainer.ranking_model import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -113,7 +113,7 @@ def test_plans_of_two_and_four_ranks_differ_as_their_shards_do():
     cfg = load_config(SYNTH, ["--embeddings.plan=row_wise", "--embeddings.optimizer=adagrad",
                               "--features.user_id.num_embeddings=400000"])
     plans = {world: plan_cluster(cfg, world, "cpu", 0.0, 24.0, world) for world in (2, 4)}
-    for world, plan in plans.items():
+    for _world, plan in plans.items():
         for rank, (m, h) in enumerate(zip(plan.memory, plan.host)):
             shards = shards_of(plan.plan, rank)
             assert m.tables == m.optimizer == sum(rows * cols * 4 for rows, cols in shards)

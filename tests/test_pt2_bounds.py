@@ -15,8 +15,17 @@ import torch
 
 from cli import rankmix
 from test_one_line_errors import one_line
-from test_trust_pt2 import (PROGRAM, artifact, edited, entries, example, expression_refused, guard_refused,  # noqa: F401
-                            planted, refusal)
+from test_trust_pt2 import (  # noqa: F401
+    PROGRAM,
+    artifact,
+    edited,
+    entries,
+    example,
+    expression_refused,
+    guard_refused,
+    planted,
+    refusal,
+)
 from trainer.checkpoint.safe_load import UnsafeFileError
 from trainer.serving.export import load
 from trainer.serving.pt2_bounds import MAX_PT2_DISTINCT, MAX_PT2_TERMS, host_memory

@@ -14,9 +14,23 @@ import pytest
 from param_ids import plain_ids
 from trainer.checkpoint.safe_load import UnsafeFileError
 from trainer.dist import node_memory_bytes
-from trainer.serving.pt2_bounds import (INT64_MAX, INT64_MIN, MAX_EXPRESSION_CHARS, MAX_PT2_DISTINCT, MAX_PT2_TERMS,
-                                        Budget, Sizes, _elements, _parsed, check_allocations, expression, guard,
-                                        hints, host_memory, is_int64)
+from trainer.serving.pt2_bounds import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_EXPRESSION_CHARS,
+    MAX_PT2_DISTINCT,
+    MAX_PT2_TERMS,
+    Budget,
+    Sizes,
+    _elements,
+    _parsed,
+    check_allocations,
+    expression,
+    guard,
+    hints,
+    host_memory,
+    is_int64,
+)
 
 PATH = Path("m.pt2")
 S0, S1 = "Symbol('s0', integer=True)", "Symbol('s1', positive=True, integer=True, nonnegative=True)"
@@ -57,9 +71,9 @@ def test_a_linear_form_is_read_with_its_terms(text, form, terms):
     "Symbol('s0', integer=x)", "Symbol('s0', 'integer')", "Symbol(s0)", "Symbol(0)", "Symbol()",
     "symbol('s0')", "x.Symbol('s0')",
     f"Mul({S0}, {S1})", "Mul(2, 3)", f"Mul(2, {S0}, 3)", f"Mul(2, {S0}, evaluate=False)", f"Mul({S0})",
-    f"Add({S0})", f"Add(1, 2, evaluate=False)", f"Add(1, Add(1, 2))", f"Add(1, Pow({S0}, 2))",
-    f"Equality({S0})", f"Equality(1, 2, 3)", f"Equality(1, 2, evaluate=False)", f"Equality(1, Pow(2, 3))",
-    f"Equality(Pow(2, 3), 1)", "And(1, 2)", "x.Equality(1, 2)", "Pow(10, 100000000000)",
+    f"Add({S0})", "Add(1, 2, evaluate=False)", "Add(1, Add(1, 2))", f"Add(1, Pow({S0}, 2))",
+    f"Equality({S0})", "Equality(1, 2, 3)", "Equality(1, 2, evaluate=False)", "Equality(1, Pow(2, 3))",
+    "Equality(Pow(2, 3), 1)", "And(1, 2)", "x.Equality(1, 2)", "Pow(10, 100000000000)",
     "1 +", "", "(" * 200 + "x" + ")" * 200, "a\0", "1" * (MAX_EXPRESSION_CHARS + 1),
 ], ids=plain_ids(40))
 def test_anything_else_is_no_linear_form_and_costs_no_terms(text):
@@ -112,7 +126,7 @@ def test_the_distinct_symbols_products_and_sums_of_a_load_are_bounded():
     for i in range(MAX_PT2_DISTINCT):
         expression(f"Symbol('s{i}', integer=True)", budget)
     assert len(budget.distinct) == MAX_PT2_DISTINCT == 1 << 11
-    expression(f"Add(Symbol('s0', integer=True), 0)", budget)  # nothing new: a sum of one symbol and 0 is it
+    expression("Add(Symbol('s0', integer=True), 0)", budget)  # nothing new: a sum of one symbol and 0 is it
     expression("Integer(5)", budget)  # a constant alone is kept by no one
     with pytest.raises(UnsafeFileError) as refused:
         expression("Add(Symbol('s0', integer=True), 1)", budget)
@@ -192,7 +206,8 @@ def sizes(graph: dict | None = None, **hint: int) -> Sizes:
     ({"as_expr": {"expr_str": "A"}}, 17), ({"as_sym_int": {"as_expr": {"expr_str": "A", "hint": None}}}, 17),
     ({"as_expr": {"expr_str": "C"}}, None), ({"as_expr": {"expr_str": "D"}}, None), ({"as_expr": "A"}, None),
     ({"as_name": "n"}, 9), ({"as_sym_int": {"as_name": "n"}}, 9), ({"as_name": "m"}, None), ({"as_name": 1}, None),
-    ({"as_int": "7"}, None), ({"as_int": None}, None), ({"as_float": "n"}, None), ({"as_bool": True}, None), ({"as_int": 1, "x": 2}, None),
+    ({"as_int": "7"}, None), ({"as_int": None}, None), ({"as_float": "n"}, None), ({"as_bool": True}, None),
+    ({"as_int": 1, "x": 2}, None),
     ({}, None), (None, None), (7, None),
 ], ids=plain_ids(40))
 def test_a_size_argument_is_its_number_at_the_example_inputs(arg, value):

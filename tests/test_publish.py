@@ -16,10 +16,10 @@ from cli import rankmix_ranks as train
 from embeddings.managed import served_tables
 from trainer.checkpoint.manager import model_tensors
 from trainer.config_loader import dump_toml, load_config
-from trainer.serving.publish import split_tables
 from trainer.data.datasets import synth_features
 from trainer.serving.export import load
 from trainer.serving.predict import raw_inputs
+from trainer.serving.publish import split_tables
 
 # Managed user and item tables with fewer rows than the log has ids (they evict), publishing
 # every 7 steps: step-7 (full only), step-14 and step-21 (each with a delta).

@@ -18,11 +18,10 @@ import torch
 from torchrec import EmbeddingBagCollection
 
 from dense.heads import build_dense
+from dense.model_config import TaskSpec
+from embeddings.features import FeatureSpec, validate_features
 from embeddings.tables import table_configs
 from embeddings.torchrec_compat import FREE_SLOT, MC_WEIGHTS, MCH_BUFFERS, MCH_ROWS, MCH_SEGMENTS, MCH_SORTED_IDS
-from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec
-from embeddings.features import validate_features
 from trainer.config_loader import dump_toml, load_config
 from trainer.data.feature_ops import spread
 from trainer.serving import publish as publishing

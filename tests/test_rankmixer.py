@@ -170,7 +170,8 @@ def test_pre_norm_block_and_flatten_pooling_match_a_composition_of_the_parts():
     """norm="pre": S = X + TokenMixing(LN1(X)), X' = S + FFN(LN2(S)), one LN before pooling;
     pooling="flatten": the T x D tokens concatenated, token by token."""
     torch.manual_seed(0)
-    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, norm="pre", pooling="flatten").double()
+    tower = RankMixerTower(SliceTokenizer(12, 4, 0, 8, bias_init="uniform"), 2, 8, 2, norm="pre",
+                           pooling="flatten").double()
     for p in tower.parameters():  # LayerNorms away from gamma 1, beta 0, so that a misplaced one shows
         torch.nn.init.normal_(p, std=0.5)
     e = torch.randn(3, 12, dtype=torch.float64)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
+from dense.heads import build_tower
 from dense.layout import InputLayout
 from dense.model_config import ModelConfig
+from dense.rankmixer import PerTokenFFN, RankMixerBlock, RankMixerTower, uniform_init
 from dense.tokenizer import SliceTokenizer
-from dense.heads import build_tower
 from trainer.data.datasets import synth_features
 
 T, D = 4, 8

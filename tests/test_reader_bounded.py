@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from cli import spawn
-from test_reader import assert_same, make_encoder, make_table, snap, users_of
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
+from test_reader import assert_same, make_encoder, make_table, snap, users_of
 from trainer.data.assignment import SLICE_ROWS, Piece, RowGroup, sliced
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features
 from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
+from trainer.data.ids import encode_ids
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 

@@ -154,7 +154,7 @@ def test_every_guide_page_is_tested_and_the_readme_stays_short():
 def test_every_block_is_run_or_says_why_not():
     found = blocks()
     assert len(found) > 10 and any(why is None for _, _, why in found)
-    for line, text, why in found:
+    for line, _text, why in found:
         assert why is None or len(why) > 10, f"{line}: say why the block is not run"
 
 

@@ -7,8 +7,8 @@ kernels, thread count, processor vendor and model, and BLAS: `reference_losses.m
 elsewhere to a relative 1e-4. Other kernels (ATEN_CPU_CAPABILITY=default against AVX512, one
 thread against two) moved 20 steps' losses by 1.7e-6 at most, and an AMD EPYC against an
 Intel Xeon AVX512 CPU by 1.1e-6 (UniMixer; 1e-7 to 1.6e-7 the others), 60x below that bound;
-a change of behaviour (an init, a learning rate, a layer's order) moves them by 1e-3 or more. `make test-portability` reruns it under
-other kernels and one thread.
+a change of behaviour (an init, a learning rate, a layer's order) moves them by 1e-3 or more.
+`make test-portability` reruns it under other kernels and one thread.
 """
 
 import json

@@ -43,12 +43,15 @@ def _slow_metadata() -> None:
     """This process's file metadata reads take up to 2 ms (a network filesystem, a busy
     disk): the claimants' steps interleave in every order, as they do at random, and rarely,
     on a fast disk."""
-    for name in ("stat", "lstat", "fstat"):
-        def slow(*args, _real=getattr(os, name), **kwargs):
-            found = _real(*args, **kwargs)
+    def slowed(real):
+        def slow(*args, **kwargs):
+            found = real(*args, **kwargs)
             time.sleep(random.uniform(0, 0.002))
             return found
-        setattr(os, name, slow)
+        return slow
+
+    for name in ("stat", "lstat", "fstat"):
+        setattr(os, name, slowed(getattr(os, name)))
 
 
 def _claimant(folder: str, rounds: int, barrier, results) -> None:
@@ -181,8 +184,9 @@ def test_a_release_racing_a_takeover_never_deletes_the_new_holders_lock(tmp_path
         then = time.time() - STALE_SECONDS - 60
         os.utime(old.path, (then, then))  # paused for 11 minutes
         start = threading.Barrier(2)
-        threads = [threading.Thread(target=lambda: (start.wait(), time.sleep(random.uniform(0, 0.004)), old.release())),
-                   threading.Thread(target=lambda: (start.wait(), new.acquire()))]
+        threads = [threading.Thread(target=lambda start=start, old=old: (
+                       start.wait(), time.sleep(random.uniform(0, 0.004)), old.release())),
+                   threading.Thread(target=lambda start=start, new=new: (start.wait(), new.acquire()))]
         for t in threads:
             t.start()
         for t in threads:

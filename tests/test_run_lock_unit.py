@@ -17,15 +17,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 import trainer.dist  # noqa: F401 (claim_run_folders imports it on use: here once, not in each forked test)
 from trainer.checkpoint import run_folder
-from trainer.checkpoint.run_folder import (GUARD_FILE, LOCK_FILE, STALE_SECONDS, RunLock, RunLocks, _alive,
-                                           _same_file, claim_run_folders, run_folders)
+from trainer.checkpoint.run_folder import (
+    GUARD_FILE,
+    LOCK_FILE,
+    STALE_SECONDS,
+    RunLock,
+    RunLocks,
+    _alive,
+    _same_file,
+    claim_run_folders,
+    run_folders,
+)
 from trainer.config import CheckpointConfig
 
 HOST = socket.gethostname()
@@ -136,11 +145,11 @@ def test_alive_is_a_running_process_of_this_host_and_asks_it_nothing(tmp_path, z
 def test_a_lock_names_this_run_and_goes_with_its_release(tmp_path):
     folder = tmp_path / "a" / "run"
     lock = RunLock(folder)
-    before = datetime.now(timezone.utc).replace(microsecond=0)
+    before = datetime.now(UTC).replace(microsecond=0)
     lock.acquire()
     held = holder_of(folder)
     assert held == lock.holder and held["host"] == HOST and held["pid"] == os.getpid()
-    assert before <= datetime.fromisoformat(held["started"]) <= datetime.now(timezone.utc)
+    assert before <= datetime.fromisoformat(held["started"]) <= datetime.now(UTC)
     assert re.fullmatch(r"[0-9a-f]{16}", held["token"]) and held["token"] != RunLock(folder).holder["token"]
     assert names(folder) == [LOCK_FILE] and lock.lost is None and lock.verify()
     lock.release()
@@ -298,7 +307,8 @@ def test_a_release_that_cannot_take_the_guard_leaves_the_lock_saying_so(tmp_path
     (lambda path: path.unlink(), "was removed"),
     (lambda path: path.write_text(json.dumps({"host": "h", "pid": 9, "started": "s"})),
      "was taken over by host h, pid 9 (started s)"),
-    (lambda path: path.write_text(json.dumps({"host": "h", "pid": 9})), "was taken over by host h, pid 9 (started None)"),
+    (lambda path: path.write_text(json.dumps({"host": "h", "pid": 9})),
+     "was taken over by host h, pid 9 (started None)"),
     (lambda path: path.write_text("[]"), "was overwritten by something that is not a rankmix lock"),
 ], ids=["removed", "taken", "taken-no-start", "overwritten"])
 def test_a_lost_lock_is_told_once_and_stops_the_heartbeat(tmp_path, change, what):

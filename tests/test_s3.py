@@ -13,9 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("moto.server", reason="moto[server] not installed")
-from object_store import Server, filesystem, query, upload  # noqa: E402
-
 from dense.model_config import TaskSpec  # noqa: E402
+from object_store import Server, filesystem, query, upload  # noqa: E402
 from trainer.data.datasets import synth_features  # noqa: E402
 from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.data.options import ReaderOptions  # noqa: E402

@@ -24,13 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("moto.server", reason="moto[server] not installed")
-from object_store import Server, filesystem, free_port, upload  # noqa: E402
 from cli import rankmix, run_env  # noqa: E402
-
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, validate_features  # noqa: E402
-from trainer.data.encode import RowEncoder  # noqa: E402
+from object_store import Server, filesystem, free_port, upload  # noqa: E402
 from trainer.credentials import redact_uri  # noqa: E402
+from trainer.data.encode import RowEncoder  # noqa: E402
 from trainer.data.options import ReaderOptions  # noqa: E402
 from trainer.data.reader import ParquetReader  # noqa: E402
 from trainer.data.store import resolve_files  # noqa: E402

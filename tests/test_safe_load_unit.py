@@ -20,14 +20,36 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from trainer.checkpoint import safe_load
-from trainer.checkpoint.safe_load import (MAX_CELLS, MAX_DIMS, MAX_ELEMENTS, CheckedFile, LoadPlanner, SafeReader,
-                                          UnsafeFileError, check_metadata, check_storage, check_tensor, first_line,
-                                          inside, open_checked, open_inside, read_metadata, scan_pickle, tiling_error)
+from trainer.checkpoint.safe_load import (
+    MAX_CELLS,
+    MAX_DIMS,
+    MAX_ELEMENTS,
+    CheckedFile,
+    LoadPlanner,
+    SafeReader,
+    UnsafeFileError,
+    check_metadata,
+    check_storage,
+    check_tensor,
+    first_line,
+    inside,
+    open_checked,
+    open_inside,
+    read_metadata,
+    scan_pickle,
+    tiling_error,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -263,8 +285,8 @@ def test_a_metadata_file_that_fails_to_read_is_unreadable():
 
 def test_a_metadata_reading_past_its_memo_is_refused(tmp_path):
     """BINGET of index 1 with one entry memoized: the unpickler would read past its memo."""
-    assert unpickled(tmp_path, b"\x80\x04N\x94h\x01.") == (f"{tmp_path / '.metadata'}: refused: memo index 1 at byte 4, "
-                                                           "beyond the 1 entries memoized so far")
+    assert unpickled(tmp_path, b"\x80\x04N\x94h\x01.") == (f"{tmp_path / '.metadata'}: refused: memo index 1 "
+                                                           "at byte 4, beyond the 1 entries memoized so far")
 
 
 def test_a_metadata_linked_from_inside_is_read_and_one_linked_outside_refused(step, tmp_path):
@@ -519,7 +541,7 @@ def test_an_entry_ending_at_its_files_end_is_accepted_and_one_byte_past_it_refus
         assert check_storage({storage("model.w"): dataclasses.replace(info, offset=offset, length=length)},
                              step, Path("m")) == check_metadata(metadata_of(step), step, Path("m"))
     for offset, length in ((size - info.length + 1, info.length), (size, 1), (0, size + 1), (size + 1, 0)):
-        assert refusal(lambda: check_storage(
+        assert refusal(lambda offset=offset, length=length: check_storage(
             {storage("model.w"): dataclasses.replace(info, offset=offset, length=length)}, step, Path("m"))) == (
             f"m: not a valid checkpoint: 'model.w' is stored at bytes {offset}+{length} of '__0_0.distcp', "
             f"which has {size}")
@@ -738,7 +760,7 @@ def test_a_storage_file_is_opened_only_while_it_is_the_one_checked(tmp_path):
         assert f.read() == b"data"
     for other in (CheckedFile(("f",), found.st_dev, found.st_ino + 1, 4),
                   CheckedFile(("f",), found.st_dev + 1, found.st_ino, 4)):
-        assert refusal(lambda: open_checked(tmp_path, "f", other), UnsafeFileError) == (
+        assert refusal(lambda other=other: open_checked(tmp_path, "f", other), UnsafeFileError) == (
             "storage file 'f' refused: another file took its place after it was checked; nothing was read from it")
     os.replace(tmp_path / "f", tmp_path / "g")
     (tmp_path / "f").symlink_to("g")

@@ -14,8 +14,8 @@ import pickle
 import pickletools
 import struct
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -25,8 +25,7 @@ from test_trust_pt2 import served, small_features
 from trainer.checkpoint.safe_load import MAX_DIMS, MAX_ELEMENTS, UnsafeFileError
 from trainer.serving import safe_pt2
 from trainer.serving.export import artifact_files
-from trainer.serving.safe_pt2 import (MAX_PT2_JSON_BYTES, check_graph, check_pt2, load_pt2, op_name,
-                                      weights_only_loads)
+from trainer.serving.safe_pt2 import MAX_PT2_JSON_BYTES, check_graph, check_pt2, load_pt2, op_name, weights_only_loads
 
 PATH = Path("crafted.pt2")
 TOP = "archive"
@@ -367,7 +366,7 @@ def test_a_graph_node_of_other_fields_or_ops_is_refused():
     assert refused(program(lambda doc: nodes(doc)[3]["metadata"].update(source_fn_stack="x"))) == refusal(
         f"a graph node with fields {sorted(nodes(json.loads(dict(exported())[PROGRAM]))[3])[:8]}")
     for field in ("stack_trace", "nn_module_stack", "torch_fn"):  # each field of a node's metadata may be left out
-        check(program(lambda doc: [node["metadata"].pop(field, None) for node in nodes(doc)]))
+        check(program(lambda doc, field=field: [node["metadata"].pop(field, None) for node in nodes(doc)]))
     check(program(lambda doc: [(node.pop("is_hop_single_tensor_return"), node.pop("name")) for node in nodes(doc)]))
 
 
@@ -377,7 +376,8 @@ def test_the_first_op_outside_the_allow_list_is_named():
         nodes(doc)[5]["target"] = "builtins.exec"
     assert refused(program(plant)) == refusal("a graph that calls torch.ops.aten.from_file.default")
     long = "x" * 300
-    assert refused(program(lambda doc: nodes(doc)[4].update(target=long))) == refusal(f"a graph that calls {long[:200]}")
+    assert refused(program(lambda doc: nodes(doc)[4].update(target=long))) == refusal(
+        f"a graph that calls {long[:200]}")
 
 
 def test_a_target_anywhere_in_the_program_is_an_op_of_the_allow_list():
@@ -736,7 +736,7 @@ def test_a_tensor_is_a_plain_cpu_tensor(change):
 
 def test_every_plain_dtype_is_accepted():
     for number, dtype in safe_pt2._PT2_DTYPES.items():
-        check(declared(lambda meta: meta.update(dtype=number), 160 * dtype.itemsize))
+        check(declared(lambda meta, number=number: meta.update(dtype=number), 160 * dtype.itemsize))
 
 
 @pytest.mark.parametrize("size", [{"as_int": -1}, {"as_int": True}, {"as_int": 1.0}, {"as_int": 1, "x": 1}, 1,

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -18,8 +18,15 @@ import cli
 from cli import run_env
 from trainer.config import Config, DataConfig
 from trainer.config_loader import dump_toml, load_config, to_dict
-from trainer.credentials import (has_credentials, is_redacted, malformed_userinfo, redact_config, redact_uri,
-                                 with_placeholders, without_credentials)
+from trainer.credentials import (
+    has_credentials,
+    is_redacted,
+    malformed_userinfo,
+    redact_config,
+    redact_uri,
+    with_placeholders,
+    without_credentials,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 KEY, SECRET = "AKIDTEST", "s3cr3tSECRETvalue"

@@ -43,7 +43,6 @@ def store(tmp_path_factory):
     """(config with the synthetic schema, {split: URI with credentials}, {split: the URI without})."""
     pytest.importorskip("moto.server", reason="moto[server] not installed")
     from object_store import synthetic_bucket
-
     from trainer.data.datasets import synth_features
 
     local = tmp_path_factory.mktemp("synth")

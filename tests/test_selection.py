@@ -16,11 +16,11 @@ from cli import rankmix
 from cli import rankmix_ranks as train_ranks
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
+from trainer.components.selection import BestPoint
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
-from trainer.components.selection import BestPoint
 
 
 def test_best_point_follows_the_metric_direction_and_runs_out_of_patience():

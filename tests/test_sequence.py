@@ -28,8 +28,8 @@ def schema(module: str = "target_attention", tokens: int = 1, timestamps: str = 
             f(name="item", table="catalog", num_embeddings=50, embedding_dim=D, group="item"),
             f(name="also", kind="id_list", table="catalog", num_embeddings=50, embedding_dim=D, pooling="mean",
               max_len=3, group="item"),
-            f(name="hist", kind="sequence", table="catalog", num_embeddings=50, embedding_dim=D, max_len=6, pooling="mean",
-              sequence_module=module, sequence_tokens=tokens, timestamps=timestamps, group="behaviour")]
+            f(name="hist", kind="sequence", table="catalog", num_embeddings=50, embedding_dim=D, max_len=6,
+              pooling="mean", sequence_module=module, sequence_tokens=tokens, timestamps=timestamps, group="behaviour")]
 
 
 def jagged(lengths: list[int], width: int | None = D, seed: int = 0, device="cpu") -> JaggedTensor:
@@ -44,12 +44,14 @@ def jagged(lengths: list[int], width: int | None = D, seed: int = 0, device="cpu
     offsets = [0]
     for k in lengths:
         offsets.append(offsets[-1] + k)
-    return JaggedTensor(values, lengths=torch.tensor(lengths, device=device), offsets=torch.tensor(offsets, device=device))
+    return JaggedTensor(values, lengths=torch.tensor(lengths, device=device),
+                        offsets=torch.tensor(offsets, device=device))
 
 
 def lookups(rows: list[int], seed: int = 0, device="cpu") -> dict[str, JaggedTensor]:
     b = len(rows)
-    return {"item": jagged([1] * b, seed=seed, device=device), "also": jagged([2, 0, 3, 1][:b], seed=seed + 1, device=device),
+    return {"item": jagged([1] * b, seed=seed, device=device),
+            "also": jagged([2, 0, 3, 1][:b], seed=seed + 1, device=device),
             "hist": jagged(rows, seed=seed + 2, device=device)}
 
 

@@ -9,9 +9,18 @@ import dataclasses
 
 import pytest
 
-from embeddings.features import (ID_FIELDS, NUMERIC_FIELDS, SEQUENCE_FIELDS, FeatureSpec, attended_tables,
-                                 default_candidate, managed_tables, unpooled_features, unused_feature_fields,
-                                 validate_features)
+from embeddings.features import (
+    ID_FIELDS,
+    NUMERIC_FIELDS,
+    SEQUENCE_FIELDS,
+    FeatureSpec,
+    attended_tables,
+    default_candidate,
+    managed_tables,
+    unpooled_features,
+    unused_feature_fields,
+    validate_features,
+)
 
 f = FeatureSpec
 
@@ -145,7 +154,7 @@ def test_every_list_on_an_attended_table_needs_a_length_and_attended_tables_one_
     for i, kind in [(3, "id_list"), (3, "sequence")]:  # a pooled sequence on the table too
         features_i = list(features)
         features_i[i] = dataclasses.replace(features[i], kind=kind, max_len=0)
-        assert error(features_i) == (f"features.tags.max_len must be > 0: its table 'catalog' holds an attended "
+        assert error(features_i) == ("features.tags.max_len must be > 0: its table 'catalog' holds an attended "
                                      "sequence, so it is looked up unpooled and padded (to max_len in a served model)")
     validate_features(features + [f(name="free", kind="id_list", num_embeddings=5, embedding_dim=8)])  # another table
     other = [f(name="user", num_embeddings=5, embedding_dim=4),

@@ -14,8 +14,8 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from dense.heads import build_dense
-from dense.sequence import build_sequences
 from dense.model_config import TaskSpec
+from dense.sequence import build_sequences
 from embeddings.tables import sequence_table_configs, table_configs
 from test_serving_model import ROWS, features, table
 from trainer.config_loader import load_config
@@ -37,7 +37,8 @@ def timed_table(seed: int = 0) -> pa.Table:
 
 
 def reference(module: str, tower: str, timestamps: bool):
-    sizes = ["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer" else ["--model.mlp.hidden=[16, 8]"]
+    sizes = (["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer"
+             else ["--model.mlp.hidden=[16, 8]"])
     cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
     cfg.features = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2,
                                         timestamps="history_ts" if timestamps else "")
@@ -53,7 +54,8 @@ def reference(module: str, tower: str, timestamps: bool):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("module,tower,timestamps", [("target_attention", "rankmixer", True),
-                                                     ("transformer", "mlp", False), ("target_attention", "dcnv2", False)])
+                                                     ("transformer", "mlp", False),
+                                                     ("target_attention", "dcnv2", False)])
 def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower, timestamps, fmt):
     cfg, model = reference(module, tower, timestamps)
     rows = timed_table()
@@ -106,6 +108,7 @@ def test_an_attended_sequences_export_is_within_the_pt2_allow_lists(module, tabl
     """Every op of the padding, the time buckets and both modules is in PT2_OPS, so that
     `rankmix score --model` loads the artifact (trainer/serving/safe_pt2.py)."""
     import fbgemm_gpu  # noqa: F401  registers the ops of TorchRec's quantized tables
+
     from test_trust_pt2 import check_export
 
     cfg, model = reference(module, "rankmixer", True)

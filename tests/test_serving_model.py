@@ -8,17 +8,23 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection
 
-from embeddings.hooks import TrainingHooks
 from dense.heads import build_dense
-from trainer.ranking_model import RankingModel
-from dense.tower_registry import TOWERS
-from embeddings.tables import table_configs
 from dense.model_config import TaskSpec
+from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, validate_features
+from embeddings.hooks import TrainingHooks
+from embeddings.tables import table_configs
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
-from trainer.serving.export import (FORMATS, drop_state_dict_views, example_inputs, save_model, serving_model,
-                                    trace_model)
+from trainer.ranking_model import RankingModel
+from trainer.serving.export import (
+    FORMATS,
+    drop_state_dict_views,
+    example_inputs,
+    save_model,
+    serving_model,
+    trace_model,
+)
 from trainer.serving.predict import raw_inputs
 
 ROWS = 64

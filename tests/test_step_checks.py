@@ -205,8 +205,8 @@ def counting(calls: list, step: list[int], device: DeviceTensors):
 def _count_worker(rank: int, world: int, port: int, args: list[str], out: str, config: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from trainer.dist import shutdown
     from trainer.assembly import build_trainer
+    from trainer.dist import shutdown
 
     trainer = build_trainer(load_config(config, args))
     calls: list = []
@@ -239,7 +239,8 @@ def test_steps_between_checks_read_nothing_back(tower, sequence, cache, tmp_path
     sequence too: the sequence teacher's behaviours with their timestamps, the item table an
     EmbeddingCollection, each batch padded to its longest row, the gaps bucketed by the reader."""
     config = REPO / "configs" / ("debug.toml" if sequence == "pool" else "sequence.toml")
-    extra = [] if sequence == "pool" else [f"--features.hist_items.sequence_module={sequence}", "--data.synth_rows=4000"]
+    extra = ([] if sequence == "pool"
+             else [f"--features.hist_items.sequence_module={sequence}", "--data.synth_rows=4000"])
     args = [*extra, f"--model.tower={tower}", "--train.steps=10", "--train.check_every=5", "--metrics.log_every=5",
             "--checkpoint.interval=5", "--checkpoint.interval_minutes=600", "--metrics.eval_batches=1",
             "--metrics.progress=false", "--metrics.tensorboard=false", f"--train.run_dir={tmp_path / 'run'}",
@@ -301,8 +302,8 @@ def _bf16_worker(rank: int, world: int, port: int, args: list[str], out: str) ->
     from torch.nn.parallel import DistributedDataParallel
 
     from dense.rankmixer import RankMixerTower
-    from trainer.dist import shutdown
     from trainer.assembly import build_trainer
+    from trainer.dist import shutdown
 
     trainer = build_trainer(load_config(str(REPO / "configs" / "debug.toml"), args))
     tower = next(m for m in trainer.model.modules() if isinstance(m, RankMixerTower))

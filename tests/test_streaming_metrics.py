@@ -100,11 +100,11 @@ def _parity_worker(rank: int, world: int, port: int, config: str, args: list[str
     also the training window's figures and the logits of the batches it covers."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from trainer.assembly import build_trainer
     from trainer.config_loader import load_config
     from trainer.data.options import ReaderOptions
     from trainer.data.reader import ParquetReader
     from trainer.dist import shutdown
-    from trainer.assembly import build_trainer
 
     trainer = build_trainer(load_config(config, args))
     seen = []
@@ -251,8 +251,8 @@ def _peak_worker(rank: int, port: int, command: list[str], out: str) -> None:
     `rankmix score`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from launch.cli import main
-    from trainer.config_loader import load_config
     from trainer.assembly import build_trainer
+    from trainer.config_loader import load_config
 
     trainer = None
     if command[0] == "evaluate":
@@ -305,7 +305,8 @@ def test_evaluation_and_scoring_memory_does_not_grow_with_the_split(big_split, t
     for copies in (1, COPIES):
         data = str(root / f"x{copies}")
         evaluated = _peak(["evaluate", data, str(root / "run" / "config.toml"),
-                           f"--train.run_dir={tmp_path}/eval{copies}", "--checkpoint.enabled=false", "--metrics.eval_batches=0",
+                           f"--train.run_dir={tmp_path}/eval{copies}", "--checkpoint.enabled=false",
+                           "--metrics.eval_batches=0",
                            "--metrics.progress=false", "--metrics.tensorboard=false"], tmp_path / f"e{copies}.json")
         assert evaluated["rows"] == copies * SPLIT_ROWS
         scored = _peak(["score", "--checkpoint", str(root / "run"), "--data", data, "--out",

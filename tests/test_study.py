@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.study import PROTOCOL, Paired, Row, better_baseline, paired, study, table
 import cli
+from launch.study import PROTOCOL, Paired, Row, better_baseline, paired, study, table
 from test_sweep import forked_runs  # noqa: F401 (a fixture: the runs forked, not fresh interpreters)
 
 REPO = Path(__file__).resolve().parents[1]

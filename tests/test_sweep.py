@@ -93,9 +93,11 @@ def launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--grid", "model.hiden_dim=32,64"], "sweep point rankmixer [num_layers=1 hiden_dim=32]: unknown config key: model.hiden_dim"),
+    (["--grid", "model.hiden_dim=32,64"],
+     "sweep point rankmixer [num_layers=1 hiden_dim=32]: unknown config key: model.hiden_dim"),
     (["--grid", "model.hidden_dim=32,ten"], "config key model.hidden_dim must be int, got 'ten'"),
-    (["--grid", "model.hidden_dim=32,18"], "sweep point rankmixer [num_layers=1 hidden_dim=18]: RankMixer needs model.hidden_dim=18"),
+    (["--grid", "model.hidden_dim=32,18"],
+     "sweep point rankmixer [num_layers=1 hidden_dim=18]: RankMixer needs model.hidden_dim=18"),
     (["--tower-grid", "dcnv2:model.dcnv2.cross_layers=1"], "tower 'dcnv2' is not among the --tower options"),
     (["--grid", "model.hidden_dim"], "must look like section.key=v1,v2"),
     (["--baseline-tower", "nope"], "sweep point nope [-]: model.tower must be one of"),

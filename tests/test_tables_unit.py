@@ -8,20 +8,34 @@ import pytest
 import torch
 from torch import nn
 from torchrec import DataType, EmbeddingBagCollection, EmbeddingCollection, PoolingType
-from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
-                                                   ManagedCollisionEmbeddingCollection)
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LRU_EvictionPolicy
 from torchrec.optim import RowWiseAdagrad
 
 from embeddings.features import MANAGED_ID_RANGE, FeatureSpec
 from embeddings.hooks import TrainingHooks
-from embeddings.managed import (TrackedMCH, build_managed_bags, build_managed_sequences, managed_modules,
-                                managed_plans, managed_sharders, row_wise_rows, served_tables)
+from embeddings.managed import (
+    TrackedMCH,
+    build_managed_bags,
+    build_managed_sequences,
+    managed_modules,
+    managed_plans,
+    managed_sharders,
+    row_wise_rows,
+    served_tables,
+)
 from embeddings.sparse_config import EmbeddingsConfig
-from embeddings.tables import (build_embedding_bags, build_sequence_tables, sequence_table_configs, table_configs,
-                               tables_of)
-from embeddings.torchrec_compat import (ManagedSequenceTablesSharder, ManagedTablesSharder, mc_table_configs,
-                                        mch_module)
+from embeddings.tables import (
+    build_embedding_bags,
+    build_sequence_tables,
+    sequence_table_configs,
+    table_configs,
+    tables_of,
+)
+from embeddings.torchrec_compat import ManagedSequenceTablesSharder, ManagedTablesSharder, mc_table_configs, mch_module
 
 FREE = torch.iinfo(torch.int64).max
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dense.tokenizer import GroupTokenizer, SliceTokenizer, build_tokenizer
 from dense.model_config import ModelConfig
+from dense.tokenizer import GroupTokenizer, SliceTokenizer, build_tokenizer
 
 WIDTHS = [3, 5, 4]
 
@@ -37,8 +37,11 @@ def test_an_unknown_tokenizer_is_an_error():
     assert str(err.value) == "model.tokenizer must be slice or group, got 'hash'"
 
 
-@pytest.mark.parametrize("tok", [SliceTokenizer(12, 5, 3, 6, bias_init="uniform"), SliceTokenizer(12, 4, 0, 6, bias_init="uniform"), GroupTokenizer(WIDTHS, 6, bias_init="uniform"),
-                                 GroupTokenizer([12], 6, bias_init="uniform")], ids=["slice-padded", "slice", "groups", "one-group"])
+@pytest.mark.parametrize("tok", [SliceTokenizer(12, 5, 3, 6, bias_init="uniform"),
+                                 SliceTokenizer(12, 4, 0, 6, bias_init="uniform"),
+                                 GroupTokenizer(WIDTHS, 6, bias_init="uniform"),
+                                 GroupTokenizer([12], 6, bias_init="uniform")],
+                         ids=["slice-padded", "slice", "groups", "one-group"])
 def test_cost_is_the_parameter_count_and_the_counted_flops_per_sample(tok):
     batch = 7
     with torch.no_grad(), FlopCounterMode(display=False) as counter:

@@ -10,10 +10,10 @@ from torch import nn
 
 from cli import rendezvous_port, spawn
 from launch.plan import GB, given_cluster, plan_cluster
+from trainer.config import per_rank_batch_size
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.dist import node_memory_bytes
-from trainer.config import per_rank_batch_size
 
 REPO = Path(__file__).resolve().parents[1]
 

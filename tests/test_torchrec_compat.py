@@ -15,7 +15,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-import torchrec
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, MCHManagedCollisionModule
 
 from cli import rendezvous_port, spawn
@@ -59,8 +58,10 @@ def _instances_worker(rank: int, port: int, out: str) -> None:
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
-                                                       ManagedCollisionEmbeddingCollection)
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
     from torchrec.modules.mc_modules import ManagedCollisionCollection
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -9,13 +9,13 @@ import torch
 
 from cli import rankmix
 from dense.cost import DenseCost, count_flops, measure_cost, mfu
-from embeddings.hooks import TrainingHooks
-from dense.layout import InputLayout
 from dense.heads import TaskHeads, build_dense, build_tower
-from dense.tower_registry import TOWERS
+from dense.layout import InputLayout
 from dense.model_config import ModelConfig
 from dense.tower_configs.baseline_towers import DCNv2Config, MLPConfig
 from dense.tower_configs.moe_towers import MoEConfig
+from dense.tower_registry import TOWERS
+from embeddings.hooks import TrainingHooks
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
@@ -96,4 +96,5 @@ def test_towers_train_through_the_cli_and_report_their_cost(tmp_path, cache_dir,
                                            - count_flops(dense, torch.randn(1, layout.width)))
     assert summary["peak_tflops"] == 0.5
     assert "mfu_vs_matmul" not in summary  # metrics.peak_tflops given: relative to that peak
-    assert summary["mfu_vs_peak"] == pytest.approx(3 * summary["flops_per_sample"] * summary["examples_per_sec"] / 0.5e12)
+    assert summary["mfu_vs_peak"] == pytest.approx(
+        3 * summary["flops_per_sample"] * summary["examples_per_sec"] / 0.5e12)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from cli import rankmix
-from test_checkpoint import losses
-from embeddings.features import validate_features
-from trainer.config_loader import load_config
 from dense.model_config import Tower
+from embeddings.features import validate_features
+from test_checkpoint import losses
+from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
 REPO = Path(__file__).resolve().parents[1]

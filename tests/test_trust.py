@@ -199,7 +199,8 @@ def test_per_rank_state_round_trips_as_json():
     assert torch.equal(back[0]["rng"]["torch"], state[0]["rng"]["torch"])
     assert np.array_equal(back[0]["rng"]["numpy"][1], state[0]["rng"]["numpy"][1])
     assert back[0]["reader"] == state[0]["reader"]
-    with pytest.raises(ValueError, match=r"^x is not rankmix's per-rank state \(ValueError: an array of dtype object\)"):
+    with pytest.raises(ValueError,
+                       match=r"^x is not rankmix's per-rank state \(ValueError: an array of dtype object\)"):
         decode_state('{"list": [{"numpy": {"dtype": "|O", "shape": [1], "data": ""}}]}', "x")
 
 

@@ -1,6 +1,7 @@
 """A checkpoint's `.metadata` is data (trainer/checkpoint/safe_load.py): its storage paths stay inside the
 folder, links resolved, and are opened as they were checked; a crafted pickle cannot make the reader
-allocate out of proportion to its size; a tensor is allocated only when its size, dtype and chunks let a load fill it whole.
+allocate out of proportion to its size; a tensor is allocated only when its size, dtype and chunks let a load
+fill it whole.
 
 Each crafted metadata is the run's own, unpickled here (the test's own file: trusted), edited
 and pickled again; the loaders are called in-process, and once through `rankmix` for the CLI."""

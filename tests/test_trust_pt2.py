@@ -29,16 +29,16 @@ from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection
 
 from dense.heads import build_dense
-from dense.tower_registry import TOWERS
-from embeddings.tables import table_configs
 from dense.model_config import TaskSpec
+from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec
+from embeddings.tables import table_configs
+from trainer.checkpoint.safe_load import UnsafeFileError
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 from trainer.ranking_model import RankingModel
-from trainer.checkpoint.safe_load import UnsafeFileError
-from trainer.serving.safe_pt2 import _PT2_DTYPES, PT2_OPS, check_graph, check_pt2
 from trainer.serving.export import artifact_files, load, serving_model, write_artifact
+from trainer.serving.safe_pt2 import _PT2_DTYPES, PT2_OPS, check_graph, check_pt2
 
 TOP = "archive"  # the top folder of an export's archive (torch.export.save into a buffer names it so)
 WEIGHTS, CONSTANTS = "data/weights/model_weights_config.json", "data/constants/model_constants_config.json"

@@ -10,16 +10,23 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cli
-from dense.layout import InputLayout
-from dense.rankmixer import token_mixing
 from dense.heads import build_tower
-from dense.unimixer import (PerTokenSwiGLU, UniMixing, UniMixingLite, constrain_all, rankmixer_permutation,
-                            scaling_stages, temperature)
+from dense.layout import InputLayout
+from dense.model_config import ModelConfig
+from dense.rankmixer import token_mixing
+from dense.tower_configs.unimixer_towers import UniMixerConfig
+from dense.unimixer import (
+    PerTokenSwiGLU,
+    UniMixing,
+    UniMixingLite,
+    constrain_all,
+    rankmixer_permutation,
+    scaling_stages,
+    temperature,
+)
+from embeddings.hooks import TrainingHooks
 from test_checkpoint import losses
 from test_train import assert_loss_falls
-from dense.model_config import ModelConfig
-from dense.tower_configs.unimixer_towers import UniMixerConfig
-from embeddings.hooks import TrainingHooks
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
 
@@ -290,12 +297,13 @@ def test_unimixer_moe_routes_and_counts_as_rankmixers_moe():
     with torch.no_grad():
         weights = model.mixing_weights()
         x = model.tokenizer.forward_tm(e_input)
+        y = x  # as UniMixerTower.mix: the second stream starts as the tokens
         actives = []
         for layer, w in zip(model.layers, weights):  # the gates each layer's MoE sees
-            s = layer.block.mixing(x + layer.norm_y(x if not actives else y), *w)
+            s = layer.block.mixing(x + layer.norm_y(y), *w)
             actives.append(int((layer.block.ffn.gates(s, "infer") > 0).sum()))
             o = layer.block.ffn(s)
-            x, y = layer.norm_x(x + o), (x if len(actives) == 1 else y) + o
+            x, y = layer.norm_x(x + o), y + o
         with FlopCounterMode(display=False) as counter:
             model(e_input)
     t, d, e, h = 4, 16, cfg.moe.num_experts, 2 * 16 // cfg.moe.num_experts
@@ -410,8 +418,8 @@ def test_default_mixing_mixes_at_init_and_after_a_short_run_and_moves(tmp_path, 
     logits have moved by more than their initial spread (the dense warm-up off: it would hold
     these 40 steps below 14% of the rate)."""
     from dense.unimixer import UniMixerTower, mixing_health
-    from trainer.config_loader import load_config
     from trainer.assembly import build_trainer
+    from trainer.config_loader import load_config
 
     args = ["--model.tower=unimixer_lite", "--train.steps=40", "--model.unimixer.tau_anneal_steps=40",
             "--optim.dense_warmup_steps=0",

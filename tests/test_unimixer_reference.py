@@ -9,17 +9,27 @@ import numpy as np
 import pytest
 import torch
 
+from dense.heads import build_tower
 from dense.layout import InputLayout
 from dense.model_config import ModelConfig
-from dense.heads import build_tower
 from dense.tower_configs.unimixer_towers import UniMixerConfig
-from dense.unimixer import (FrozenMixing, UniMixerTower, UniMixing, UniMixingLite, _newton_step, full_mixing,
-                            matched_ffn_hidden, mixing_health, rankmixer_permutation, scaling_stages, temperature,
-                            unimixer_cost)
+from dense.unimixer import (
+    FrozenMixing,
+    UniMixerTower,
+    UniMixing,
+    UniMixingLite,
+    _newton_step,
+    full_mixing,
+    matched_ffn_hidden,
+    mixing_health,
+    rankmixer_permutation,
+    scaling_stages,
+    temperature,
+    unimixer_cost,
+)
 from embeddings.hooks import TrainingHooks
-from trainer.data.datasets import synth_features
-
 from test_unimixer import constrain
+from trainer.data.datasets import synth_features
 
 
 def tower(kind: str = "unimixer", layers: int = 2, **unimixer) -> UniMixerTower:
@@ -89,7 +99,7 @@ def test_lites_factors_have_the_inits_spread():
         assert (mixing.a_global @ mixing.b_global).std().item() == pytest.approx(std, rel=0.15)
         w_global, w_local = mixing.logits()
         assert torch.equal(w_global, mixing.a_global @ mixing.b_global + mixing.prior_global)
-        by_hand = torch.stack([sum(mixing.omega[i, l] * mixing.basis[l] for l in range(16)) for i in range(64)])
+        by_hand = torch.stack([sum(mixing.omega[i, k] * mixing.basis[k] for k in range(16)) for i in range(64)])
         torch.testing.assert_close(w_local, by_hand + mixing.prior_local)
 
 

@@ -70,11 +70,13 @@ class DataConfig:
     user_column: str = "user_id"
     """Column that identifies the user for UAUC ('' disables UAUC)."""
     time_column: str = ""
-    """Column of each row's request time (integer seconds): the time gaps of features.<name>.timestamps are measured from it."""
+    ("""Column of each row's request time (integer seconds): the time gaps of features.<name>.timestamps are """
+     """measured from it.""")
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
     synth_teacher: SynthTeacherName = "default"
-    """synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate)."""
+    ("""synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf """
+     """fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate).""")
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"
@@ -84,7 +86,8 @@ class DataConfig:
     retry_attempts: int = 3
     """Attempts per request inside pyarrow's S3 client (its AWS standard retry strategy)."""
     order: DataOrder = "shuffled"
-    """shuffled (one file list, reshuffled every epoch) | time (train_path's KEY=VALUE partitions in key order, each once; docs/continuous.md)."""
+    ("""shuffled (one file list, reshuffled every epoch) | time (train_path's KEY=VALUE partitions in key order, """
+     """each once; docs/continuous.md).""")
     success_marker: str = "_SUCCESS"
     """The file that marks a KEY=VALUE partition folder complete, in either order ('' : every one is complete)."""
     follow: bool = False
@@ -168,11 +171,14 @@ class TrainConfig:
     deterministic: bool = True
     """Use deterministic kernels (bitwise-reproducible runs on CPU)."""
     pipeline: PipelineChoice = "auto"
-    """auto (sparse_dist on CUDA or past one rank, none on one CPU rank) | sparse_dist (TorchRec TrainPipelineSparseDist) | none."""
+    ("""auto (sparse_dist on CUDA or past one rank, none on one CPU rank) | sparse_dist (TorchRec """
+     """TrainPipelineSparseDist) | none.""")
     mixed_precision: MixedPrecision = "auto"
-    """auto (bf16 on CUDA, none on CPU) | bf16: autocast the dense tower and heads to bfloat16 (fp32 master weights), TF32 matmuls elsewhere on CUDA | none: fp32 throughout."""
+    ("""auto (bf16 on CUDA, none on CPU) | bf16: autocast the dense tower and heads to bfloat16 (fp32 master """
+     """weights), TF32 matmuls elsewhere on CUDA | none: fp32 throughout.""")
     check_every: int = 20
-    """Steps between reads of the finiteness checks, stop signal and timed-save vote (also read at every log, validation, evaluation and save); a non-finite step is found up to check_every - 1 steps late."""
+    ("""Steps between reads of the finiteness checks, stop signal and timed-save vote (also read at every log, """
+     """validation, evaluation and save); a non-finite step is found up to check_every - 1 steps late.""")
     select_metric: SelectMetric = "auc"
     """Validation metric that ranks the points of a run: auc (higher is better) | logloss (lower is better)."""
     early_stopping_patience: int = 0
@@ -180,7 +186,9 @@ class TrainConfig:
     restore_best: bool = True
     """With a validation split: end on the weights of the best validation, the test metrics measured there."""
     calibrate: Calibration = "none"
-    """With a validation split, after training: fit each task's logit map a z + b on it (trainer/components/calibration.py): none | bias (b) | platt (a and b); the test metrics before it become uncalibrated/*."""
+    ("""With a validation split, after training: fit each task's logit map a z + b on it """
+     """(trainer/components/calibration.py): none | bias (b) | platt (a and b); the test metrics before it become """
+     """uncalibrated/*.""")
 
 
 @dataclass
@@ -208,7 +216,8 @@ class CheckpointConfig:
     load_mode: LoadMode = "full"
     """load_path: full (weights, optimizer, schedule, data position) | weights."""
     data_position: DataPosition = "exact"
-    """On a world-size change mid-epoch: exact (the epoch's rows left, over the new ranks) | next_epoch (start the next)."""
+    ("""On a world-size change mid-epoch: exact (the epoch's rows left, over the new ranks) | next_epoch (start """
+     """the next).""")
     signal_grace_steps: int = 0
     """On SIGTERM/SIGINT: train on to a scheduled save due within this many steps, else save at once."""
 

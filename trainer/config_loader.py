@@ -23,17 +23,23 @@ from typing import Any
 
 import tomli_w
 
-from trainer.credentials import (ENV_VARIABLES, CredentialsError, is_redacted, malformed_userinfo, redact_config,
-                                 redact_uri, with_placeholders, without_credentials)
-
 from dense.model_config import TaskSpec, unused_model_fields, validate_model
 from dense.sequence_registry import SEQUENCE_MODULES
 from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES
 from trainer.config import MAX_BATCH_ROWS, RECIPES, Config, unused_run_fields
+from trainer.credentials import (
+    ENV_VARIABLES,
+    CredentialsError,
+    is_redacted,
+    malformed_userinfo,
+    redact_config,
+    redact_uri,
+    with_placeholders,
+    without_credentials,
+)
 from trainer.files import write_atomic
-
 
 # ----------------------------------------------------------------------------- loading
 
@@ -317,7 +323,8 @@ def validate(cfg: Config) -> None:
     validate_features(cfg.features)
     timed = [f.name for f in cfg.features if f.kind == "sequence" and f.sequence_module != "pool" and f.timestamps]
     if timed and not cfg.data.time_column:
-        raise ValueError(f"features.{timed[0]}.timestamps needs data.time_column, the column of each row's request time")
+        raise ValueError(f"features.{timed[0]}.timestamps needs data.time_column, "
+                         "the column of each row's request time")
     bad = sorted({f.eviction_interval for f in cfg.features
                   if f.hashing == "managed" and cfg.checkpoint.interval % f.eviction_interval})
     if bad:

@@ -71,7 +71,7 @@ _USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:]|%[0-9A-Fa-f]{2})*")
 PLACEHOLDER = "KEY:SECRET"
 """The user-info messages show where credentials go (`with_placeholders`): no secret, never redacted."""
 _SECRET_QUERY = re.compile(
-    r"(?P<key>[?&;](?:%s)=)(?P<value>[^&;#\s'\"<>`,]*)" % "|".join(re.escape(p) for p in SECRET_QUERY_PARAMETERS),
+    rf"(?P<key>[?&;](?:{'|'.join(re.escape(p) for p in SECRET_QUERY_PARAMETERS)})=)(?P<value>[^&;#\s'\"<>`,]*)",
     re.IGNORECASE)
 
 

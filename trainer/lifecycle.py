@@ -77,7 +77,8 @@ class StepFlags:
         stop voted, a timed save voted), on any rank, since the last read; then clears them
         (collective: the one read back of the steps in between)."""
         flags = torch.stack([self.noted[LOSS], self.noted[GRADIENT],
-                             torch.full((), int(stop), device=self.device), torch.full((), int(save), device=self.device)])
+                             torch.full((), int(stop), device=self.device),
+                             torch.full((), int(save), device=self.device)])
         if world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss, gradient, stop_vote, save_vote = flags.tolist()

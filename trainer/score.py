@@ -23,16 +23,16 @@ import pyarrow.parquet as pq
 import torch
 
 from embeddings.hooks import TrainingHooks
-from trainer.ranking_model import build_model
 from embeddings.sharding import shard_model
 from trainer.checkpoint import manager
+from trainer.checkpoint.state import ModelState, apply_trained_step
 from trainer.config import MAX_BATCH_ROWS, Config
-from trainer.data.encode import RowEncoder
 from trainer.data.batch import Batch
+from trainer.data.encode import RowEncoder
 from trainer.data.store import reason, resolve_files
 from trainer.dist import DistEnv, init_distributed
-from trainer.checkpoint.state import ModelState, apply_trained_step
 from trainer.metrics.streaming import SplitMetrics
+from trainer.ranking_model import build_model
 from trainer.run_layout import resolve_checkpoint
 
 

@@ -365,7 +365,8 @@ class Trainer:
         loaded = self.checkpoints.restore(self.checkpoint_parts, self.cfg.features, self.env.world_size)
         if loaded:
             path, full = loaded
-            self.logger.write(f"resumed from {path} at step {self.step}" if full else f"initialised weights from {path}")
+            self.logger.write(f"resumed from {path} at step {self.step}" if full
+                              else f"initialised weights from {path}")
         self.after_restore(self.step)
 
     def after_restore(self, step: int) -> None:

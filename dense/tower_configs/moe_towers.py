@@ -35,7 +35,8 @@ class MoEConfig:
     consistency: float = 1.0
     """Weight of the loss that teaches the inference router to reproduce the dense training output."""
     inference: MoEInference = "sparse"
-    """At evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training router, every expert)."""
+    ("""At evaluation and scoring: sparse (inference router, only experts with a non-zero gate) | dense (training """
+     """router, every expert).""")
 
     def validate(self) -> None:
         # l1_init > 0: lambda adapts multiplicatively

@@ -25,13 +25,17 @@ class UniMixerConfig:
 
     key: ClassVar[str] = "unimixer"
     block_size: int = 0
-    """Block size over the flattened T x D tokens (0: D/T, RankMixer's head, whose token mixing UniMixing can then learn)."""
+    ("""Block size over the flattened T x D tokens (0: D/T, RankMixer's head, whose token mixing UniMixing can """
+     """then learn).""")
     ffn_hidden: int = 0
-    """Hidden width of the per-token SwiGLU (0: the widest at which a layer's FLOPs stay within RankMixer's at model.ffn_ratio)."""
+    ("""Hidden width of the per-token SwiGLU (0: the widest at which a layer's FLOPs stay within RankMixer's at """
+     """model.ffn_ratio).""")
     init: MixingInit = "permutation"
-    """permutation: start at RankMixer's token mixing (fixed logit offsets, half of each row at tau 1) | random: unit-variance logits."""
+    ("""permutation: start at RankMixer's token mixing (fixed logit offsets, half of each row at tau 1) | random: """
+     """unit-variance logits.""")
     mixing_lr_mult: float = 10.0
-    """Learning rate of the mixing parameters as a multiple of optim.lr (RMSProp moves each by about the rate per step)."""
+    ("""Learning rate of the mixing parameters as a multiple of optim.lr (RMSProp moves each by about the rate """
+     """per step).""")
     tau_start: float = 1.0
     """Temperature at step 0 (eq. 21)."""
     tau_end: float = 0.05
@@ -39,9 +43,11 @@ class UniMixerConfig:
     tau_anneal_steps: int = 500
     """J, steps of the linear temperature anneal (0: hold tau_start for the whole run)."""
     schedule: Schedule = "anneal"
-    """anneal: eq. 21 | two_stage: train at tau_start (run_dir/hot), then again at tau_end from those weights (§4.5; trainer/stages.py)."""
+    ("""anneal: eq. 21 | two_stage: train at tau_start (run_dir/hot), then again at tau_end from those weights """
+     """(§4.5; trainer/stages.py).""")
     sinkhorn_stages: int = 3
-    """Temperatures per halving of tau below 1 at which the doubly stochastic scaling is solved in turn (epsilon scaling)."""
+    ("""Temperatures per halving of tau below 1 at which the doubly stochastic scaling is solved in turn (epsilon """
+     """scaling).""")
     sinkhorn_steps: int = 3
     """Newton steps of the scaling at each of those temperatures."""
     num_basis: int = 4

@@ -1,1 +1,2 @@
-"""Checkpointing: DCP saves and loads, the run's Stateful parts, safe loading, model selection, run-folder locks, atomic files."""
+"""Checkpointing: DCP saves and loads, the run's Stateful parts, safe loading, model selection, run-folder locks,
+atomic files."""

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,7 +56,7 @@ class RunLock:
         self.path = Path(folder) / LOCK_FILE
         self.option = option
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "started": datetime.now(UTC).isoformat(timespec="seconds"),
                        "token": secrets.token_hex(8)}  # tells two claims of one process apart
         self.lost: str | None = None
         """Why this run no longer holds the folder (None: it does, as far as it has looked)."""

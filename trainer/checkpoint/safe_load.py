@@ -43,9 +43,16 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, L
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlanner as DcpLoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlanner as DcpLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from trainer.checkpoint.views import read_rows

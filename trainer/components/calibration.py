@@ -115,7 +115,8 @@ class Calibration(LoopComponent):
                           + ", ".join(f"{t} {a:.4f} z {b:+.4f}" for t, (a, b) in zip(self.task_names, self.fitted)))
         if best.keep_weights and best.best.step:  # the run ends on the best weights
             manager.save_weights(best.folder, loop.weights(best.best.step), best.best.step, tag=".calibrated")
-        return {**{f"uncalibrated/{k}": before[k] for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
+        return {**{f"uncalibrated/{k}": before[k]
+                   for k in ("auc", "uauc", "logloss", "ne", "calibration") if k in before},
                 **{f"{t}/calibration_{name}": v for t, ab in zip(self.task_names, self.fitted)
                    for name, v in zip("ab", ab)}}
 

@@ -80,7 +80,8 @@ class ModelSelection(LoopComponent):
     def __init__(self, cfg: Config, run_dir: Path, train_path: str):
         t, d = cfg.train, cfg.data
         self.split = ((d.valid_path, {}) if d.valid_path else  # its own files, or every training row group's tail
-                      (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True}) if d.valid_fraction else None)
+                      (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True})
+                      if d.valid_fraction else None)
         self.every = cfg.metrics.valid_every
         self.best = BestPoint(t.select_metric, t.early_stopping_patience)
         self.checkpoint_part = "best" if self.split else None

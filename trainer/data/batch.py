@@ -49,7 +49,7 @@ class Batch(Pipelineable):
     def __len__(self) -> int:
         return self.labels.shape[0]
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
             sparse=self.sparse.to(device=device, non_blocking=non_blocking),
             dense=self.dense.to(device=device, non_blocking=non_blocking),
@@ -74,7 +74,7 @@ class Batch(Pipelineable):
         for t in (self.dense, self.labels, self.users, self.weights, *self.sequence_gaps):
             t.record_stream(stream)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         return Batch(self.sparse.pin_memory(), self.dense.pin_memory(), self.labels.pin_memory(),
                      self.users.pin_memory(), self.weights.pin_memory(),
                      None if self.managed_ids is None else self.managed_ids.pin_memory(),
@@ -119,7 +119,7 @@ class Rows:
     @classmethod
     def build(cls, keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray | None],
               dense: np.ndarray, labels: np.ndarray, users: np.ndarray | None, num_managed: int = 0,
-              num_sequence: int = 0, num_gaps: int = 0, num_managed_sequence: int = 0) -> "Rows":
+              num_sequence: int = 0, num_gaps: int = 0, num_managed_sequence: int = 0) -> Rows:
         """Rows from per-feature ids and bag sizes (None: one id per row)."""
         return cls(keys, [None if n is None else _offsets(n) for n in lengths], list(values), dense, labels, users,
                    num_managed, num_sequence, num_gaps, num_managed_sequence)
@@ -132,7 +132,7 @@ class Rows:
     def num_rows(self) -> int:
         return self.labels.shape[0]
 
-    def slice(self, start: int, stop: int | None = None) -> "Rows":
+    def slice(self, start: int, stop: int | None = None) -> Rows:
         """Rows start..stop-1 as views of this object's arrays."""
         stop = self.num_rows if stop is None else min(stop, self.num_rows)
         start = min(start, stop)
@@ -141,7 +141,7 @@ class Rows:
         return Rows(self.keys, offsets, values, self.dense[start:stop], self.labels[start:stop],
                     None if self.users is None else self.users[start:stop], *self.counts())
 
-    def take(self, index: np.ndarray) -> "Rows":
+    def take(self, index: np.ndarray) -> Rows:
         """Rows `index` (any order, repeats allowed), copied."""
         index = np.asarray(index, np.int64)
         values, offsets = [], []
@@ -157,7 +157,7 @@ class Rows:
                     None if self.users is None else self.users[index], *self.counts())
 
     @staticmethod
-    def concat(parts: list["Rows"]) -> "Rows":
+    def concat(parts: list[Rows]) -> Rows:
         """`parts` one after the other (the part itself when there is only one)."""
         if len(parts) == 1:
             return parts[0]
@@ -195,7 +195,7 @@ class Part:
     def num_rows(self) -> int:
         return self.rows.num_rows if self.index is None else len(self.index)
 
-    def slice(self, start: int, stop: int | None = None) -> "Part":
+    def slice(self, start: int, stop: int | None = None) -> Part:
         """Rows start..stop-1 of this part (views)."""
         if self.index is None:
             return Part(self.rows.slice(start, stop))

@@ -16,11 +16,13 @@ from typing import NamedTuple, get_args
 import torch.distributed as dist
 
 from embeddings.features import FeatureSpec
-from trainer.config import Config, SynthTeacherName
-from trainer.offline import capacity as capacity_data, sequence_log, synth as synth_data
-from trainer.offline.movielens import convert_movielens
-from trainer.dist import side_group
 from embeddings.registry import Registry
+from trainer.config import Config, SynthTeacherName
+from trainer.dist import side_group
+from trainer.offline import capacity as capacity_data
+from trainer.offline import sequence_log
+from trainer.offline import synth as synth_data
+from trainer.offline.movielens import convert_movielens
 
 
 @dataclass

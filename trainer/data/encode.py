@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from trainer.data.ids import encode_ids
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
+from trainer.data.ids import encode_ids
 from trainer.data.timestamps import TimeGaps
 
 

@@ -12,12 +12,14 @@ from tqdm import tqdm
 
 from trainer.run_layout import RunFolder
 
+_CPU = torch.device("cpu")
+
 
 class StepMeter:
     """Mean task losses and examples/s since the last flush, and examples/s over the run
     (step time only: evaluation and logging are not counted)."""
 
-    def __init__(self, num_tasks: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, num_tasks: int, device: torch.device = _CPU):
         # Summed on the device: a copy to the host each step would wait for the GPU.
         self.loss_sum = torch.zeros(num_tasks, dtype=torch.float64, device=device)
         self.steps = self.examples = self.total_examples = 0

@@ -136,7 +136,8 @@ class SplitMetrics:
         k = len(self.task_names)
         state = _all_reduce(self.state).cpu().numpy()
         hist, sums = state[:k * 2 * LIFETIME_BINS].reshape(k, 2, LIFETIME_BINS), state[k * 2 * LIFETIME_BINS:]
-        self.histogram = hist  # [K, 2, bins]: negatives and positives per logit bin, for trainer/components/calibration.py
+        # [K, 2, bins]: negatives and positives per logit bin, for trainer/components/calibration.py
+        self.histogram = hist
         out = _task_figures(hist, sums.reshape(k, _SUMS), self.task_names)
         if self.users is not None:
             for name, value in zip(self.task_names, self.users.uauc(self.state.device)):

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from trainer.offline.csvlog import (DEFAULT_BLOCK, DEFAULT_ROW_GROUP, Checked, convert_files, hex_column,
-                                 label_column, number_column)
+from trainer.offline.csvlog import (
+    DEFAULT_BLOCK,
+    DEFAULT_ROW_GROUP,
+    Checked,
+    convert_files,
+    hex_column,
+    label_column,
+    number_column,
+)
 
 __all__ = ["INT_COLUMNS", "CAT_COLUMNS", "SCHEMA", "CriteoLayout", "convert_criteo"]
 

@@ -92,7 +92,8 @@ def convert_movielens(
     files: int = 2,
 ) -> dict:
     """MovieLens-100K (RecBole layout) -> out/train/part-*.parquet and out/valid/part-*.parquet; returns a summary
-    {"train_rows", "valid_rows", "time_cut" (int unix seconds), "positive_rate", "num_users", "num_items", "files": [str]}.
+    {"train_rows", "valid_rows", "time_cut" (int unix seconds), "positive_rate", "num_users", "num_items",
+    "files": [str]}.
 
     ``positive_rate`` is over all rows; ``train_positive_rate`` and ``valid_positive_rate`` are added for convenience.
     Ties in timestamp are broken by (user_id, item_id) for row order and by item_id inside ``hist_items``.

@@ -128,13 +128,17 @@ def write_sequence_log(out_dir: str | os.PathLike, *, rows: int = 200_000, valid
             pq.write_table(part.slice(bounds[i], bounds[i + 1] - bounds[i]), folder / f"part-{i:05d}.parquet",
                            row_group_size=row_group_size)
     labels = table.column("click").to_numpy()[rows - valid_rows:]
-    return {"train_rows": rows - valid_rows, "valid_rows": valid_rows, "ctr": float(table.column("click").to_numpy().mean()),
-            "teacher_auc": _auc(logit[rows - valid_rows:], labels), "order_free_auc": _auc(order_free[rows - valid_rows:], labels)}
+    return {"train_rows": rows - valid_rows, "valid_rows": valid_rows,
+            "ctr": float(table.column("click").to_numpy().mean()),
+            "teacher_auc": _auc(logit[rows - valid_rows:], labels),
+            "order_free_auc": _auc(order_free[rows - valid_rows:], labels)}
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     # on use: torch and torchmetrics load slowly, and datasets.py reads this module's schema only
     import torch
+
+    # on use, as torch above
     from trainer.metrics.ranking import auc
 
     return auc(torch.from_numpy(scores), torch.from_numpy(labels))

@@ -31,21 +31,21 @@ from torch.export import Dim
 from torchrec import EmbeddingBagCollection
 from torchrec.inference.modules import quantize_embeddings
 
-from dense.tower_registry import serving_form
 from dense.heads import build_dense
 from dense.sequence import build_sequences
+from dense.tower_registry import serving_form
 from embeddings.features import attended
 from embeddings.managed import served_tables
 from embeddings.tables import table_configs
 from trainer.checkpoint.manager import model_tensors, trained_step
+from trainer.checkpoint.safe_load import UnsafeFileError, inside
+from trainer.checkpoint.state import apply_trained_step
 from trainer.config import Config
 from trainer.config_loader import dump_toml
-from trainer.checkpoint.safe_load import UnsafeFileError, inside
+from trainer.run_layout import CONFIG, resolve_checkpoint
+from trainer.serving.readme import write_readme
 from trainer.serving.safe_pt2 import load_pt2
 from trainer.serving.served_model import ManagedRows, ServingModel, TimedServingModel
-from trainer.serving.readme import write_readme
-from trainer.checkpoint.state import apply_trained_step
-from trainer.run_layout import CONFIG, resolve_checkpoint
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}

@@ -44,13 +44,20 @@ from torchrec.distributed.types import ShardingPlan
 
 from embeddings.managed import MANAGED_COLLECTIONS, served_tables
 from trainer.checkpoint.manager import model_tensors, save_weights
+from trainer.checkpoint.safe_load import first_line
 from trainer.config import ArtifactFormat, Config, ServedTables
 from trainer.config_loader import load_config
 from trainer.dist import raise_on_every_rank, side_group
-from trainer.checkpoint.safe_load import first_line
 from trainer.run_layout import CONFIG, RunFolder
-from trainer.serving.export import (PUBLISHED, artifact_files, check_widths, out_folder, saved, served_model,
-                                    write_artifact)
+from trainer.serving.export import (
+    PUBLISHED,
+    artifact_files,
+    check_widths,
+    out_folder,
+    saved,
+    served_model,
+    write_artifact,
+)
 
 TABLES_FILE, DELTA_FILE = PUBLISHED
 TABLE = "ebc.embedding_bags."  # a served table's weight: TABLE + name + ".weight"

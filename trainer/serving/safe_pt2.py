@@ -31,8 +31,18 @@ from typing import Any, BinaryIO
 import torch
 
 from trainer.checkpoint.safe_load import MAX_DIMS, MAX_ELEMENTS, UnsafeFileError, first_line
-from trainer.serving.pt2_bounds import SYMBOL, Budget, Linear, Sizes, check_allocations, expression, guard, hints, \
-    host_memory, is_int64
+from trainer.serving.pt2_bounds import (
+    SYMBOL,
+    Budget,
+    Linear,
+    Sizes,
+    check_allocations,
+    expression,
+    guard,
+    hints,
+    host_memory,
+    is_int64,
+)
 
 # Every op a rankmix export's graph calls, named as torch's serializer names them: every tower,
 # tokenizer, pooling, norm, MoE inference, feature kind, table quantization and shipped config.

@@ -224,8 +224,8 @@ class TimedServingModel(ServingModel):
 class ManagedRows(nn.Module):
     """Spread ids [N] int64 -> rows [N] of one managed table, as TorchRec's MCH maps them in
     evaluation on the ranks that trained it: the id spread as the reader spreads it
-    (`HASHINGS['managed']`, trainer/data/feature_ops.py), then its row in the map, or else the miss row of the rank whose
-    range holds it. The map (embeddings/managed.py `served_tables`) is fixed: serving admits
+    (`HASHINGS['managed']`, trainer/data/feature_ops.py), then its row in the map, or else the miss row of the
+    rank whose range holds it. The map (embeddings/managed.py `served_tables`) is fixed: serving admits
     and evicts nothing.
 
     keys [M] ascending spread ids, rows [M] their rows, miss_rows [W] one per training rank.
