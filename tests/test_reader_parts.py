@@ -131,3 +131,19 @@ def test_attended_sequences_on_plain_and_managed_tables_ride_in_two_keyed_jagged
     moved = batch.to(torch.device("cpu"))  # as the pipeline moves a batch
     assert moved.sequence_max == batch.sequence_max
     assert moved.managed_sequence_ids["item"].values().tolist() == spread(np.array([7, 8, 2 ** 40])).tolist()
+
+
+def test_the_pooled_features_move_before_a_managed_sequence_and_its_candidate():
+    """The same with the sequence's table managed: its two unpooled features are counted once, as
+    managed sequence features, and stay last with the managed table."""
+    features = [dataclasses.replace(f, sequence_module="target_attention") if f.name == "hist_items" else f
+                for f in synth_features()]
+    features = [dataclasses.replace(f, hashing="managed") if f.name in ("item_id", "hist_items", "user_age") else f
+                for f in features]
+    encoder = RowEncoder(features, [TaskSpec(name="click", label="click")])
+    names = [f.name for f in encoder.sparse]
+    pooled, rest = names[:-3], names[-3:]
+    assert sorted(rest) == ["hist_items", "item_id", "user_age"]
+    assert (encoder.num_sequence, encoder.num_managed_sequence) == (0, 2)
+    encoder.order_pooled(pooled[::-1])
+    assert [f.name for f in encoder.sparse] == [*pooled[::-1], *rest]

@@ -70,8 +70,8 @@ def test_complete_steps_are_the_numbered_folders_with_metadata_in_order(tmp_path
 @pytest.mark.parametrize("given", ["run", "run/checkpoints", "run/checkpoints/step-20"])
 def test_resolve_a_run_its_checkpoints_or_a_step(tmp_path, given):
     checkpoints = RunFolder(tmp_path / "run").checkpoints
-    _step(checkpoints, 5)
-    _step(checkpoints, 20)
+    for step in (5, 10, 20):  # three complete steps: the latest, not the second, is resumed
+        _step(checkpoints, step)
     _step(checkpoints, 30, complete=False)
     assert resolve_checkpoint(str(tmp_path / given)) == checkpoints / "step-20"
 
