@@ -95,7 +95,7 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, run_lock: RunLocks | N
     if order:  # before any batch is read: the batches' keys in the sharded tables' order
         encoder.order_pooled(order)
     hooks = TrainingHooks.of(model)  # what the tower asks of the loop (embeddings/hooks.py)
-    evaluator = Evaluator(model, encoder, cfg, env, hooks, retries)
+    evaluator = Evaluator(model, encoder, cfg, env, hooks)
     flops = cfg.metrics.peak_tflops * 1e12 or peak_flops(env.device, precision or torch.float32)
     optimizer, dense_optimizer, dense_params = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmups(

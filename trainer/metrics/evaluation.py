@@ -21,13 +21,11 @@ class Evaluator:
     """Scores whole splits: every rank reads its share of the rows into a `SplitMetrics`
     (fixed memory; UAUC's rows spill into the run folder), whose state is summed over the
     ranks at the end: whole-split figures, never an average of per-rank ones. The caller puts
-    the model in eval mode. `histogram`: the last split's [K, 2, bins] logit histogram.
-    `retries`: the readers' object-store retry arguments, as the trainer's own reader has them."""
+    the model in eval mode. `histogram`: the last split's [K, 2, bins] logit histogram. Its
+    readers retry a failing object store as [data] says (`ReaderOptions.from_config`)."""
 
-    def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks,
-                 retries: dict):
+    def __init__(self, model: nn.Module, encoder: RowEncoder, cfg: Config, env: DistEnv, hooks: TrainingHooks):
         self.model, self.encoder, self.cfg, self.env, self.hooks = model, encoder, cfg, env, hooks
-        self.retries = retries
         self.task_names = [t.name for t in cfg.model.tasks]
         self.histogram: np.ndarray | None = None
 
