@@ -1,7 +1,6 @@
 """The suite runs on the CPU (gloo) even on a GPU host: its exact-equality checks rely on
 CPU determinism, and its multi-rank tests start more ranks than a host may have GPUs."""
 
-import importlib
 import os
 import shutil
 from collections.abc import Callable
@@ -9,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+
+import mutation_hooks
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -43,25 +44,19 @@ def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest tests (marked slow) first: pytest-xdist's workers then finish together,
-    instead of one of them starting the README's two minutes last."""
+    instead of one of them starting the README's two minutes last. Under `make
+    test-mutation`, a mutant's likeliest killers first (tests/mutation_hooks.py)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    mutation_hooks.kill_first(items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """`make test-mutation` names in RANKMIX_MUTATION_WARM ("module:function,...") the cached
-    makers of a target's costly inputs (the pt2 export: 1.3 s). mutmut collects once, then
-    forks a child per mutant: called here, they are made before the fork and inherited."""
-    for name in filter(None, os.environ.get("RANKMIX_MUTATION_WARM", "").split(",")):
-        module, _, function = name.partition(":")
-        getattr(importlib.import_module(module), function)()
+    mutation_hooks.warm()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    mutation_hooks.note_kill(report)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under `make test-mutation`: a mutant's child that ran no test (pytest's usage error: a test
-    id it could not select; or none collected) is noted in RANKMIX_MUTATION_UNRUN, since mutmut
-    records such a child as the mutant killed. tests/mutation.py fails the run on any note."""
-    notes, mutant = os.environ.get("RANKMIX_MUTATION_UNRUN"), os.environ.get("MUTANT_UNDER_TEST", "")
-    if notes and "__mutmut_" in mutant and exitstatus in (pytest.ExitCode.USAGE_ERROR,
-                                                          pytest.ExitCode.NO_TESTS_COLLECTED):
-        with open(notes, "a") as out:
-            out.write(f"{mutant}: pytest exit {int(exitstatus)} on {' '.join(session.config.args[:3])} ...\n")
+    mutation_hooks.note_unrun(session, exitstatus)
