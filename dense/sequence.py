@@ -121,11 +121,21 @@ class _WeightedSum(torch.autograd.Function):
 
 class TargetAttention(nn.Module):
     """behaviours [B, L, D], mask [B, L], candidate [B, D], gap buckets [B, L] int64 (or None)
-    -> [B, k, D]: k attention distributions, one score column each, over the real behaviours."""
+    -> [B, k, D]: k weightings, one score column each, of the real behaviours' values.
 
-    def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None):
+    A behaviour's value is its vector plus, with gaps, an embedding of its gap (`time_value`):
+    what is summed then says how old the matches are, not only the score. `weights`: softmax
+    over the behaviours (the weights sum to 1: how many match is lost), or sigmoid, each
+    behaviour's weight on its own (DIN's unnormalised weights: the sum keeps the intensity)."""
+
+    def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None,
+                 weights: str = "softmax", time_value: bool = False):
         super().__init__()
+        assert weights in ("softmax", "sigmoid"), weights
         self.time = nn.Embedding(*time) if time else None
+        # at zero: the values start as the behaviours' vectors, as without it
+        self.time_value = nn.Embedding(time[0], dim, _weight=torch.zeros(time[0], dim)) if time and time_value else None
+        self.softmax = weights == "softmax"
         width = 4 * dim + (time[1] if time else 0)
         layers = []
         for h in hidden:
@@ -145,10 +155,17 @@ class TargetAttention(nn.Module):
             x = layer(x)
         last = self.rest[-1]
         x = _Scores.apply(x, last.weight, last.bias) if torch.is_grad_enabled() else last(x)
-        weights = masked_softmax(x, mask.unsqueeze(-1), dim=1).to(behaviours.dtype)  # [B, L, k]
+        if self.softmax:
+            weights = masked_softmax(x, mask.unsqueeze(-1), dim=1)  # [B, L, k]
+        else:
+            weights = torch.sigmoid(x.float()) * mask.unsqueeze(-1)
+        weights = weights.to(behaviours.dtype)
+        values = behaviours
+        if self.time_value is not None:
+            values = behaviours + self.time_value(gaps)  # padding's weight is 0
         if torch.is_grad_enabled():
-            return _WeightedSum.apply(weights, behaviours)
-        return torch.matmul(weights.transpose(1, 2), behaviours)  # evaluation and serving traces: plain ops
+            return _WeightedSum.apply(weights, values)
+        return torch.matmul(weights.transpose(1, 2), values)  # evaluation and serving traces: plain ops
 
     def first_layer(self, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
         """The first Linear of [b, v, b * v, b - v, t] without building that [B, L, 4D + Dt] input:
@@ -185,29 +202,37 @@ class SelfAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, L, W], mask [B, L] -> [B, L, W]. torch's fused attention (flash on the CPU and on
-        CUDA: memory O(B L W), not O(B L^2)). Position 0 stays a key even in an empty row, so no
-        row is all masked (which would give NaN); an empty row's outputs are never attended."""
+        CUDA: memory O(B L W), not O(B L^2)). Every row has a key (the transformer's candidate),
+        so none is all masked (which would give NaN)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
-        keys = mask | (torch.arange(mask.shape[1], device=mask.device) == 0)
-        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys.unsqueeze(1).unsqueeze(1))
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1).unsqueeze(1))
         x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
         return x + self.ffn(self.norm2(x))
 
 
 class SequenceTransformer(nn.Module):
-    """behaviours [B, L, D], mask, candidate [B, D], gap buckets -> [B, k, D]: the behaviours
-    at width W with their recency position (0 = the most recent) and time gap added, `layers`
-    self-attention blocks, back to D, then target attention against the candidate."""
+    """behaviours [B, L, D], mask, candidate [B, D], gap buckets -> [B, k, D]: the candidate and
+    the behaviours at width W, the candidate first (BST: the behaviours attend to it, and it to
+    them) with an embedding of its own, each behaviour with its recency position (0 = the most
+    recent) and time gap added; `layers` self-attention blocks; back to D; then target attention
+    of the behaviours' outputs against the candidate.
+
+    The position, time and candidate embeddings start at `init_std`, the scale of the sequence's
+    table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn)."""
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
-                 hidden: list[int], time: tuple[int, int] | None = None):
+                 hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
+                 time_value: bool):
         super().__init__()
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
         self.position = nn.Embedding(max_len, width)
         self.time = nn.Embedding(time[0], width) if time else None
+        self.candidate = nn.Parameter(torch.zeros(width))
+        for table in (self.position.weight, self.candidate, *([self.time.weight] if time else [])):
+            nn.init.normal_(table, std=init_std)
         self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio) for _ in range(layers))
         self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
-        self.target = TargetAttention(dim, tokens, hidden, time)
+        self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value)
         self.max_len = max_len
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
@@ -217,9 +242,12 @@ class SequenceTransformer(nn.Module):
         h = self.inp(behaviours) + self.position(recency)
         if self.time is not None:
             h = h + self.time(gaps)
+        first = (self.inp(candidate) + self.candidate).unsqueeze(1)  # [B, 1, W]
+        h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
+        keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
         for block in self.blocks:
-            h = block(h, mask)
-        return self.target(self.out(h), mask, candidate, gaps)
+            h = block(h, keys)
+        return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)
 
 
 class SequenceInputs(nn.Module):

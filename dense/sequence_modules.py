@@ -9,8 +9,9 @@ equations.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from dense.sequence_registry import SEQUENCE_TABLES, register_sequence
 
@@ -37,6 +38,11 @@ class TargetAttentionConfig:
     key: ClassVar[str] = "target_attention"
     hidden: list[int] = field(default_factory=lambda: [16])
     """Hidden widths of the MLP that scores each behaviour from [b, v, b*v, b-v, time]."""
+    weights: Literal["softmax", "sigmoid"] = "softmax"
+    ("""softmax (the weights over the behaviours sum to 1) | sigmoid (each behaviour weighted on its own, """
+     """unnormalised as in DIN: the sum keeps how many match).""")
+    time_value: bool = False
+    """With timestamps: add an embedding of each behaviour's time gap to the value summed, not only to its score."""
 
     def validate(self) -> None:
         if not self.hidden:  # the scorer's last Linear reads the last hidden layer
@@ -73,18 +79,22 @@ register_sequence("pool")(None)  # no dense module: TorchRec's bag pools the seq
 def _build_target_attention(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     from dense.sequence import TargetAttention  # on use: torch
 
-    return TargetAttention(f.embedding_dim, f.sequence_tokens, cfg.target_attention.hidden,
-                           (cfg.time_buckets, cfg.time_dim) if f.timestamps else None)
+    t = cfg.target_attention
+    return TargetAttention(f.embedding_dim, f.sequence_tokens, t.hidden,
+                           (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, t.weights, t.time_value)
 
 
 @register_sequence("transformer", TransformerConfig)
 def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     from dense.sequence import SequenceTransformer  # on use: torch
 
-    t = cfg.transformer
+    t, target = cfg.transformer, cfg.target_attention
+    # the table's scale: TorchRec's init draws rows uniformly in +-1/sqrt(rows) (embeddings/init.py)
+    table_std = 1 / math.sqrt(3 * f.num_embeddings)
     return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
-                               t.width or f.embedding_dim, t.ffn_ratio, cfg.target_attention.hidden,
-                               (cfg.time_buckets, cfg.time_dim) if f.timestamps else None)
+                               t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
+                               (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
+                               weights=target.weights, time_value=target.time_value)
 
 
 @dataclass

@@ -15,7 +15,7 @@ r"""`rankmix`: train, and convert or generate data.
     rankmix plan --config F.toml --world-size N [--device cuda|cpu] [--hbm-gb G] [--ddr-gb G] \
         [--local-world-size N] [--section.key=value ...]
     rankmix doctor
-    rankmix data synth --out DIR [--rows N] [--files N] [--seed N] [--teacher default|capacity] \
+    rankmix data synth --out DIR [--rows N] [--files N] [--seed N] [--teacher default|capacity|sequence|recency] \
         [--days N --drift D]
     rankmix data movielens --src ML100K_DIR --out DIR
     rankmix data criteo --src DAY_FILES... --out DIR [--workers N] [--strict] [--rows-per-file N] \

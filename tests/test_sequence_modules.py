@@ -6,6 +6,7 @@ each check of [model.sequence] names its option and passes at its limit."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -91,8 +92,28 @@ def test_each_builder_reads_its_table_and_the_features_shape():
     assert transformer.blocks[0].ffn[0].out_features == 36 and transformer.position.num_embeddings == 6
     assert (transformer.time.num_embeddings, transformer.time.embedding_dim) == (5, 12)
     assert transformer.target.time.embedding_dim == 3 and transformer.target.first.out_features == 6
+    assert target.softmax and target.time_value is None and transformer.target.softmax
+    cfg.target_attention.weights, cfg.target_attention.time_value = "sigmoid", True
+    for module in (SEQUENCE_MODULES.get("target_attention")(cfg, features[3]),
+                   SEQUENCE_MODULES.get("transformer")(cfg, features[3]).target):
+        assert not module.softmax and module.time_value.weight.shape == (5, 8)
     cfg.transformer.width = 0  # the table's width
     assert isinstance(SEQUENCE_MODULES.get("transformer")(cfg, features[3]).inp, nn.Identity)
+
+
+def test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_table():
+    """Rows of a table of n start uniform in +-1/sqrt(n) (std 1/sqrt(3n)): the position, time and
+    candidate embeddings start at that std, not at N(0, 1), which drowned the behaviour's vector."""
+    torch.manual_seed(0)
+    cfg = SequenceConfig()
+    cfg.time_buckets, cfg.transformer.width = 64, 64
+    f = schema("transformer", timestamps="ts")[3]
+    f.num_embeddings, f.max_len = 300, 200
+    module = SEQUENCE_MODULES.get("transformer")(cfg, f)
+    std = 1 / math.sqrt(3 * 300)
+    for table in (module.position.weight, module.time.weight):  # 12,800 and 4,096 draws: within 5%
+        assert abs(float(table.std()) / std - 1) < 0.05 and abs(float(table.mean())) < 0.1 * std
+    assert 0.5 * std < float(module.candidate.std()) < 1.5 * std  # 64 draws
 
 
 @pytest.mark.parametrize("change,message", [

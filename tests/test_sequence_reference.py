@@ -30,21 +30,27 @@ def target_reference(target: TargetAttention, b: torch.Tensor, v: torch.Tensor, 
     x = torch.cat([b, v.expand_as(b), b * v, b - v, t], dim=1)
     first, last = target.first, target.rest[-1]
     scores = torch.relu(x @ first.weight.t() + first.bias) @ last.weight.t() + last.bias  # [n, k]
-    return torch.softmax(scores, dim=0).t() @ b
+    weights = torch.softmax(scores, dim=0) if target.softmax else 1 / (1 + torch.exp(-scores))
+    values = b + target.time_value.weight[gaps] if target.time_value is not None else b
+    return weights.t() @ values
 
 
 def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None,
                           width: int, layers: int, tokens: int) -> torch.Tensor:
     """One row, composed from the module's layers: input projection (none at width = D), the
-    recency position n - 1 - m (0: the last, newest), the time gap, per block pre-norm attention
-    over the row's own behaviours and a GELU FFN, each added to its input; back to D; target attention."""
+    recency position n - 1 - m (0: the last, newest), the time gap; the candidate, projected,
+    with its own embedding, first; per block pre-norm attention over the candidate and the row's
+    own behaviours and a GELU FFN, each added to its input; back to D; target attention of the
+    behaviours' outputs."""
     n = b.shape[0]
     if n == 0:
         return b.new_zeros(tokens, b.shape[1])
-    h = b @ module.inp.weight.t() + module.inp.bias if width != D else b
-    h = h + module.position.weight[torch.arange(n - 1, -1, -1)]
+    project = (lambda a: a @ module.inp.weight.t() + module.inp.bias) if width != D else (lambda a: a)
+    h = project(b) + module.position.weight[torch.arange(n - 1, -1, -1)]
     if gaps is not None:
         h = h + module.time.weight[gaps]
+    h = torch.cat([(project(v) + module.candidate).unsqueeze(0), h])
+    n += 1
     for i in range(layers):
         block = module.blocks[i]
         heads = block.heads
@@ -54,18 +60,22 @@ def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch
         h = h + block.proj(attention.transpose(0, 1).reshape(n, -1))
         first, second = block.ffn[0], block.ffn[-1]
         h = h + second(nn.functional.gelu(first(block.norm2(h))))
-    h = h @ module.out.weight.t() + module.out.bias if width != D else h
+    h = h[1:] @ module.out.weight.t() + module.out.bias if width != D else h[1:]
     return target_reference(module.target, h, v, gaps, tokens)
 
 
-@pytest.mark.parametrize("width,layers,time", [(D, 1, None), (12, 2, TIME)])
-def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(width, layers, time):
+@pytest.mark.parametrize("width,layers,time,weights,time_value", [
+    (D, 1, None, "softmax", False), (12, 2, TIME, "softmax", False), (12, 1, TIME, "sigmoid", True)])
+def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(width, layers, time, weights,
+                                                                              time_value):
     """Rows of 3, 1, 6 (= max_len), 0 and 2 behaviours padded to 6: each row's tokens are its
     reference's, with gradients, and the same again without gradients (evaluation's plain ops)."""
     torch.manual_seed(0)
     tokens, rows = 2, [3, 1, 6, 0, 2]
     module = SequenceTransformer(D, tokens, max_len=6, layers=layers, heads=2, width=width, ffn_ratio=2,
-                                 hidden=[16], time=time)
+                                 hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value)
+    if time_value:  # it starts at zero, the values as without it: here they differ
+        nn.init.normal_(module.target.time_value.weight)
     seqs, gaps = jagged(rows), jagged(rows, width=None, seed=3)
     values = seqs.values().clone().requires_grad_()
     gap_values = torch.randint(0, TIME[0], gaps.values().shape, generator=torch.Generator().manual_seed(4))
@@ -93,8 +103,9 @@ def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(wi
         torch.testing.assert_close(module(x, mask, cand, g), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weights", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("tokens,hidden", [(2, [16]), (2, [1]), (1, [16, 8])])
-def test_target_attention_without_gradients_is_the_same_function(tokens, hidden):
+def test_target_attention_without_gradients_is_the_same_function(tokens, hidden, weights):
     """Evaluation and serving run plain ops (no hand-written backward): the same tokens, with time
     or without; a scorer of width 1 under k = 2 included (the backward's broadcast is for k = 1)."""
     torch.manual_seed(0)
@@ -104,7 +115,9 @@ def test_target_attention_without_gradients_is_the_same_function(tokens, hidden)
     x, mask = pad(seqs.values(), seqs.offsets(), 5)
     cand = torch.randn(4, D)
     for time in (TIME, None):
-        module = TargetAttention(D, tokens, hidden, time)
+        module = TargetAttention(D, tokens, hidden, time, weights, time_value=time is not None)
+        if time:
+            nn.init.normal_(module.time_value.weight)
         trained = module(x, mask, cand, gaps if time else None)
         with torch.no_grad():
             evaluated = module(x, mask, cand, gaps if time else None)
@@ -175,6 +188,22 @@ def test_k_tokens_are_k_different_vectors(module):
     assert torch.equal(tokens[3], torch.zeros(3, D))
 
 
+@pytest.mark.parametrize("weights", ["softmax", "sigmoid"])
+def test_the_time_value_starts_at_zero_the_values_as_without_it(weights):
+    """A new module with time_value gives what the same module without it gives: the gaps reach
+    the values only as they are trained."""
+    torch.manual_seed(0)
+    rows = [3, 1, 5]
+    seqs = jagged(rows)
+    gaps = pad(jagged(rows, width=None, seed=3).values() * 6, seqs.offsets(), 5)[0]
+    x, mask = pad(seqs.values(), seqs.offsets(), 5)
+    cand = torch.randn(3, D)
+    with_values = TargetAttention(D, 2, [16], TIME, weights, time_value=True)
+    without = TargetAttention(D, 2, [16], TIME, weights, time_value=False)
+    without.load_state_dict({k: v for k, v in with_values.state_dict().items() if not k.startswith("time_value.")})
+    assert torch.equal(with_values(x, mask, cand, gaps), without(x, mask, cand, gaps))
+
+
 def test_target_attention_without_time_reads_a_set_and_the_transformer_reads_the_order():
     """Reversing each history: target attention without time gives the same vector (order-free);
     the transformer, whose recency positions count from the newest, another one."""
@@ -185,7 +214,7 @@ def test_target_attention_without_time_reads_a_set_and_the_transformer_reads_the
     reversed_x = torch.stack([torch.cat([x[r, :n].flip(0), x[r, n:]]) for r, n in enumerate(rows)])
     target = TargetAttention(D, 1, [16])
     torch.testing.assert_close(target(reversed_x, mask, cand), target(x, mask, cand), rtol=1e-5, atol=1e-6)
-    transformer = SequenceTransformer(D, 1, 5, 1, 2, D, 2, [16])
+    transformer = SequenceTransformer(D, 1, 5, 1, 2, D, 2, [16], init_std=0.1, weights="softmax", time_value=False)
     differs = (transformer(reversed_x, mask, cand) - transformer(x, mask, cand)).abs().amax(dim=(1, 2))
     assert (differs > 1e-3).all(), differs
 

@@ -36,10 +36,11 @@ def timed_table(seed: int = 0) -> pa.Table:
     return rows.append_column("history_ts", pa.array(stamps, pa.list_(pa.int64()))).append_column("now", pa.array(now))
 
 
-def reference(module: str, tower: str, timestamps: bool):
+def reference(module: str, tower: str, timestamps: bool, options: tuple[str, ...] = ()):
     sizes = (["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer"
              else ["--model.mlp.hidden=[16, 8]"])
-    cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
+    cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}",
+                             *options])
     cfg.features = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2,
                                         timestamps="history_ts" if timestamps else "")
                     if f.name == "history" else f for f in features()]
@@ -53,11 +54,16 @@ def reference(module: str, tower: str, timestamps: bool):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("module,tower,timestamps", [("target_attention", "rankmixer", True),
-                                                     ("transformer", "mlp", False),
-                                                     ("target_attention", "dcnv2", False)])
-def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower, timestamps, fmt):
-    cfg, model = reference(module, tower, timestamps)
+@pytest.mark.parametrize("module,tower,timestamps,options", [
+    ("target_attention", "rankmixer", True, ()), ("transformer", "mlp", False, ()),
+    ("target_attention", "dcnv2", False, ()),
+    ("transformer", "rankmixer", True, ("--model.sequence.target_attention.weights=sigmoid",
+                                        "--model.sequence.target_attention.time_value=true"))])
+def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower, timestamps, options, fmt):
+    cfg, model = reference(module, tower, timestamps, options)
+    for name, weights in model.named_parameters():  # the time values start at zero: here they count
+        if "time_value" in name:
+            torch.nn.init.normal_(weights)
     rows = timed_table()
     encoder = RowEncoder(cfg.features, cfg.model.tasks, "", cfg.data.time_column, cfg.model.sequence.time_buckets)
     time_column = cfg.data.time_column

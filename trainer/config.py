@@ -24,7 +24,7 @@ from trainer.credentials import redact_uri
 # The choices of the config's fixed-choice fields. The loader checks a value against its
 # field's Literal; the code that acts on a choice reads the allowed values from here
 # (`typing.get_args`), never from a list of its own.
-SynthTeacherName = Literal["default", "capacity", "sequence"]
+SynthTeacherName = Literal["default", "capacity", "sequence", "recency"]
 DataOrder = Literal["shuffled", "time"]
 Calibration = Literal["none", "bias", "platt"]
 ArtifactFormat = Literal["pt2", "torchscript"]
@@ -76,7 +76,8 @@ class DataConfig:
     """synth dataset: rows generated (train plus 10% held out)."""
     synth_teacher: SynthTeacherName = "default"
     ("""synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf """
-     """fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate).""")
+     """fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate) | """
+     """recency (a click when the candidate is a behaviour under a day old).""")
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"

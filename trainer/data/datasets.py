@@ -4,6 +4,7 @@ built-in ones, the feature schema that fits them."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -93,6 +94,8 @@ SYNTH_TEACHERS: dict[str, SynthTeacher] = {
     "default": SynthTeacher(synth_data.write_synthetic, lambda: synth_features(), "synth-v1"),  # defined below
     "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
     "sequence": SynthTeacher(sequence_log.write_sequence_log, sequence_log.sequence_features, "synth-sequence-v2"),
+    "recency": SynthTeacher(functools.partial(sequence_log.write_sequence_log, recency=True),
+                            sequence_log.sequence_features, "synth-recency-v1"),
 }
 assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher per data.synth_teacher choice"
 

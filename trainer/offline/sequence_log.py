@@ -1,5 +1,5 @@
-"""A synthetic log where the order and the time of a behaviour sequence matter
-(`rankmix data synth --teacher sequence`, `data.synth_teacher = "sequence"`). It is NOT real
+"""Synthetic logs where the order and the time of a behaviour sequence matter
+(`rankmix data synth --teacher sequence|recency`, `data.synth_teacher = "sequence"|"recency"`). It is NOT real
 data: every label comes from the hidden teacher below.
 
 Columns: `user_id` (NUM_USERS), the candidate `item_id` (NUM_ITEMS) and its `item_category`
@@ -20,6 +20,13 @@ little on how many resemble it, which a pooled sequence does see). A
 mean of the behaviours' vectors keeps how many match, not when: the summary's `order_free_auc`
 (the expected logit given the match count alone) is what a perfect reader of the pooled
 sequence reaches along that line, against the teacher's own `teacher_auc`.
+
+The `recency` teacher (`data.synth_teacher = "recency"`) writes the same columns; its label is
+exactly "the candidate is one of the user's behaviours less than a day (RECENT) old": half the
+candidates are drawn from the row's own behaviours, half from all items; the behaviours are
+any items, and half of them are younger than a day. What a behaviour is says nothing: only
+the candidate's own behaviour and its time do. A pooled sequence sees that the candidate is
+there, not when (`order_free_auc`: the chance that one of its matches is recent).
 
 Rows come in chunks of CHUNK_ROWS from generators seeded with (seed, 3, chunk): rows do not
 depend on the number of files.
@@ -44,6 +51,7 @@ TAU = 3_600.0  # an hour: the weight of a behaviour is exp(-age / TAU)
 SESSION = 3 * TAU  # behaviours younger than this follow the row's session category...
 RECENT_SHARE, INTEREST_SHARE = 0.7, 0.6  # ...with this probability; older ones the user's two interests
 MATCH, SHARE, ITEM_STD, BIAS = 3.0, 2.0, 0.5, -1.5
+RECENT = 86_400  # the recency teacher: a day, in seconds
 NOW = 1_700_000_000
 CHUNK_ROWS = 65_536
 
@@ -108,14 +116,42 @@ def _chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Table, np.n
     return table, logit, order_free
 
 
+def _recency_chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+    """Chunk `index` of the recency teacher: (rows, the label itself as the teacher's logit, the
+    order-free score: the chance that one of the candidate's matches is under a day old)."""
+    rng = np.random.default_rng([seed, 4, index])
+    users = rng.integers(1, NUM_USERS + 1, n)
+    lengths = rng.integers(MIN_HIST, MAX_HIST + 1, n)
+    owner = np.repeat(np.arange(n), lengths)
+    ages = np.exp(rng.uniform(np.log(AGE_MIN), np.log(AGE_MAX), len(owner)))
+    ages = np.rint(ages[np.lexsort((-ages, owner))]).astype(np.int64)  # each row's ages descending: most recent last
+    hist = rng.integers(1, NUM_ITEMS + 1, len(owner))
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    own = hist[starts + (rng.random(n) * lengths).astype(np.int64)]  # one of the row's behaviours, uniformly
+    item = np.where(rng.random(n) < 0.5, own, rng.integers(1, NUM_ITEMS + 1, n))
+    now = NOW + rng.integers(0, 86_400 * 30, n)
+    match = hist == item[owner]
+    click = (np.bincount(owner, weights=match & (ages < RECENT), minlength=n) > 0).astype(np.int64)
+    offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
+    table = pa.table({"user_id": users, "item_id": item, "item_category": teacher["category"][item],
+                      "hist_items": pa.ListArray.from_arrays(offsets, pa.array(hist)),
+                      "hist_ts": pa.ListArray.from_arrays(offsets, pa.array(now[owner] - ages)),
+                      "request_time": now, "click": click})
+    recent_share = np.log(RECENT / AGE_MIN) / np.log(AGE_MAX / AGE_MIN)  # of the log-uniform ages
+    order_free = 1 - (1 - recent_share) ** np.bincount(owner, weights=match, minlength=n)
+    return table, click.astype(np.float64), order_free
+
+
 def write_sequence_log(out_dir: str | os.PathLike, *, rows: int = 200_000, valid_fraction: float = 0.1,
-                       files: int = 2, row_group_size: int = 65_536, seed: int = 0) -> dict:
+                       files: int = 2, row_group_size: int = 65_536, seed: int = 0, recency: bool = False) -> dict:
     """Write train/ and valid/ Parquet parts under out_dir; return a summary with the rows, the
     click rate and, on the valid split, the AUC of the teacher's logit and of the item bias plus
-    the matches counted without their times (what the order-free sequence says)."""
+    the matches counted without their times (what the order-free sequence says). `recency`:
+    the recency teacher's rows."""
     check_split_sizes(rows, valid_fraction, files, row_group_size)
     teacher = _teacher(seed)
-    chunks = [_chunk(teacher, seed, i, min(CHUNK_ROWS, rows - i * CHUNK_ROWS)) for i in range(-(-rows // CHUNK_ROWS))]
+    chunk = _recency_chunk if recency else _chunk
+    chunks = [chunk(teacher, seed, i, min(CHUNK_ROWS, rows - i * CHUNK_ROWS)) for i in range(-(-rows // CHUNK_ROWS))]
     table = pa.concat_tables([c[0] for c in chunks])
     logit, order_free = np.concatenate([c[1] for c in chunks]), np.concatenate([c[2] for c in chunks])
     valid_rows = min(rows - 1, max(1, round(rows * valid_fraction)))
@@ -141,4 +177,4 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     # on use, as torch above
     from trainer.metrics.ranking import auc
 
-    return auc(torch.from_numpy(scores), torch.from_numpy(labels))
+    return auc(torch.tensor(scores), torch.tensor(labels))  # copies: the labels are a read-only Arrow view
