@@ -41,7 +41,7 @@ class TargetAttentionConfig:
     weights: Literal["softmax", "sigmoid"] = "softmax"
     ("""softmax (the weights over the behaviours sum to 1) | sigmoid (each behaviour weighted on its own, """
      """unnormalised as in DIN: the sum keeps how many match).""")
-    time_value: bool = False
+    time_value: bool = True
     """With timestamps: add an embedding of each behaviour's time gap to the value summed, not only to its score."""
 
     def validate(self) -> None:

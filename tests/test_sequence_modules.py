@@ -92,11 +92,12 @@ def test_each_builder_reads_its_table_and_the_features_shape():
     assert transformer.blocks[0].ffn[0].out_features == 36 and transformer.position.num_embeddings == 6
     assert (transformer.time.num_embeddings, transformer.time.embedding_dim) == (5, 12)
     assert transformer.target.time.embedding_dim == 3 and transformer.target.first.out_features == 6
-    assert target.softmax and target.time_value is None and transformer.target.softmax
-    cfg.target_attention.weights, cfg.target_attention.time_value = "sigmoid", True
+    assert target.softmax and transformer.target.softmax  # the defaults: softmax, the gap in the value
+    assert target.time_value.weight.shape == transformer.target.time_value.weight.shape == (5, 8)
+    cfg.target_attention.weights, cfg.target_attention.time_value = "sigmoid", False
     for module in (SEQUENCE_MODULES.get("target_attention")(cfg, features[3]),
                    SEQUENCE_MODULES.get("transformer")(cfg, features[3]).target):
-        assert not module.softmax and module.time_value.weight.shape == (5, 8)
+        assert not module.softmax and module.time_value is None
     cfg.transformer.width = 0  # the table's width
     assert isinstance(SEQUENCE_MODULES.get("transformer")(cfg, features[3]).inp, nn.Identity)
 

@@ -31,7 +31,7 @@ def test_the_teacher_is_out_of_reach_of_an_order_free_reading(tmp_path):
     assert summary["teacher_auc"] > summary["order_free_auc"] + 0.1, summary
 
 
-def test_the_recency_teacher_clicks_exactly_when_the_candidate_is_a_behaviour_under_a_day_old(tmp_path):
+def test_the_recency_teacher_clicks_exactly_when_the_candidates_behaviour_is_under_a_day_old(tmp_path):
     summary = write_sequence_log(tmp_path, rows=4000, files=1, recency=True)
     table = pa.concat_tables(pq.read_table(p) for p in sorted(tmp_path.glob("*/*.parquet")))
     hist, stamps = table.column("hist_items").to_pylist(), table.column("hist_ts").to_pylist()
@@ -40,9 +40,9 @@ def test_the_recency_teacher_clicks_exactly_when_the_candidate_is_a_behaviour_un
                 for hs, ss, item, t in zip(hist, stamps, items, now, strict=True)]
     assert table.column("click").to_pylist() == expected
     assert all(s == sorted(s) for s in stamps)  # oldest first, the newest last
-    in_history = sum(item in hs for hs, item in zip(hist, items, strict=True)) / len(items)
-    assert 0.5 < in_history < 0.6 and 0.2 < summary["ctr"] < 0.35, summary  # half drawn from the history
-    # the bar for a scorer is 0.9: what the history holds without its times stays below it
+    assert all(item in hs for hs, item in zip(hist, items, strict=True))  # the candidate is a behaviour
+    assert 0.4 < summary["ctr"] < 0.6, summary  # half the behaviours are under a day old
+    # a scorer of the times reaches 0.9 and more (docs/results.md); the history without them stays below
     assert summary["teacher_auc"] == 1.0 and summary["order_free_auc"] < 0.9, summary
 
 

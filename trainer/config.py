@@ -77,7 +77,7 @@ class DataConfig:
     synth_teacher: SynthTeacherName = "default"
     ("""synth dataset: default (crosses of users, items, context) | capacity (high-order crosses of 16 Zipf """
      """fields and a sequence) | sequence (clicks from the recent behaviours that resemble the candidate) | """
-     """recency (a click when the candidate is a behaviour under a day old).""")
+     """recency (a click when the candidate's own behaviour is under a day old).""")
     source_dir: str = ""
     """Raw data of datasets converted on first use (movielens: the ml-100k folder)."""
     cache_dir: str = ".cache/data"

@@ -95,7 +95,7 @@ SYNTH_TEACHERS: dict[str, SynthTeacher] = {
     "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
     "sequence": SynthTeacher(sequence_log.write_sequence_log, sequence_log.sequence_features, "synth-sequence-v2"),
     "recency": SynthTeacher(functools.partial(sequence_log.write_sequence_log, recency=True),
-                            sequence_log.sequence_features, "synth-recency-v1"),
+                            sequence_log.sequence_features, "synth-recency-v2"),
 }
 assert SYNTH_TEACHERS.keys() == set(get_args(SynthTeacherName)), "one teacher per data.synth_teacher choice"
 

@@ -22,11 +22,12 @@ mean of the behaviours' vectors keeps how many match, not when: the summary's `o
 sequence reaches along that line, against the teacher's own `teacher_auc`.
 
 The `recency` teacher (`data.synth_teacher = "recency"`) writes the same columns; its label is
-exactly "the candidate is one of the user's behaviours less than a day (RECENT) old": half the
-candidates are drawn from the row's own behaviours, half from all items; the behaviours are
-any items, and half of them are younger than a day. What a behaviour is says nothing: only
-the candidate's own behaviour and its time do. A pooled sequence sees that the candidate is
-there, not when (`order_free_auc`: the chance that one of its matches is recent).
+exactly "the candidate's own behaviour is less than a day (RECENT) old": the candidate is one
+of the row's own behaviours, drawn uniformly; the behaviours are any items, and half of them
+are younger than a day. Which items they are says nothing: only the time of the candidate's
+own behaviour does. A scorer that finds the match but sums its vector alone, the same
+whatever its age, learns little (`order_free_auc`: the chance that one of the candidate's
+matches is recent, from their count alone).
 
 Rows come in chunks of CHUNK_ROWS from generators seeded with (seed, 3, chunk): rows do not
 depend on the number of files.
@@ -127,8 +128,7 @@ def _recency_chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Tab
     ages = np.rint(ages[np.lexsort((-ages, owner))]).astype(np.int64)  # each row's ages descending: most recent last
     hist = rng.integers(1, NUM_ITEMS + 1, len(owner))
     starts = np.r_[0, np.cumsum(lengths)[:-1]]
-    own = hist[starts + (rng.random(n) * lengths).astype(np.int64)]  # one of the row's behaviours, uniformly
-    item = np.where(rng.random(n) < 0.5, own, rng.integers(1, NUM_ITEMS + 1, n))
+    item = hist[starts + (rng.random(n) * lengths).astype(np.int64)]  # one of the row's behaviours, uniformly
     now = NOW + rng.integers(0, 86_400 * 30, n)
     match = hist == item[owner]
     click = (np.bincount(owner, weights=match & (ages < RECENT), minlength=n) > 0).astype(np.int64)
