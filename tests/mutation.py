@@ -50,7 +50,7 @@ class Target:
     path: str
     tests: tuple[str, ...]
     functions: tuple[str, ...] = ()
-    warm: tuple[str, ...] = ()  # "test_module:function": cached makers to call before mutmut forks (conftest.py)
+    warm: tuple[str, ...] = ()  # "test_module:function": cached makers called before mutmut forks (mutation_hooks.py)
     # tests not run: multi-rank runs, whose ranks (other processes, 5-30 s) no mutant reaches
     deselect: tuple[str, ...] = ()
 
