@@ -37,6 +37,8 @@ from mutmut.mutation.data import SourceFileMutationData
 from mutmut.mutation.diff_apply import get_diff_for_mutant
 from mutmut.stats import status_by_exit_code
 
+import mutation_hooks
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".mutation"
 LINKED = ("trainer", "dense", "embeddings", "launch", "tests", "configs")
@@ -754,8 +756,8 @@ def run(name: str, targets: list[Target], workers: int) -> Path:
     # inherit a busy OpenMP pool.
     unrun = folder / "unrun.txt"  # notes of mutants whose tests pytest could not run (tests/mutation_hooks.py)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "RANKMIX_MUTATION_WARM": ",".join(_union(t.warm for t in targets)), "RANKMIX_MUTATION_UNRUN": str(unrun),
-           "RANKMIX_MUTATION_KILLS": str(folder / "kills.txt")}
+           mutation_hooks.WARM: ",".join(_union(t.warm for t in targets)), mutation_hooks.UNRUN: str(unrun),
+           mutation_hooks.KILLS: str(folder / "kills.txt")}
     # mutmut mutates all of `only_mutate` unless named mutants are given: name them where any
     # target takes only some functions
     names = _union(t.selected() for t in targets) if any(t.functions for t in targets) else []

@@ -85,6 +85,25 @@ def _items(teacher: dict, rng: np.random.Generator, categories: np.ndarray, pick
     return items
 
 
+def _histories(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """n rows' history lengths [n], each behaviour's row [N] and its age in seconds [N], log-uniform
+    in [AGE_MIN, AGE_MAX], each row's ages descending: the most recent last."""
+    lengths = rng.integers(MIN_HIST, MAX_HIST + 1, n)
+    owner = np.repeat(np.arange(n), lengths)
+    ages = np.exp(rng.uniform(np.log(AGE_MIN), np.log(AGE_MAX), len(owner)))
+    return lengths, owner, np.rint(ages[np.lexsort((-ages, owner))]).astype(np.int64)
+
+
+def _rows(teacher: dict, users: np.ndarray, item: np.ndarray, lengths: np.ndarray, hist: np.ndarray,
+          stamps: np.ndarray, now: np.ndarray, click: np.ndarray) -> pa.Table:
+    """The log's columns (the module docstring's): the histories' items and times as lists."""
+    offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
+    return pa.table({"user_id": users, "item_id": item, "item_category": teacher["category"][item],
+                     "hist_items": pa.ListArray.from_arrays(offsets, pa.array(hist)),
+                     "hist_ts": pa.ListArray.from_arrays(offsets, pa.array(stamps)),
+                     "request_time": now, "click": click})
+
+
 def _chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Table, np.ndarray, np.ndarray]:
     """Chunk `index`: (rows, teacher logit, the order-free logit: the matches counted, not weighted)."""
     rng = np.random.default_rng([seed, 3, index])
@@ -93,10 +112,7 @@ def _chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Table, np.n
     session = rng.integers(1, NUM_CATEGORIES + 1, n)  # what the user browses now
     pick = rng.integers(0, 3, n)  # the candidate: of the session, of an interest, or any
     item = _items(teacher, rng, np.where(pick == 0, session, interest), pick < 2)
-    lengths = rng.integers(MIN_HIST, MAX_HIST + 1, n)
-    owner = np.repeat(np.arange(n), lengths)
-    ages = np.exp(rng.uniform(np.log(AGE_MIN), np.log(AGE_MAX), len(owner)))
-    ages = np.rint(ages[np.lexsort((-ages, owner))]).astype(np.int64)  # each row's ages descending: most recent last
+    lengths, owner, ages = _histories(rng, n)
     recent = ages < SESSION
     old_interest = teacher["interests"][users[owner], rng.integers(0, 2, len(owner))]
     hist = _items(teacher, rng, np.where(recent, session[owner], old_interest),
@@ -107,11 +123,7 @@ def _chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Table, np.n
     share = np.bincount(owner, weights=match, minlength=n) / lengths
     logit = BIAS + ITEM_STD * teacher["bias"][item] + MATCH * recency + SHARE * (share - 1 / NUM_CATEGORIES)
     click = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.int64)
-    offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
-    table = pa.table({"user_id": users, "item_id": item, "item_category": teacher["category"][item],
-                      "hist_items": pa.ListArray.from_arrays(offsets, pa.array(hist)),
-                      "hist_ts": pa.ListArray.from_arrays(offsets, pa.array(now[owner] - ages)),
-                      "request_time": now, "click": click})
+    table = _rows(teacher, users, item, lengths, hist, now[owner] - ages, now, click)
     # The expected logit given the match count alone, had the ages been drawn apart from the items.
     order_free = ITEM_STD * teacher["bias"][item] + MATCH * np.exp(-ages / TAU).mean() * share * lengths + SHARE * share
     return table, logit, order_free
@@ -122,21 +134,14 @@ def _recency_chunk(teacher: dict, seed: int, index: int, n: int) -> tuple[pa.Tab
     order-free score: the chance that one of the candidate's matches is under a day old)."""
     rng = np.random.default_rng([seed, 4, index])
     users = rng.integers(1, NUM_USERS + 1, n)
-    lengths = rng.integers(MIN_HIST, MAX_HIST + 1, n)
-    owner = np.repeat(np.arange(n), lengths)
-    ages = np.exp(rng.uniform(np.log(AGE_MIN), np.log(AGE_MAX), len(owner)))
-    ages = np.rint(ages[np.lexsort((-ages, owner))]).astype(np.int64)  # each row's ages descending: most recent last
+    lengths, owner, ages = _histories(rng, n)
     hist = rng.integers(1, NUM_ITEMS + 1, len(owner))
     starts = np.r_[0, np.cumsum(lengths)[:-1]]
     item = hist[starts + (rng.random(n) * lengths).astype(np.int64)]  # one of the row's behaviours, uniformly
     now = NOW + rng.integers(0, 86_400 * 30, n)
     match = hist == item[owner]
     click = (np.bincount(owner, weights=match & (ages < RECENT), minlength=n) > 0).astype(np.int64)
-    offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
-    table = pa.table({"user_id": users, "item_id": item, "item_category": teacher["category"][item],
-                      "hist_items": pa.ListArray.from_arrays(offsets, pa.array(hist)),
-                      "hist_ts": pa.ListArray.from_arrays(offsets, pa.array(now[owner] - ages)),
-                      "request_time": now, "click": click})
+    table = _rows(teacher, users, item, lengths, hist, now[owner] - ages, now, click)
     recent_share = np.log(RECENT / AGE_MIN) / np.log(AGE_MAX / AGE_MIN)  # of the log-uniform ages
     order_free = 1 - (1 - recent_share) ** np.bincount(owner, weights=match, minlength=n)
     return table, click.astype(np.float64), order_free
