@@ -148,6 +148,21 @@ def test_unknown_key_in_cli(override, key):
         load_config(None, [override])
 
 
+def test_a_free_table_takes_a_dotted_key_whole(tmp_path):
+    """pyiceberg's property names hold dots: past a table of free keys, the rest of the override is its key."""
+    cfg = load_config(None, ["--data.catalog.s3.endpoint=http://minio:9000", "--data.catalog.uri=sqlite:///c.db",
+                             "--embeddings.table_sharding.item=row_wise"])
+    assert cfg.data.catalog == {"s3.endpoint": "http://minio:9000", "uri": "sqlite:///c.db"}
+    assert cfg.embeddings.table_sharding == {"item": "row_wise"}
+    path = tmp_path / "c.toml"
+    path.write_text('[data.catalog]\n"s3.region" = "eu-west-1"\nname = "lake"\n')
+    cfg = load_config(str(path), ["--data.catalog.name=other"])
+    assert cfg.data.catalog == {"s3.region": "eu-west-1", "name": "other"}
+    assert load_config(None, ["--data.catalog.s3.port=3"]).data.catalog == {"s3.port": "3"}  # str values
+    with pytest.raises(ValueError, match=err("unknown config key: data.catalogue")):
+        load_config(None, ["--data.catalogue.s3.endpoint=x"])
+
+
 def test_override_of_a_whole_section_is_a_type_error():
     with pytest.raises(ValueError, match=err("config key data must be a table, got int")):
         load_config(None, ["--data=1"])

@@ -26,6 +26,7 @@ from trainer.components.continuous import ContinuousTraining, partitioned_reader
 from trainer.components.publisher import Publishing
 from trainer.components.selection import ModelSelection
 from trainer.config import Config, per_rank_batch_size
+from trainer.config_loader import to_dict
 from trainer.credentials import redact_uri
 from trainer.data.datasets import build_dataset
 from trainer.data.encode import RowEncoder
@@ -35,6 +36,7 @@ from trainer.data.reader import ParquetReader
 from trainer.dist import DistEnv, init_distributed
 from trainer.metrics.evaluation import Evaluator
 from trainer.metrics.logger import MetricLogger
+from trainer.metrics.mlflow_run import flat_params
 from trainer.metrics.report import TrainingReport
 from trainer.metrics.streaming import TrainingWindow
 from trainer.optimizer import build_optimizer, warmups
@@ -85,7 +87,7 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, run_lock: RunLocks | N
         files.train_path, cfg.data.success_marker, **retries)
     train_reader = partitioned_reader(cfg, train_path, retries, reader) if time_order else reader(train_path,
                                                                                                   cfg.train.seed)
-    selection = ModelSelection(cfg, run_dir, train_path)
+    selection = ModelSelection(cfg, run_dir, train_path, files.valid_path)
     if selection.split:  # its files' schema and its rows checked now, not after an epoch
         path, split = selection.split
         ParquetReader(path, encoder, ReaderOptions.from_config(cfg.data, training=False, batch_size=1, **split))
@@ -100,15 +102,17 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, run_lock: RunLocks | N
     optimizer, dense_optimizer, dense_params = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmups(
         optimizer, len(model.fused_optimizer.param_groups), cfg.optim))
-    position = TrainedPosition(train_reader, cfg.checkpoint.data_position)
+    position = TrainedPosition(train_reader, cfg.checkpoint.data_position, files.pin)
     # In time order the steps are those of the partitions after the restored position (ContinuousTraining).
     total_steps = cfg.train.steps or (0 if time_order else sum(
         train_reader.steps_in_epoch(e) for e in range(cfg.train.epochs)))
     if total_steps == 0 and not time_order:
         raise ValueError(f"{redact_uri(files.train_path)}: not one batch of {batch_size} rows "
                          f"per rank in {cfg.train.epochs} epoch(s)")
+    mlflow = (cfg.metrics.mlflow_uri, cfg.metrics.mlflow_experiment, flat_params(to_dict(cfg))) \
+        if cfg.metrics.mlflow_uri and env.is_main else None
     logger = MetricLogger(run_dir, total_steps, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard,
-                          progress=cfg.metrics.progress)
+                          progress=cfg.metrics.progress, mlflow=mlflow)
     window = TrainingWindow(model, task_names, cfg.metrics.window_batches)
     report = TrainingReport(logger, window, hooks, task_names, task_weights, cost, flops,
                             bool(cfg.metrics.peak_tflops), env.world_size)

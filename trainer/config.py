@@ -50,7 +50,8 @@ class DataConfig:
     dataset: str = "synth"
     """Registered dataset: synth (generated) | movielens (converted from source_dir) | parquet (paths)."""
     train_path: str = ""
-    """Training Parquet files: a file, directory or glob, local or a pyarrow filesystem URI."""
+    ("""Training Parquet files: a file, directory or glob, local or a pyarrow filesystem URI; or a table: """
+     """iceberg:<namespace>.<table> or delta:<path or URI>.""")
     eval_path: str = ""
     """Held-out (test) Parquet files, same forms as train_path: the final metrics."""
     valid_path: str = ""
@@ -95,6 +96,13 @@ class DataConfig:
     """data.order=time: once the complete partitions are trained, wait for new ones (until SIGTERM)."""
     poll_seconds: float = 30.0
     """data.follow: how often train_path is listed for new complete partitions."""
+    catalog: dict[str, str] = field(default_factory=dict)
+    ("""iceberg: paths: the catalog's name and pyiceberg properties (uri, warehouse, type, ...; a sqlite: uri """
+     """is an embedded SQL catalog); secrets through PYICEBERG_CATALOG__<NAME>__* variables.""")
+    snapshot: int = 0
+    """iceberg: train_path: the snapshot id read (0: the current one when the run starts; a resume keeps its own)."""
+    version: int = -1
+    """delta: train_path: the table version read (-1: the newest when the run starts; a resume keeps its own)."""
 
 
 RECIPES: dict[str, dict[str, object]] = {
@@ -115,6 +123,35 @@ def per_rank_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.data.global_batch_size // world_size
 
 
+TABLE_SCHEMES = ("iceberg", "delta")
+"""The prefixes of a table path in data.*_path (`iceberg:<namespace>.<table>`, `delta:<path or URI>`)."""
+
+DEFAULT_CATALOG = "default"
+"""The name of [data.catalog]'s catalog without data.catalog.name (pyiceberg's own default): a SQL
+catalog keeps its tables under it, and pyiceberg reads its PYICEBERG_CATALOG__<NAME>__* variables."""
+
+_SECRET_PROPERTY_WORDS = ("credential", "token", "secret", "password", "key")
+
+
+def table_format(path: str) -> str | None:
+    """"iceberg" or "delta" for a table path (trainer/data/lakehouse.py), else None (files, folders, URIs)."""
+    scheme, sep, _ = path.partition(":")
+    return scheme if sep and scheme in TABLE_SCHEMES else None
+
+
+def check_catalog(catalog: dict[str, str]) -> None:
+    """Refuse a secret in [data.catalog]: the config is written into the run folder and shown, so
+    secrets reach pyiceberg through its environment variables (or the object store's own chain)."""
+    for key in catalog:
+        words = key.lower().replace("_", "-").replace(".", "-").split("-")
+        if any(w in _SECRET_PROPERTY_WORDS for w in words[-2:]) and words[-1] not in ("id", "name", "type", "uri"):
+            name = catalog.get("name", DEFAULT_CATALOG).upper()
+            variable = f"PYICEBERG_CATALOG__{name}__" + key.upper().replace(".", "__").replace("-", "_")
+            raise ValueError(f"data.catalog.{key} holds a secret, and the config is written into the run folder; "
+                             f"give it as the environment variable {variable} (pyiceberg reads it there), or "
+                             "through the object store's own chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
+
+
 TIME_ORDER_FIELDS = ("follow", "poll_seconds")
 """DataConfig fields that only data.order = "time" reads."""
 
@@ -124,7 +161,9 @@ def unused_run_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
     decides it, why)."""
     why = ("data.order", f"data.order={data.order!r} does not read it")
     if data.order == "time":  # a pass over the partitions; a validation split would read unfinished ones
-        return dict.fromkeys(("train.epochs", "data.valid_fraction", "data.valid_path", "train.calibrate"), why)
+        # a table in time order is read snapshot by snapshot, none of them pinned
+        return dict.fromkeys(("train.epochs", "data.valid_fraction", "data.valid_path", "train.calibrate",
+                              "data.snapshot", "data.version"), why)
     unused = dict.fromkeys((*(f"data.{name}" for name in TIME_ORDER_FIELDS), "publish.every_partition",
                             "metrics.eval_next_partition"), why)
     if not data.valid_fraction and not data.valid_path:
@@ -245,6 +284,10 @@ class MetricsConfig:
     """Peak TFLOP/s of one device for MFU (0: measure a plain matrix multiply at start)."""
     eval_next_partition: bool = False
     """data.order = "time": before a partition's first step, evaluate the model on it (kind next_partition)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI (file:<folder> or http(s)://server): params, metrics, summary, artifacts ('' : off)."""
+    mlflow_experiment: str = "rankmix"
+    """metrics.mlflow_uri: the MLflow experiment the run is logged under."""
 
 
 @dataclass

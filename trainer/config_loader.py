@@ -28,7 +28,7 @@ from dense.sequence_registry import SEQUENCE_MODULES
 from dense.tower_registry import TOWERS
 from embeddings.features import FeatureSpec, managed_tables, unused_feature_fields, validate_features
 from embeddings.sparse_config import SPARSE_SHARDING_TYPES
-from trainer.config import MAX_BATCH_ROWS, RECIPES, Config, unused_run_fields
+from trainer.config import MAX_BATCH_ROWS, RECIPES, Config, DataConfig, check_catalog, table_format, unused_run_fields
 from trainer.credentials import (
     ENV_VARIABLES,
     CredentialsError,
@@ -107,11 +107,15 @@ def unused_fields(cfg: Config) -> dict[str, tuple[str, str]]:
     return unused_model_fields(cfg.model) | unused_feature_fields(cfg.features) | unused_run_fields(cfg.data)
 
 
+FREE_TABLES = ("embeddings.table_sharding", "data.catalog")
+"""Config tables of free keys (dict fields): a key given in them is the table's, not a field."""
+
+
 def _given_keys(raw: Any, where: str) -> typing.Iterator[str]:
     """The dotted keys a TOML table sets, list entries by name (`features.item_id.column`)."""
     for key, value in raw.items():
         dotted = _join(where, str(key))
-        if isinstance(value, dict) and not dotted.startswith("embeddings.table_sharding"):
+        if isinstance(value, dict) and not dotted.startswith(FREE_TABLES):
             yield from _given_keys(value, dotted)
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for i, entry in enumerate(value):
@@ -169,11 +173,13 @@ def apply_override(cfg: Config, item: str) -> None:
     parts = dotted.split(".")
     obj: Any = cfg
     hint: Any = Config
-    for i, part in enumerate(parts[:-1]):
-        if dataclasses.is_dataclass(obj) and part in _fields(type(obj)):
-            hint = _hints(type(obj))[part]
-        obj = _child(obj, part, ".".join(parts[: i + 1]))
-    key = parts[-1]
+    i = 0
+    while i < len(parts) - 1 and not isinstance(obj, dict):
+        if dataclasses.is_dataclass(obj) and parts[i] in _fields(type(obj)):
+            hint = _hints(type(obj))[parts[i]]
+        obj = _child(obj, parts[i], ".".join(parts[: i + 1]))
+        i += 1
+    key = ".".join(parts[i:])  # a free table's key may hold dots: `--data.catalog.s3.endpoint=...`
     if isinstance(obj, dict):  # a table of free keys: `--embeddings.table_sharding.item=row_wise`
         item = typing.get_args(hint)[1]
         obj[key] = _coerce(_parse_scalar(text, item), item, dotted)
@@ -304,6 +310,7 @@ def validate(cfg: Config) -> None:
     if cfg.train.early_stopping_patience and not (cfg.data.valid_path or cfg.data.valid_fraction):
         raise ValueError("train.early_stopping_patience needs a validation split: set data.valid_path or "
                          "data.valid_fraction")
+    _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
     if cfg.publish.every_steps and cfg.publish.every_partition:
@@ -335,6 +342,20 @@ def validate(cfg: Config) -> None:
     if managed:
         raise ValueError(f"embeddings.table_sharding names managed tables {managed}: those are always row-wise "
                          "(TorchRec shards managed-collision tables no other way)")
+
+
+def _validate_tables(data: DataConfig) -> None:
+    """A snapshot pin names the table it pins; [data.catalog] holds no secret (trainer/data/lakehouse.py)."""
+    kind = table_format(data.train_path)
+    if data.snapshot and kind != "iceberg":
+        raise ValueError(f"data.snapshot={data.snapshot} pins an Iceberg snapshot, but data.train_path "
+                         f"{redact_uri(data.train_path)!r} is no iceberg: table")
+    if data.version != -1 and kind != "delta":
+        raise ValueError(f"data.version={data.version} pins a Delta version, but data.train_path "
+                         f"{redact_uri(data.train_path)!r} is no delta: table")
+    if data.version < -1:
+        raise ValueError(f"data.version must be a Delta version (>= 0) or -1 for the newest, got {data.version}")
+    check_catalog(data.catalog)
 
 
 def _get(cfg: Config, dotted: str) -> Any:

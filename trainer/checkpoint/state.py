@@ -33,6 +33,7 @@ from embeddings.hooks import TrainingHooks
 from trainer.data.elastic import resumed_epoch
 from trainer.data.partitions import PartitionedReader
 from trainer.data.reader import ParquetReader
+from trainer.data.table_input import TablePin
 from trainer.dist import side_group
 
 log = logging.getLogger("rankmix.data")
@@ -87,7 +88,7 @@ class RankLocal(Protocol):
         """Take up the state saved by `len(saved)` ranks (in rank order) in this world size."""
 
 
-INPUT_RECORD = ("files", "consumed", "partition")
+INPUT_RECORD = ("files", "consumed", "partition", "table")
 """Keys of a reader's state that record the input read so far, the same on every rank."""
 
 
@@ -221,11 +222,13 @@ class TrainedPosition:
     the step being trained, so the position is recorded as each batch leaves the reader
     (`track`) and taken up when its step is done (`advance`). A saved position also records
     what its epoch has left on this rank, for a resume at another world size, and the rows
-    that such resumes read twice (`rows_reread`, the run's total; trainer/data/elastic.py)."""
+    that such resumes read twice (`rows_reread`, the run's total; trainer/data/elastic.py), and
+    the snapshot of a training table (`pin`), which a resume must read again."""
 
-    def __init__(self, reader: ParquetReader | PartitionedReader, data_position: str):
+    def __init__(self, reader: ParquetReader | PartitionedReader, data_position: str, pin: TablePin | None = None):
         self.reader = reader
         self.data_position = data_position  # checkpoint.data_position, for another world size
+        self.pin = pin
         self.current = reader.state_dict()
         self.rows_reread = 0
         self._ahead: deque[dict] = deque()
@@ -249,13 +252,29 @@ class TrainedPosition:
         self.current = self._ahead.popleft()
 
     def state_dict(self) -> dict:
-        return {**self.reader.with_units_left(self.current), "rows_reread": self.rows_reread}
+        table = {"table": self.pin.state_dict()} if self.pin else {}
+        return {**self.reader.with_units_left(self.current), "rows_reread": self.rows_reread, **table}
 
     def load_state_dict(self, state: dict) -> None:
+        self._check_table(state.get("table"))
         self.reader.load_state_dict(state)
         self.current = state
         self.rows_reread = int(state.get("rows_reread", 0))
         self._ahead.clear()
+
+    def _check_table(self, saved: dict | None) -> None:
+        """Refuse a position saved over another table, or another snapshot of this one."""
+        mine = self.pin.state_dict() if self.pin else None
+        if saved == mine:
+            return
+        if saved is None or mine is None or saved["path"] != mine["path"]:
+            what = lambda t: f"table {t['path']}" if t else "files, not a table"  # noqa: E731
+            raise ValueError(f"data reader state was saved reading {what(saved)}, but this run reads {what(mine)}")
+        option = "data.snapshot" if mine["path"].startswith("iceberg:") else "data.version"
+        raise ValueError(f"data reader state was saved reading {option.split('.')[1]} {saved['snapshot']} of "
+                         f"{saved['path']}, but this run reads {mine['snapshot']} ({option}): a resume reads the "
+                         f"snapshot it started on; set {option}={saved['snapshot']}, or leave it unset in the run "
+                         "folder that pinned it")
 
     def load_resized(self, saved: list[dict]) -> None:
         """An epoch boundary means the same thing in any world size. Inside an epoch (a partition

@@ -30,7 +30,7 @@ def partitioned_reader(cfg: Config, path: str, retries: dict,
     the same rows wherever it falls in a run."""
     seed = cfg.train.seed
     return PartitionedReader(path, lambda uri, name: open_reader(uri, (seed << 32) + zlib.crc32(name.encode()), 1),
-                             marker=cfg.data.success_marker, **retries)
+                             marker=cfg.data.success_marker, catalog=cfg.data.catalog, **retries)
 
 
 class ContinuousTraining(LoopComponent):

@@ -26,7 +26,9 @@ class Publishing(LoopComponent):
         """The run's model as it is after this step, once the flags are read and no save is in flight."""
         loop.check()
         loop.wait_for_save()  # one save at a time
-        loop.logger.write(f"published {self.publisher.publish(name, loop.step, loop.weights(), partition)}")
+        folder = self.publisher.publish(name, loop.step, loop.weights(), partition)
+        loop.logger.write(f"published {folder}")
+        loop.logger.artifact(name, str(folder))
 
     def state_dict(self) -> dict:
         return {"previous": self.publisher.previous}

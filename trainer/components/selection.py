@@ -77,9 +77,9 @@ class ModelSelection(LoopComponent):
     Once `patience` validations brought no improvement, it asks the loop to stop.
     `split`: (files, ParquetReader's holdout arguments) of the validation split, None without one."""
 
-    def __init__(self, cfg: Config, run_dir: Path, train_path: str):
+    def __init__(self, cfg: Config, run_dir: Path, train_path: str, valid_path: str):
         t, d = cfg.train, cfg.data
-        self.split = ((d.valid_path, {}) if d.valid_path else  # its own files, or every training row group's tail
+        self.split = ((valid_path, {}) if valid_path else  # its own files, or every training row group's tail
                       (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True})
                       if d.valid_fraction else None)
         self.every = cfg.metrics.valid_every

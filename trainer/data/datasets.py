@@ -19,6 +19,7 @@ import torch.distributed as dist
 from embeddings.features import FeatureSpec
 from embeddings.registry import Registry
 from trainer.config import Config, SynthTeacherName
+from trainer.data.table_input import TablePin, newest_files, pinned_train_files
 from trainer.dist import side_group
 from trainer.offline import capacity as capacity_data
 from trainer.offline import sequence_log
@@ -33,6 +34,8 @@ class DatasetFiles:
     train_path: str
     eval_path: str
     features: list[FeatureSpec]
+    valid_path: str = ""  # data.valid_path, a table's as its files
+    pin: TablePin | None = None  # the snapshot of a training table (trainer/data/table_input.py)
 
 
 DATASETS: Registry[Callable[[Config], DatasetFiles]] = Registry("data.dataset")
@@ -45,13 +48,18 @@ def build_dataset(cfg: Config) -> DatasetFiles:
 
 @DATASETS.register("parquet")
 def parquet(cfg: Config) -> DatasetFiles:
-    """User files: data.train_path, data.eval_path and a [[features]] schema."""
+    """User files or tables: data.train_path, data.eval_path and a [[features]] schema. A shuffled
+    run reads its training table at one snapshot, pinned (trainer/data/table_input.py); time order
+    reads the table's snapshots one by one (trainer/data/partitions.py)."""
+    data = cfg.data
     for key in ("train_path", "eval_path"):
-        if not getattr(cfg.data, key):
+        if not getattr(data, key):
             raise ValueError(f"data.{key} is empty: the parquet dataset needs it")
     if not cfg.features:
         raise ValueError("features is empty: the parquet dataset needs a [[features]] schema")
-    return DatasetFiles(cfg.data.train_path, cfg.data.eval_path, cfg.features)
+    train, pin = (data.train_path, None) if data.order == "time" else pinned_train_files(data, cfg.train.run_dir)
+    return DatasetFiles(train, newest_files(data.eval_path, data.catalog), cfg.features,
+                        newest_files(data.valid_path, data.catalog), pin)
 
 
 def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
@@ -108,7 +116,8 @@ def synth(cfg: Config) -> DatasetFiles:
     rows, seed = cfg.data.synth_rows, cfg.train.seed
     folder = _prepared(Path(cfg.data.cache_dir) / f"{teacher.cache_prefix}-{rows}-seed{seed}",
                        lambda out: teacher.write(out, rows=rows, seed=seed))
-    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or teacher.features())
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features or teacher.features(),
+                        cfg.data.valid_path)
 
 
 @DATASETS.register("movielens")
@@ -121,7 +130,7 @@ def movielens(cfg: Config) -> DatasetFiles:
                          "(see configs/movielens.toml)")
     folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k-v2",  # v2: with hist_timestamps
                        lambda out: convert_movielens(cfg.data.source_dir, out))
-    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features)
+    return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features, cfg.data.valid_path)
 
 
 def declared_features(cfg: Config) -> list[FeatureSpec]:

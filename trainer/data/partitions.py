@@ -23,6 +23,11 @@ is an error naming the file, as is a new partition that sorts before the last co
 level with it (`hour=010` after `hour=10`); a consumed partition that is gone (retention) is
 not. The partitions after the last consumed one are the new work.
 
+Tables. An Iceberg or Delta table (`iceberg:<ns>.<table>`, `delta:<path>`; trainer/data/lakehouse.py)
+is read the same way, its history standing for the folders: every snapshot (version) that
+appended files is a partition named `snapshot=<id>` (`version=<n>`), holding the files it added,
+in commit order; compactions are skipped, and a snapshot that removed rows is an error.
+
 Agreement. Rank 0 lists the partitions and broadcasts the list over the side group, so every
 rank trains the same partitions whatever its own view of a store being written to.
 """
@@ -39,10 +44,12 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import torch.distributed as dist
 
+from trainer.config import table_format
 from trainer.credentials import redact_uri
 from trainer.data.assignment import EpochRows
 from trainer.data.batch import Batch
 from trainer.data.identity import file_change
+from trainer.data.lakehouse import Table, open_table
 from trainer.data.reader import ParquetReader
 from trainer.data.store import open_store
 from trainer.dist import side_group
@@ -87,6 +94,12 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
     return sorted((Partition(name, keys[name], tuple(sorted((p, size) for p, size in files.items()
                                                             if p.endswith(".parquet"))))
                    for name, files in complete.items()), key=lambda p: p.key)
+
+
+def table_partitions(table: Table) -> list[Partition]:
+    """The snapshots of `table` that appended rows, as partitions in commit order (module docstring)."""
+    return [Partition(f"{table.kind}={c.number}", (c.order,), tuple((f.uri, f.size) for f in c.added))
+            for c in table.appends()]
 
 
 def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3) -> str:
@@ -193,10 +206,12 @@ class PartitionedReader:
     partitions known when it gets to them and ends after the last."""
 
     def __init__(self, root: str, open_partition: Callable[[str, str], ParquetReader], *, marker: str,
-                 retry_seconds: float = 300.0, retry_attempts: int = 3):
+                 retry_seconds: float = 300.0, retry_attempts: int = 3, catalog: dict[str, str] | None = None):
         self.root, self.marker = root, marker
         self.open_partition = open_partition
         self._retries = (retry_seconds, retry_attempts)
+        self.catalog = catalog or {}  # [data.catalog], for an iceberg: root
+        self._table: Table | None = None  # a table root, opened on rank 0 at the first listing
         self.sequence: list[Partition] = []  # consumed partitions (trained by this run folder), then pending ones
         self.consumed: tuple[dict, ...] = ()  # {"partition", "files"} of sequence[:epoch]; replaced, never changed
         self.readers: dict[int, ParquetReader] = {}  # by epoch, opened on demand
@@ -224,7 +239,7 @@ class PartitionedReader:
         box: list = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                box[0] = list_partitions(self.root, self.marker, *self._retries, like=like)
+                box[0] = self._list(like)
             except ValueError as e:
                 box[0] = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -233,6 +248,15 @@ class PartitionedReader:
             raise ValueError(box[0])
         return box[0]
 
+    def _list(self, like: Partition | None) -> list[Partition]:
+        if table_format(self.root) is None:
+            return list_partitions(self.root, self.marker, *self._retries, like=like)
+        if self._table is None:
+            self._table = open_table(self.root, self.catalog)
+        else:
+            self._table.refresh()
+        return table_partitions(self._table)
+
     def reader(self, epoch: int) -> ParquetReader:
         """The reader of the `epoch`-th partition (collective the first time: it lists its files)."""
         if epoch not in self.readers:
@@ -240,7 +264,9 @@ class PartitionedReader:
         return self.readers[epoch]
 
     def uri(self, epoch: int) -> str:
-        """The folder of the `epoch`-th partition."""
+        """The folder of the `epoch`-th partition (a table's: its files, comma-separated)."""
+        if table_format(self.root) is not None:
+            return ",".join(path for path, _ in self.sequence[epoch].files)
         return _child(self.root, self.sequence[epoch].name)
 
     @property
@@ -303,7 +329,8 @@ class PartitionedReader:
         """Continue after the saved partitions: refuse a trained partition whose files changed
         or a new one that sorts before the last trained one; resume inside the saved current one."""
         consumed = tuple(state["consumed"])
-        if consumed:  # the listing's keys take the kinds of the trained ones' (list_partitions)
+        # the listing's keys take the kinds of the trained ones' (list_partitions); a table's are its order
+        if consumed and table_format(self.root) is None:
             last = consumed[-1]
             keys = _keys(redact_uri(self.root), [p.name for p in self.sequence],
                          Partition(last["partition"], tuple(last["key"]), ()))

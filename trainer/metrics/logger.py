@@ -1,4 +1,5 @@
-"""Where numbers go: TensorBoard scalars, metrics.jsonl and a progress bar (rank 0 only)."""
+"""Where numbers go: TensorBoard scalars, metrics.jsonl, MLflow (metrics.mlflow_uri) and a progress
+bar (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trainer.metrics.mlflow_run import MlflowRun
 from trainer.run_layout import RunFolder
 
 _CPU = torch.device("cpu")
@@ -46,13 +48,16 @@ class StepMeter:
 
 
 class MetricLogger:
-    """Writes each record as one JSON line and as TensorBoard scalars under `prefix/key`."""
+    """Writes each record as one JSON line, as TensorBoard scalars under `prefix/key` and, with
+    `mlflow` = (tracking URI, experiment, params), as MLflow metrics."""
 
-    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool, progress: bool):
+    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool, progress: bool,
+                 mlflow: tuple[str, str, dict[str, str]] | None = None):
         self.enabled = enabled
         self.writer = None
         self.bar = None
         self.jsonl = None
+        self.mlflow: MlflowRun | None = None
         if not enabled:
             return
         self.jsonl = open(RunFolder(run_dir).metrics, "a")
@@ -61,6 +66,9 @@ class MetricLogger:
             self.writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tensorboard))
         if progress:
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, mininterval=1.0)
+        if mlflow is not None:
+            uri, experiment, params = mlflow
+            self.mlflow = MlflowRun(uri, experiment, str(Path(run_dir).resolve()), params, self.write)
 
     def log(self, step: int, prefix: str, values: dict[str, float]) -> None:
         """Record `values` at `step` (train/..., eval/...)."""
@@ -73,6 +81,18 @@ class MetricLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        if self.mlflow is not None:
+            self.mlflow.log(step, prefix, values)
+
+    def artifact(self, name: str, folder: str) -> None:
+        """A published artifact's folder (MLflow's tag rankmix.artifact.<name>)."""
+        if self.mlflow is not None:
+            self.mlflow.artifact(name, folder)
+
+    def summary(self, summary: dict) -> None:
+        """The run's summary (MLflow's summary/* metrics; the run marked finished)."""
+        if self.mlflow is not None:
+            self.mlflow.finish(summary)
 
     def advance(self) -> None:
         """One step done."""

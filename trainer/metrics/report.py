@@ -74,6 +74,7 @@ class TrainingReport:
                    **{f"data/{k}": v for k, v in self.data_rows.items()}, **trained,
                    # per-task and top-level tower metrics, not per layer
                    **{k: v for k, v in metrics.items() if k.count("/") == 1}}
+        self.logger.summary(summary)
         self.logger.close()
         if is_main:
             write_atomic(RunFolder(run_dir).summary, json.dumps(summary, indent=1))

@@ -1,0 +1,117 @@
+"""A run's tables turned into its readers' file lists (trainer/data/lakehouse.py; docs/data.md, "Tables").
+
+Pinning. A shuffled run reads one snapshot of its training table: `data.snapshot` (Iceberg) or
+`data.version` (Delta) where given, else the one the run folder's config.toml recorded when the
+run first started, else the table's newest. The pin is written back into the config (so into
+config.toml) and into every checkpoint (trainer/checkpoint/state.py's TrainedPosition), so a
+resume reads the bytes it started on, whatever was appended or compacted since, and one that
+would read another snapshot is refused naming both.
+
+Agreement. Rank 0 opens the table and broadcasts the snapshot and its files, so every rank
+reads the same snapshot however the table moves while the job starts.
+
+The held-out splits (data.eval_path, data.valid_path) are read at their newest snapshot when
+the run starts: like loose files, they are not part of a checkpoint's input record.
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainer.config import DataConfig, table_format
+from trainer.dist import side_group
+from trainer.run_layout import RunFolder
+
+log = logging.getLogger("rankmix.data")
+
+
+@dataclass(frozen=True)
+class TablePin:
+    """The snapshot a run reads of its training table: part of its checkpoints' input record."""
+
+    path: str  # data.train_path: "iceberg:ns.table" or "delta:/path"
+    snapshot: int  # Iceberg's snapshot id, Delta's version
+
+    def state_dict(self) -> dict:
+        return {"path": self.path, "snapshot": self.snapshot}
+
+
+def pinned_train_files(data: DataConfig, run_dir: str) -> tuple[str, TablePin | None]:
+    """The files data.train_path reads (comma-separated) and its pin; a path that is no table
+    as it is, without a pin. Sets data.snapshot / data.version to the pin (collective)."""
+    kind = table_format(data.train_path)
+    if kind is None:
+        return data.train_path, None
+    option = "snapshot" if kind == "iceberg" else "version"
+    given = getattr(data, option)
+    if given == _UNSET[option]:
+        given = _recorded(run_dir, data.train_path, option)
+
+    def pin() -> tuple[int, str]:
+        from trainer.data.lakehouse import open_table  # pyiceberg / deltalake: loaded for tables only
+
+        table = open_table(data.train_path, data.catalog)
+        snapshot = table.current() if given is None else given
+        return snapshot, ",".join(f.uri for f in table.files(snapshot))
+
+    snapshot, files = _on_rank0(pin)
+    if given is None:
+        log.info("%s: reading %s %d, its newest", data.train_path, option, snapshot)
+    setattr(data, option, snapshot)
+    return files, TablePin(data.train_path, snapshot)
+
+
+def newest_files(path: str, catalog: dict[str, str]) -> str:
+    """The files of a held-out table's newest snapshot (comma-separated); other paths as they are
+    (collective)."""
+    if not path or table_format(path) is None:
+        return path
+
+    def files() -> tuple[int, str]:
+        from trainer.data.lakehouse import open_table  # pyiceberg / deltalake: loaded for tables only
+
+        table = open_table(path, catalog)
+        snapshot = table.current()
+        return snapshot, ",".join(f.uri for f in table.files(snapshot))
+
+    return _on_rank0(files)[1]
+
+
+_UNSET = {"snapshot": 0, "version": -1}
+
+
+def _recorded(run_dir: str, path: str, option: str) -> int | None:
+    """The pin of `path` in the run folder's config.toml (a run started there before), or None."""
+    config = RunFolder(Path(run_dir)).config
+    if not config.is_file():
+        return None
+    try:
+        data = tomllib.loads(config.read_text()).get("data", {})
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config}: cannot read the table pin of the run started there: {e}") from None
+    value = data.get(option)
+    if data.get("train_path") != path or not isinstance(value, int) or value == _UNSET[option]:
+        return None
+    log.info("%s: reading %s %d, pinned by %s", path, option, value, config)
+    return value
+
+
+def _on_rank0(fn: Callable[[], tuple[int, str]]) -> tuple[int, str]:
+    """`fn()` on rank 0, its result (or its ValueError) on every rank."""
+    box: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except ValueError as e:
+            box[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=side_group())
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
+    return box[0]
