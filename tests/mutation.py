@@ -122,7 +122,8 @@ MODULES = {
         "PartitionedReader.__init__", "PartitionedReader.refresh", "PartitionedReader.reader",
         "PartitionedReader.uri", "PartitionedReader.partition", "PartitionedReader.steps_in_epoch",
         "PartitionedReader.epoch_rows", "PartitionedReader.steps_left", "PartitionedReader.__iter__",
-        "PartitionedReader._consumed", "PartitionedReader.state_dict", "PartitionedReader.load_state_dict")),
+        "PartitionedReader._consumed", "PartitionedReader.state_dict", "PartitionedReader.load_state_dict",
+        "PartitionedReader._list", "table_partitions")),
     "progressive": Target("trainer/metrics/progressive.py", ("tests/test_partitions.py",)),
     # not the collective `publish` and the tracker's set-up on a sharded model (the runs of test_publish.py)
     "publish": Target("trainer/serving/publish.py", ("tests/test_publish_unit.py",), (

@@ -587,3 +587,54 @@ def test_shuffled_order_reads_only_the_complete_partitions(tmp_path):
     (tmp_path / "day=1" / "_SUCCESS").unlink()
     assert refused(complete_partitions, str(tmp_path), "_SUCCESS") == (
         f"{tmp_path}: none of its KEY=VALUE partitions is complete (holds _SUCCESS)")
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+class TableFiles(OnePass):
+    """A table partition's stand-in: its files are the comma-separated `uri`."""
+
+    def __init__(self, uri: str, name: str):
+        self.name, self.step, self.loaded, self.uri = name, 0, None, uri
+        self.input_files = [[p, Path(p).stat().st_size, [1]] for p in uri.split(",")]
+
+
+def test_a_delta_tables_partitions_are_its_appends_in_order_and_a_resume_takes_up_the_new_ones(tmp_path):
+    from deltalake import DeltaTable, write_deltalake
+
+    table = str(tmp_path / "clicks")
+    for rows in ([1, 2], [3], [4]):
+        write_deltalake(table, pa.table({"x": rows}), mode="append")
+    DeltaTable(table).optimize.compact()  # version 3: no partition
+    reader = PartitionedReader(f"delta:{table}", TableFiles, marker="_SUCCESS")
+    assert list(reader) == ["version=0", "version=1", "version=2"]
+    assert [len(reader.uri(e).split(",")) for e in range(3)] == [1, 1, 1]
+    assert {reader.uri(e) for e in range(3)} == set(DeltaTable(table, version=2).file_uris())
+    state = saved(reader)
+
+    write_deltalake(table, pa.table({"x": [5, 6]}), mode="append")
+    again = PartitionedReader(f"delta:{table}", TableFiles, marker="_SUCCESS")
+    again.load_state_dict(state)
+    new = sorted(set(DeltaTable(table).file_uris()) - set(DeltaTable(table, version=3).file_uris()))
+    assert again.uri(3) == ",".join(new)
+    assert list(again) == ["version=4"]
+    write_deltalake(table, pa.table({"x": [7]}), mode="append")
+    assert [p.name for p in again.refresh()] == ["version=5"]
+    assert list(again) == ["version=5"]
+
+
+def test_an_iceberg_tables_partitions_come_through_its_catalog(tmp_path):
+    from pyiceberg.catalog import load_catalog
+
+    catalog = {"name": "lake", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}"}
+    writer = load_catalog("lake", type="sql", **{k: v for k, v in catalog.items() if k != "name"})
+    writer.create_namespace("logs")
+    table = writer.create_table("logs.clicks", schema=pa.schema([("x", pa.int64())]))
+    for rows in ([1, 2], [3]):
+        table.append(pa.table({"x": pa.array(rows, pa.int64())}))
+    reader = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
+    assert list(reader) == [f"snapshot={s.snapshot_id}" for s in table.snapshots()]
+    assert [p.key for p in reader.sequence] == [(1,), (2,)]
+    table.append(pa.table({"x": pa.array([4], pa.int64())}))
+    assert [p.name for p in reader.refresh()] == [f"snapshot={table.snapshots()[-1].snapshot_id}"]
