@@ -635,6 +635,28 @@ def test_an_iceberg_tables_partitions_come_through_its_catalog(tmp_path):
         table.append(pa.table({"x": pa.array(rows, pa.int64())}))
     reader = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
     assert list(reader) == [f"snapshot={s.snapshot_id}" for s in table.snapshots()]
-    assert [p.key for p in reader.sequence] == [(1,), (2,)]
+    assert [p.key for p in reader.sequence] == [(s.sequence_number, s.timestamp_ms) for s in table.snapshots()]
+    assert [p.key[0] for p in reader.sequence] == [1, 2]
     table.append(pa.table({"x": pa.array([4], pa.int64())}))
     assert [p.name for p in reader.refresh()] == [f"snapshot={table.snapshots()[-1].snapshot_id}"]
+
+
+def test_a_table_rolled_back_past_the_last_trained_snapshot_is_refused(tmp_path):
+    from pyiceberg.catalog import load_catalog
+
+    catalog = {"name": "lake", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}"}
+    writer = load_catalog("lake", type="sql", **{k: v for k, v in catalog.items() if k != "name"})
+    writer.create_namespace("logs")
+    table = writer.create_table("logs.clicks", schema=pa.schema([("x", pa.int64())]))
+    for rows in ([1, 2], [3]):
+        table.append(pa.table({"x": pa.array(rows, pa.int64())}))
+    reader = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
+    assert len(list(reader)) == 2
+    state = saved(reader)
+    first, last = (s.snapshot_id for s in table.snapshots())
+    table.manage_snapshots().rollback_to_snapshot(first).commit()
+    again = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
+    assert refused(again.load_state_dict, state) == (
+        f"data reader state: iceberg:logs.clicks: snapshot={last} was trained last, but the table's history no "
+        "longer holds it (snapshots expired, or rolled back): the commits after it cannot be told; start a new "
+        "run folder from this one's weights (checkpoint.load_path)")

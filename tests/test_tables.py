@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.cli import rankmix_ranks
+from tests.cli import rankmix_ranks, run_env
 from tests.test_checkpoint import assert_same_state, losses
 from tests.test_continuous import records
 from trainer.config_loader import dump_toml, load_config
@@ -213,6 +213,40 @@ def test_time_order_trains_each_appended_snapshot_once_in_order_and_skips_a_comp
             in refused.stderr)
 
 
+def test_a_delta_table_on_an_object_store_is_followed_and_pinned_through_one_environment(log, tmp_path):
+    """deltalake and the reader take the store from the same AWS_* variables (moto's S3 on
+    loopback): a time-order run trains the two appends; a rerun after a third trains it alone."""
+    from deltalake import write_deltalake
+
+    from tests.object_store import Server, filesystem
+
+    server = Server()
+    try:
+        filesystem(server.port).create_dir("lake")
+        store = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.port}", "AWS_ACCESS_KEY_ID": "x",
+                 "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+        def append(rows):
+            write_deltalake("s3://lake/clicks", rows, mode="append",
+                            storage_options={**store, "AWS_S3_ALLOW_UNSAFE_RENAME": "true"})
+
+        append(log["parts"][0])
+        append(log["parts"][1])
+        table, run, env = Delta(tmp_path), tmp_path / "run", run_env(**store)
+        table.path = "delta:s3://lake/clicks"
+        args = train_args(log, table, run, 0, "--data.order=time")
+        ok(rankmix_ranks(1, *args, env=env))
+        assert [r["partition"] for r in records(run, "data")] == ["version=0", "version=1"]
+        append(log["parts"][2])
+        ok(rankmix_ranks(1, *args, env=env))
+        assert [r["partition"] for r in records(run, "data")] == ["version=0", "version=1", "version=2"]
+        pinned = ok(rankmix_ranks(1, *train_args(log, table, tmp_path / "pinned", 4), env=env))
+        assert len(losses(tmp_path / "pinned")) == 4, pinned.stdout
+        assert recorded(tmp_path / "pinned")["version"] == 2
+    finally:
+        server.stop()
+
+
 # ----------------------------------------------------------------------------- MLflow
 
 
@@ -311,3 +345,38 @@ def test_a_missing_table_or_snapshot_is_named(log, tmp_path):
     with pytest.raises(ValueError) as e:
         open_table("iceberg:clicks", {})
     assert str(e.value) == "data path 'iceberg:clicks': expected iceberg:<namespace>.<table>"
+
+
+def test_a_tables_file_uris_become_the_readers():
+    from trainer.data.lakehouse import _reader_uri, _s3_options, store_path
+
+    assert _reader_uri("file:///lake/ts=2026-01-01%3A00/f.parquet", "") == "/lake/ts=2026-01-01%3A00/f.parquet"
+    options = _s3_options({"s3.endpoint": "http://minio:9000", "s3.region": "eu-west-1", "uri": "x"})
+    assert options == "endpoint_override=minio:9000&scheme=http&region=eu-west-1"
+    assert _reader_uri("s3a://bucket/t/f.parquet", options) == f"s3://bucket/t/f.parquet?{options}"
+    assert _reader_uri("s3://bucket/t/f.parquet", "") == "s3://bucket/t/f.parquet"
+    assert _reader_uri("gs://bucket/f.parquet", options) == "gs://bucket/f.parquet"
+    assert store_path(f"s3://bucket/t/f.parquet?{options}") == "bucket/t/f.parquet"
+    assert store_path("/lake/f.parquet") == "/lake/f.parquet"
+
+
+def test_an_mlflow_run_stopped_before_its_summary_is_killed_and_a_resume_goes_on_in_it(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from trainer.metrics.mlflow_run import MlflowRun
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    said = []
+    first = MlflowRun(f"file:{tmp_path}/mlruns", "exp", "/runs/a", {"data.batch_size": "8"}, said.append)
+    first.log(1, "train", {"loss": 0.5, "partition": "date=1", "nan": float("nan"), "flag": True})
+    first.close()
+    client = MlflowClient(tracking_uri=f"file:{tmp_path}/mlruns")
+    run = client.get_run(first.run_id)
+    assert run.info.status == "KILLED" and run.data.metrics == {"train/loss": 0.5}
+    again = MlflowRun(f"file:{tmp_path}/mlruns", "exp", "/runs/a", {"data.batch_size": "16"}, said.append)
+    assert again.run_id == first.run_id
+    again.finish({"steps": 2, "auc": 0.75})
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"data.batch_size": "8"}
+    assert run.data.metrics["summary/auc"] == 0.75
+    assert said == [f"mlflow: run {first.run_id} in experiment 'exp' at file:{tmp_path}/mlruns"] * 2

@@ -19,7 +19,7 @@ from typing import Literal
 from dense.model_config import ModelConfig
 from embeddings.features import FeatureSpec
 from embeddings.sparse_config import EmbeddingsConfig
-from trainer.credentials import redact_uri
+from trainer.credentials import redact_uri, secret_kind
 
 # The choices of the config's fixed-choice fields. The loader checks a value against its
 # field's Literal; the code that acts on a choice reads the allowed values from here
@@ -142,9 +142,11 @@ def table_format(path: str) -> str | None:
 def check_catalog(catalog: dict[str, str]) -> None:
     """Refuse a secret in [data.catalog]: the config is written into the run folder and shown, so
     secrets reach pyiceberg through its environment variables (or the object store's own chain)."""
-    for key in catalog:
+    for key, value in catalog.items():
         words = key.lower().replace("_", "-").replace(".", "-").split("-")
-        if any(w in _SECRET_PROPERTY_WORDS for w in words[-2:]) and words[-1] not in ("id", "name", "type", "uri"):
+        named = any(w in _SECRET_PROPERTY_WORDS for w in words[-2:]) and words[-1] not in ("id", "name", "type", "uri")
+        # a connection string holds an account key; a REST catalog's header.* is sent as is (a bearer token)
+        if named or "connection" in words or key.lower().startswith("header.") or secret_kind(str(value)):
             name = catalog.get("name", DEFAULT_CATALOG).upper()
             variable = f"PYICEBERG_CATALOG__{name}__" + key.upper().replace(".", "__").replace("-", "_")
             raise ValueError(f"data.catalog.{key} holds a secret, and the config is written into the run folder; "

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.errors import DataUnavailableError
+
 T = TypeVar("T")
 
 
@@ -183,6 +185,22 @@ def side_group() -> dist.ProcessGroup | None:
     """The gloo group that carries checkpoints (DCP), object collectives and the barriers
     around file work; None where the default group is gloo already."""
     return _side_group
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """`fn()` on rank 0, its result on every rank (over the side group); its ValueError or
+    DataUnavailableError raised on every rank alike, so no rank waits on one that failed."""
+    box: list = [None, None, ""]  # result, error class name, message
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except (ValueError, DataUnavailableError) as e:
+            box[1:] = [type(e).__name__, str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=side_group())
+    if box[1] is not None:
+        raise (DataUnavailableError if box[1] == DataUnavailableError.__name__ else ValueError)(box[2])
+    return box[0]
 
 
 def gloo_group() -> dist.ProcessGroup:

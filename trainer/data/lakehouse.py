@@ -22,6 +22,7 @@ Both libraries are imported when a table is opened: a run of loose files never l
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import pyarrow as pa
 
 from trainer.config import DEFAULT_CATALOG, table_format
 from trainer.credentials import redact_uri
+from trainer.errors import DataUnavailableError
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class DataFile:
     uri: str  # as the reader opens it: a local path or a pyarrow filesystem URI
     size: int  # bytes
     rows: int
+    deletes: str = ""  # Delta: the descriptor of the file's deletion vector ("" : none)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Commit:
     """One snapshot (version) of a table's history, as time order reads it."""
 
     number: int  # Iceberg's snapshot id, Delta's version
-    order: int  # its place in time: Iceberg's sequence number, Delta's version
+    order: tuple[int, ...]  # its place in time: Iceberg's (sequence number, commit ms), Delta's (version,)
     operation: str  # the table's own word for it: append, replace, OPTIMIZE, WRITE, DELETE, ...
     added: tuple[DataFile, ...]  # the data files it added
     removed_rows: int  # rows of the data files it removed
@@ -80,13 +83,11 @@ class Table:
         """The table's history, oldest first (the current snapshot's ancestry)."""
         raise NotImplementedError
 
-    def appends(self, after: int | None = None) -> list[Commit]:
-        """The commits that added rows, oldest first, those before `after` (an order) left out;
-        compactions skipped, and a commit that removed rows an error naming it."""
+    def appends(self) -> list[Commit]:
+        """The commits that added rows, oldest first; compactions skipped, and a commit that
+        removed rows an error naming it."""
         out = []
         for commit in self.commits():
-            if after is not None and commit.order <= after:
-                continue
             added_rows = sum(f.rows for f in commit.added)
             if commit.removed_rows == 0 and commit.added:
                 out.append(commit)
@@ -113,7 +114,8 @@ class IcebergTable(Table):
 
     def __init__(self, path: str, catalog: dict[str, str]):
         super().__init__(path)
-        from pyiceberg.catalog import load_catalog
+        _needs("pyiceberg", "iceberg")
+        from pyiceberg.catalog import load_catalog  # an optional dependency, imported for iceberg: paths
         from pyiceberg.exceptions import NoSuchTableError
 
         name = path.partition(":")[2]
@@ -123,6 +125,8 @@ class IcebergTable(Table):
         catalog_name = properties.pop("name", DEFAULT_CATALOG)
         if "type" not in properties and properties.get("uri", "").startswith("sqlite"):
             properties["type"] = "sql"  # the embedded catalog: a SQLite file, no server
+        self._store_options = _s3_options(properties)
+        self._commits: dict[int, Commit] = {}  # by snapshot id: a snapshot never changes
         try:
             self.table = load_catalog(catalog_name, **properties).load_table(name)
         except NoSuchTableError:
@@ -154,39 +158,51 @@ class IcebergTable(Table):
         for task in self.table.scan(snapshot_id=snapshot).plan_files():
             if task.delete_files:
                 self._refuse_deletes(snapshot, f"{len(task.delete_files)} delete file(s) on {task.file.file_path}")
-            files.append(_iceberg_file(task.file))
-        return _checked(self.shown, files)
+            files.append(self._file(task.file))
+        return _checked(self.shown, sorted(files, key=lambda f: f.uri))
 
     def commits(self) -> Iterator[Commit]:
         from pyiceberg.manifest import ManifestEntryStatus
         from pyiceberg.table.snapshots import Operation, ancestors_of
 
         current = self.table.current_snapshot()
-        lineage = list(ancestors_of(current, self.table.metadata)) if current is not None else []
-        for snap in sorted(lineage, key=lambda s: s.sequence_number):
-            summary = snap.summary
-            added = [_iceberg_file(entry.data_file)
-                     for manifest in snap.manifests(self.table.io) if manifest.added_snapshot_id == snap.snapshot_id
-                     for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
-                     if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id]
-            operation = summary.operation if summary is not None else Operation.APPEND
-            removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
-            if summary is not None and int(summary.get("added-delete-files", 0) or 0):
-                removed = removed or -1  # rows deleted by a delete file: their number is not in the summary
-            yield Commit(snap.snapshot_id, snap.sequence_number, operation.value,
-                         tuple(_checked(self.shown, added)), removed, operation == Operation.REPLACE)
+        # The ancestry, oldest first: a format-1 table numbers every snapshot 0, so its order is
+        # the ancestry's, kept in the key by the commit time (which a child never precedes).
+        lineage = list(ancestors_of(current, self.table.metadata))[::-1] if current is not None else []
+        for snap in lineage:
+            if snap.snapshot_id not in self._commits:
+                summary = snap.summary
+                added = [self._file(entry.data_file)
+                         for manifest in snap.manifests(self.table.io)
+                         if manifest.added_snapshot_id == snap.snapshot_id
+                         for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
+                         if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id]
+                operation = summary.operation if summary is not None else Operation.APPEND
+                removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
+                if summary is not None and int(summary.get("added-delete-files", 0) or 0):
+                    removed = removed or -1  # rows deleted by a delete file: their number is not in the summary
+                self._commits[snap.snapshot_id] = Commit(
+                    snap.snapshot_id, (snap.sequence_number, snap.timestamp_ms), operation.value,
+                    tuple(_checked(self.shown, sorted(added, key=lambda f: f.uri))), removed,
+                    operation == Operation.REPLACE)
+            yield self._commits[snap.snapshot_id]
+
+    def _file(self, data_file) -> DataFile:
+        return DataFile(_reader_uri(data_file.file_path, self._store_options), int(data_file.file_size_in_bytes),
+                        int(data_file.record_count))
 
 
 class DeltaLakeTable(Table):
-    """A Delta table, local or on an object store (credentials from the environment)."""
+    """A Delta table, local or on an object store (credentials and endpoint from the environment:
+    AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ..., which deltalake and the reader both read)."""
 
     kind = "version"
     snapshot_option = "data.version"
 
     def __init__(self, path: str):
         super().__init__(path)
-        from deltalake import DeltaTable
-        from deltalake.exceptions import TableNotFoundError
+        _needs("deltalake", "delta")
+        from deltalake import DeltaTable  # an optional dependency, imported for delta: paths
 
         self.uri = path.partition(":")[2]
         if not self.uri:
@@ -194,59 +210,85 @@ class DeltaLakeTable(Table):
         if "://" not in self.uri:
             self.uri = posixpath.abspath(self.uri)
         self._open = DeltaTable
+        self.table = self._load(None)
+        self._history: list[Commit] = []  # the versions read so far, oldest first
+        self._last: dict[str, DataFile] = {}  # the files of the newest version read
+
+    def _load(self, version: int | None):
+        from deltalake.exceptions import DeltaError, TableNotFoundError  # loaded with deltalake
+
         try:
-            self.table = DeltaTable(self.uri)
+            return self._open(self.uri, version=version)
         except TableNotFoundError:
             raise ValueError(f"{self.shown}: no Delta table there (no _delta_log)") from None
-        self._versions: dict[int, dict[str, DataFile]] = {}
+        except (DeltaError, OSError) as e:
+            at = "" if version is None else f" at version {version} (data.version)"
+            raise ValueError(f"{self.shown}: cannot load the table{at}: "
+                             f"{redact_uri(str(e).splitlines()[0][:200])}") from None
 
     def refresh(self) -> None:
-        self.table = self._open(self.uri)
+        self.table = self._load(None)
 
     def current(self) -> int:
         return self.table.version()
 
-    def _at(self, version: int):
-        from deltalake.exceptions import DeltaError
-
-        try:
-            return self._open(self.uri, version=version)
-        except DeltaError as e:
-            raise ValueError(f"{self.shown}: cannot load version {version} (data.version; the newest is "
-                             f"{self.current()}): {str(e).splitlines()[0][:200]}") from None
-
-    def _files_at(self, version: int) -> dict[str, DataFile]:
-        """uri -> file of `version` (cached: a version never changes)."""
-        if version not in self._versions:
-            table = self._at(version)
-            actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()  # arro3 -> pyarrow, no copy
-            by_path = {p: (s, n) for p, s, n in zip(actions["path"], actions["size_bytes"], actions["num_records"])}
-            files = {}
-            for uri in table.file_uris():
-                size, rows = next(v for p, v in by_path.items() if uri.endswith(p) or uri.endswith(_unquoted(p)))
-                files[uri] = DataFile(uri, int(size), int(rows if rows is not None else -1))
-            self._versions[version] = files
-        return self._versions[version]
+    def _files_at(self, table) -> dict[str, DataFile]:
+        """uri -> file of a loaded version, from its add actions (path, bytes, rows, deletion vector)."""
+        actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()  # arro3 -> pyarrow, no copy
+        uris = set(table.file_uris())
+        root = table.table_uri.rstrip("/")
+        vectors = [key for key in actions if key.startswith("deletionVector.")]
+        files = {}
+        for i, path in enumerate(actions["path"]):
+            uri = path if "://" in path else f"{root}/{unquote(path)}"
+            uri = uri.removeprefix("file://")
+            if uri not in uris:
+                raise ValueError(f"{self.shown}: version {table.version()} adds {path!r}, which is not among the "
+                                 "table's files (an unexpected layout of the Delta log)")
+            deletes = "|".join(str(actions[key][i]) for key in vectors if actions[key][i] is not None)
+            rows = actions["num_records"][i]
+            files[uri] = DataFile(_reader_uri(uri, {}), int(actions["size_bytes"][i]),
+                                  int(rows) if rows is not None else -1, deletes)
+        return files
 
     def files(self, snapshot: int) -> list[DataFile]:
-        table = self._at(snapshot)
-        if "deletionVectors" in (table.protocol().reader_features or []):
-            vectors = pa.RecordBatchReader.from_stream(table.deletion_vectors()).read_all()
-            if vectors.num_rows:
-                self._refuse_deletes(snapshot, f"deletion vectors on {vectors.num_rows} file(s)")
-        return _checked(self.shown, sorted(self._files_at(snapshot).values(), key=lambda f: f.uri))
+        files = sorted(self._files_at(self._load(snapshot)).values(), key=lambda f: f.uri)
+        marked = [f for f in files if f.deletes]
+        if marked:
+            self._refuse_deletes(snapshot, f"deletion vectors on {len(marked)} file(s)")
+        return _checked(self.shown, files)
 
     def commits(self) -> Iterator[Commit]:
+        """Versions read once each: those since the last call are loaded one by one. Where the log
+        was cleaned up, the oldest version left stands for everything before it."""
         history = {h["version"]: h for h in self.table.history()}
-        before: dict[str, DataFile] = {}
-        for version in range(min(history, default=0), self.current() + 1):
-            files = self._files_at(version)
+        start = self._history[-1].number + 1 if self._history else min(history, default=0)
+        for version in range(start, self.current() + 1):
+            files = self._files_at(self._load(version))
+            before = self._last
             added = sorted((f for uri, f in files.items() if uri not in before), key=lambda f: f.uri)
             removed = [f for uri, f in before.items() if uri not in files]
+            # a deletion vector added to a file that stays: rows deleted, their number unknown here
+            deleted = any(f.deletes != before[uri].deletes for uri, f in files.items() if uri in before)
             operation = history.get(version, {}).get("operation", "")
-            yield Commit(version, version, operation, tuple(_checked(self.shown, added)),
-                         sum(f.rows for f in removed), operation == "OPTIMIZE")
-            before = files
+            self._history.append(Commit(version, (version,), operation, tuple(_checked(self.shown, added)),
+                                        -1 if deleted else sum(f.rows for f in removed), operation == "OPTIMIZE"))
+            self._last = files
+        yield from self._history
+
+
+@contextlib.contextmanager
+def metadata_errors(path: str) -> Iterator[None]:
+    """Any failure to read a table's metadata (a catalog or store that failed) as DataUnavailableError
+    (exit 4: a scheduler may rerun it, and it resumes); a ValueError (bad input) as it is."""
+    try:
+        yield
+    except (ValueError, DataUnavailableError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the two libraries' and their stores' errors are many
+        text = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DataUnavailableError(f"{redact_uri(path)}: the table's metadata could not be read: "
+                                   f"{type(e).__name__}: {redact_uri(text)}") from e
 
 
 def open_table(path: str, catalog: dict[str, str]) -> Table:
@@ -258,18 +300,44 @@ def open_table(path: str, catalog: dict[str, str]) -> Table:
     return DeltaLakeTable(path)
 
 
-def _iceberg_file(data_file) -> DataFile:
-    return DataFile(_local(data_file.file_path), int(data_file.file_size_in_bytes), int(data_file.record_count))
+def _needs(module: str, kind: str) -> None:
+    """An ImportError as the one line that says what to install."""
+    try:
+        __import__(module)
+    except ImportError:
+        raise ValueError(f"{kind}: paths need {module}, which is not installed: pip install 'rankmix[tables]' "
+                         "(make setup installs it)") from None
 
 
-def _local(uri: str) -> str:
-    """A file:// URI as a local path (the form the reader lists local files in)."""
+def _s3_options(catalog: dict[str, str]) -> str:
+    """The reader's S3 URI options (trainer/data/store.py) from pyiceberg's s3.endpoint / s3.region."""
+    options = {}
+    endpoint = catalog.get("s3.endpoint", "")
+    if endpoint:
+        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        options |= {"endpoint_override": parts.netloc, "scheme": parts.scheme}
+    if catalog.get("s3.region"):
+        options["region"] = catalog["s3.region"]
+    return "&".join(f"{k}={v}" for k, v in options.items())
+
+
+def _reader_uri(uri: str, s3_options: str) -> str:
+    """A table's file URI as the reader opens it: a file:// URI as its local path (as written:
+    pyiceberg quotes partition folders into literal %xx names), s3a:// and s3n:// (Hadoop's
+    names, in tables Spark wrote) as s3://, with the catalog's endpoint options."""
     parts = urlsplit(uri)
-    return _unquoted(parts.path) if parts.scheme == "file" else uri
+    if parts.scheme == "file":
+        return parts.path
+    if parts.scheme in ("s3", "s3a", "s3n"):
+        return f"s3://{parts.netloc}{parts.path}" + (f"?{s3_options}" if s3_options else "")
+    return uri
 
 
-def _unquoted(path: str) -> str:
-    return unquote(path)
+def store_path(uri: str) -> str:
+    """The path of a reader URI inside its store, as the reader records its files: s3://bucket/key?...
+    as bucket/key, a local path as it is."""
+    parts = urlsplit(uri)
+    return f"{parts.netloc.rpartition('@')[2]}{parts.path}" if parts.scheme else uri
 
 
 def _checked(shown: str, files: list[DataFile]) -> list[DataFile]:

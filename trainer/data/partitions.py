@@ -49,10 +49,10 @@ from trainer.credentials import redact_uri
 from trainer.data.assignment import EpochRows
 from trainer.data.batch import Batch
 from trainer.data.identity import file_change
-from trainer.data.lakehouse import Table, open_table
+from trainer.data.lakehouse import Table, metadata_errors, open_table, store_path
 from trainer.data.reader import ParquetReader
 from trainer.data.store import open_store
-from trainer.dist import side_group
+from trainer.dist import on_rank0, side_group
 
 log = logging.getLogger("rankmix.data")
 
@@ -64,6 +64,7 @@ class Partition:
     name: str  # "date=2026-11-30", or "date=2026-11-30/hour=03": the folder below data.train_path
     key: tuple  # the partition values, folder by folder: what time order sorts by
     files: tuple[tuple[str, int], ...]  # (path, bytes) of its Parquet files, from the listing
+    uris: tuple[str, ...] = ()  # a table's: its files as the reader opens them (with their store's scheme)
 
 
 def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3,
@@ -98,8 +99,8 @@ def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_
 
 def table_partitions(table: Table) -> list[Partition]:
     """The snapshots of `table` that appended rows, as partitions in commit order (module docstring)."""
-    return [Partition(f"{table.kind}={c.number}", (c.order,), tuple((f.uri, f.size) for f in c.added))
-            for c in table.appends()]
+    return [Partition(f"{table.kind}={c.number}", c.order, tuple((store_path(f.uri), f.size) for f in c.added),
+                      tuple(f.uri for f in c.added)) for c in table.appends()]
 
 
 def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 3) -> str:
@@ -235,27 +236,18 @@ class PartitionedReader:
         return new
 
     def _agreed_listing(self, like: Partition | None) -> list[Partition]:
-        """Rank 0's listing on every rank; its error (a ValueError) raised on every rank."""
-        box: list = [None]
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            try:
-                box[0] = self._list(like)
-            except ValueError as e:
-                box[0] = str(e)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0, group=side_group())
-        if isinstance(box[0], str):
-            raise ValueError(box[0])
-        return box[0]
+        """Rank 0's listing on every rank; its error raised on every rank."""
+        return on_rank0(lambda: self._list(like))
 
     def _list(self, like: Partition | None) -> list[Partition]:
         if table_format(self.root) is None:
             return list_partitions(self.root, self.marker, *self._retries, like=like)
-        if self._table is None:
-            self._table = open_table(self.root, self.catalog)
-        else:
-            self._table.refresh()
-        return table_partitions(self._table)
+        with metadata_errors(self.root):
+            if self._table is None:
+                self._table = open_table(self.root, self.catalog)
+            else:
+                self._table.refresh()
+            return table_partitions(self._table)
 
     def reader(self, epoch: int) -> ParquetReader:
         """The reader of the `epoch`-th partition (collective the first time: it lists its files)."""
@@ -266,7 +258,7 @@ class PartitionedReader:
     def uri(self, epoch: int) -> str:
         """The folder of the `epoch`-th partition (a table's: its files, comma-separated)."""
         if table_format(self.root) is not None:
-            return ",".join(path for path, _ in self.sequence[epoch].files)
+            return ",".join(self.sequence[epoch].uris)
         return _child(self.root, self.sequence[epoch].name)
 
     @property
@@ -325,6 +317,15 @@ class PartitionedReader:
             return state
         return {**state, "reader": current.with_units_left(state["reader"])}
 
+    def _after_table_history(self, last: dict, listed: dict[str, Partition]) -> None:
+        """Refuse a table whose history no longer holds the last trained snapshot: expired or rolled
+        back, what came after it cannot be told."""
+        if last["partition"] not in listed:
+            raise ValueError(f"data reader state: {redact_uri(self.root)}: {last['partition']} was trained last, "
+                             "but the table's history no longer holds it (snapshots expired, or rolled back): the "
+                             "commits after it cannot be told; start a new run folder from this one's weights "
+                             "(checkpoint.load_path)")
+
     def load_state_dict(self, state: dict) -> None:
         """Continue after the saved partitions: refuse a trained partition whose files changed
         or a new one that sorts before the last trained one; resume inside the saved current one."""
@@ -336,14 +337,19 @@ class PartitionedReader:
                          Partition(last["partition"], tuple(last["key"]), ()))
             self.sequence = sorted((replace(p, key=keys[p.name]) for p in self.sequence), key=lambda p: p.key)
         listed = {p.name: p for p in self.sequence}
+        if consumed and table_format(self.root) is not None:
+            self._after_table_history(consumed[-1], listed)
         for c in consumed:
-            if c["partition"] in listed:
+            # a table's snapshot is its identity (the format never changes one); its listing may hold,
+            # before the last trained one, a cleaned-up Delta log's oldest version standing for the past
+            if c["partition"] in listed and table_format(self.root) is None:
                 change = file_change(c["files"], listed[c["partition"]].files, rows=False)
                 if change:
                     raise ValueError(f"data reader state: partition {c['partition']} was trained, but {change} "
                                      "since; a trained partition must not change (write a new partition instead)")
         names = {c["partition"] for c in consumed}
-        after = [p for p in self.sequence if p.name not in names]
+        after = [p for p in self.sequence if p.name not in names and
+                 (table_format(self.root) is None or not consumed or p.key > tuple(consumed[-1]["key"]))]
         # A twin of its key (hour=010 after hour=10) is late too, as refresh has it.
         if consumed and after and after[0].key <= tuple(consumed[-1]["key"]):
             raise ValueError(f"data reader state: partition {after[0].name} is new but sorts before the last "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import posixpath
 import re
 import time
@@ -106,8 +107,9 @@ def resolve(spec: str, retry_seconds: float, retry_attempts: int) -> tuple[Store
         raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
     store: Store | None = None
     files: list[pafs.FileInfo] = []
+    opened: dict[tuple, Store] = {}  # a table's thousands of files share one S3 client (and region lookup)
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        item_store, path = open_store(item, retry_seconds, retry_attempts)
+        item_store, path = open_store(item, retry_seconds, retry_attempts, opened)
         if store is not None and item_store.key != store.key:
             raise ValueError(f"data path {redact_uri(spec)!r} mixes filesystems "
                              f"({store.name}, {item_store.name})")
@@ -118,10 +120,12 @@ def resolve(spec: str, retry_seconds: float, retry_attempts: int) -> tuple[Store
     return store, files
 
 
-def open_store(item: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, str]:
-    """The store of one path or URI, and the path in it."""
+def open_store(item: str, retry_seconds: float, retry_attempts: int,
+               opened: dict[tuple, Store] | None = None) -> tuple[Store, str]:
+    """The store of one path or URI, and the path in it; an S3 store already in `opened` (by
+    credentials, bucket and options) is used again."""
     if item.startswith("s3://"):
-        return _s3_store(item, retry_seconds, retry_attempts)
+        return _s3_store(item, retry_seconds, retry_attempts, {} if opened is None else opened)
     if "://" in item:
         try:
             fs, path = pafs.FileSystem.from_uri(item)
@@ -131,7 +135,7 @@ def open_store(item: str, retry_seconds: float, retry_attempts: int) -> tuple[St
     return Store(pafs.LocalFileSystem(), "local disk", ("local",), retry_seconds), posixpath.abspath(item)
 
 
-def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Store, str]:
+def _s3_store(uri: str, retry_seconds: float, retry_attempts: int, opened: dict[tuple, Store]) -> tuple[Store, str]:
     """s3://[KEY:SECRET@]bucket/key[?endpoint_override=&scheme=&region=], built here because
     FileSystem.from_uri takes no retry strategy. Without user-info the credentials come
     from the AWS default chain (AWS_* variables, ~/.aws, instance metadata); without region
@@ -146,8 +150,13 @@ def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Stor
     if not bucket or ":" in bucket:  # a ':' is a secret cut short by an unescaped '/'
         raise ValueError(f"{redact_uri(uri)}: expected s3://bucket/key or s3://KEY:SECRET@bucket/key "
                          "(percent-encode '/', '@', '#' and '?' in the key and secret as %2F, %40, %23 and %3F)")
+    path = (bucket + parts.path).rstrip("/")
+    reuse = (user, bucket, tuple(sorted(options.items())))
+    if reuse in opened:
+        return opened[reuse], path
     key, _, secret = user.partition(":")
     credentials = dict(access_key=unquote(key), secret_key=unquote(secret)) if user else {}
+    _endpoint_from_environment(options)
     endpoint = options.get("endpoint_override")
     try:
         if not endpoint and "region" not in options:
@@ -159,7 +168,23 @@ def _s3_store(uri: str, retry_seconds: float, retry_attempts: int) -> tuple[Stor
         raise ValueError(f"{redact_uri(uri)}: {reason(e)}") from None
     name = f"s3 endpoint {endpoint or 'AWS ' + options['region']}"
     key_of = ("s3", user, tuple(sorted(options.items())))
-    return Store(fs, name, key_of, retry_seconds), (bucket + parts.path).rstrip("/")
+    opened[reuse] = Store(fs, name, key_of, retry_seconds)
+    return opened[reuse], path
+
+
+def _endpoint_from_environment(options: dict[str, str]) -> None:
+    """AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (and AWS_REGION / AWS_DEFAULT_REGION) as the URI's
+    endpoint_override, scheme and region where it gives none: the AWS SDKs' and deltalake's
+    variables, which pyarrow's S3 client does not read, so that one environment serves both."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not url or "endpoint_override" in options:
+        return
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    options["endpoint_override"] = parts.netloc
+    options.setdefault("scheme", parts.scheme)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        options.setdefault("region", region)
 
 
 def _expand(store: Store, path: str, shown: str) -> list[pafs.FileInfo]:

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import logging
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from trainer.config import DataConfig, table_format
-from trainer.dist import side_group
+from trainer.data.lakehouse import metadata_errors, open_table
+from trainer.dist import on_rank0
 from trainer.run_layout import RunFolder
 
 log = logging.getLogger("rankmix.data")
@@ -54,13 +52,12 @@ def pinned_train_files(data: DataConfig, run_dir: str) -> tuple[str, TablePin | 
         given = _recorded(run_dir, data.train_path, option)
 
     def pin() -> tuple[int, str]:
-        from trainer.data.lakehouse import open_table  # pyiceberg / deltalake: loaded for tables only
+        with metadata_errors(data.train_path):
+            table = open_table(data.train_path, data.catalog)
+            snapshot = table.current() if given is None else given
+            return snapshot, ",".join(f.uri for f in table.files(snapshot))
 
-        table = open_table(data.train_path, data.catalog)
-        snapshot = table.current() if given is None else given
-        return snapshot, ",".join(f.uri for f in table.files(snapshot))
-
-    snapshot, files = _on_rank0(pin)
+    snapshot, files = on_rank0(pin)
     if given is None:
         log.info("%s: reading %s %d, its newest", data.train_path, option, snapshot)
     setattr(data, option, snapshot)
@@ -74,13 +71,12 @@ def newest_files(path: str, catalog: dict[str, str]) -> str:
         return path
 
     def files() -> tuple[int, str]:
-        from trainer.data.lakehouse import open_table  # pyiceberg / deltalake: loaded for tables only
+        with metadata_errors(path):
+            table = open_table(path, catalog)
+            snapshot = table.current()
+            return snapshot, ",".join(f.uri for f in table.files(snapshot))
 
-        table = open_table(path, catalog)
-        snapshot = table.current()
-        return snapshot, ",".join(f.uri for f in table.files(snapshot))
-
-    return _on_rank0(files)[1]
+    return on_rank0(files)[1]
 
 
 _UNSET = {"snapshot": 0, "version": -1}
@@ -100,18 +96,3 @@ def _recorded(run_dir: str, path: str, option: str) -> int | None:
         return None
     log.info("%s: reading %s %d, pinned by %s", path, option, value, config)
     return value
-
-
-def _on_rank0(fn: Callable[[], tuple[int, str]]) -> tuple[int, str]:
-    """`fn()` on rank 0, its result (or its ValueError) on every rank."""
-    box: list = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            box[0] = fn()
-        except ValueError as e:
-            box[0] = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0, group=side_group())
-    if isinstance(box[0], str):
-        raise ValueError(box[0])
-    return box[0]

@@ -110,6 +110,8 @@ class MetricLogger:
             (self.bar.write if self.bar is not None else print)(message)
 
     def close(self) -> None:
+        if self.mlflow is not None:
+            self.mlflow.close()
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:

@@ -43,6 +43,22 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _experiment(client, name: str) -> str:
+    """The id of experiment `name`, made if need be (a sweep's runs may race to make it)."""
+    from mlflow.exceptions import MlflowException  # loaded with the client
+
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
 class MlflowRun:
     """The MLflow run of one run folder (rank 0 only). `say` prints a line for the user."""
 
@@ -50,6 +66,7 @@ class MlflowRun:
         self.uri, self.say = uri, say
         self.client: Any = None
         self.run_id = ""
+        self.finished = False
         self._call(lambda: self._start(experiment, run_dir, params), "start the run")
 
     def _start(self, experiment: str, run_dir: str, params: dict[str, str]) -> None:
@@ -61,8 +78,7 @@ class MlflowRun:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.uri)
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        experiment_id = _experiment(client, experiment)
         quoted = run_dir.replace("'", "\\'")
         earlier = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_DIR_TAG}` = '{quoted}'",
                                      max_results=1)
@@ -72,6 +88,7 @@ class MlflowRun:
         else:
             self.run_id = client.create_run(experiment_id, run_name=os.path.basename(run_dir.rstrip("/")),
                                             tags={RUN_DIR_TAG: run_dir}).info.run_id
+        if not earlier or not earlier[0].data.params:  # a start that failed before its params were in
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), _BATCH):
                 client.log_batch(self.run_id, params=items[i:i + _BATCH])
@@ -80,6 +97,8 @@ class MlflowRun:
 
     def log(self, step: int, prefix: str, values: dict) -> None:
         """The finite numbers of `values` as metrics `prefix/key` at `step`."""
+        if self.client is None:
+            return
         from mlflow.entities import Metric  # loaded with the client
 
         now = int(time.time() * 1000)
@@ -97,6 +116,13 @@ class MlflowRun:
         """The summary's numbers as summary/*, and the run marked finished."""
         self.log(int(summary.get("steps", 0)), "summary", summary)
         self._call(lambda: self.client.set_terminated(self.run_id), "finish the run")
+        self.finished = True
+
+    def close(self) -> None:
+        """A run that stops before its summary (a signal, an error) is marked KILLED, not left RUNNING."""
+        if not self.finished:
+            self._call(lambda: self.client.set_terminated(self.run_id, status="KILLED"), "end the run")
+            self.finished = True
 
     def _call(self, fn: Callable[[], None], what: str) -> None:
         if self.client is None and self.run_id:
