@@ -112,7 +112,11 @@ def listed(option: str, text: str) -> bool:
     (`--key=`, `--key ARG`, `--key, --alias`, `-k, --key`) or `[--key` in the usage; a mention in
     prose does not count."""
     name = re.escape(option)
-    return re.search(rf"^ *(-\w+ \w+, |-\w+, )?{name}([=, ]|$)|\[{name}[ \]]", text, re.M) is not None
+    if re.search(rf"^ *(-\w+ \w+, |-\w+, )?{name}([=, ]|$)|\[{name}[ \]]", text, re.M):
+        return True
+    # a key of a table of free keys (`--data.catalog.s3.endpoint`): the table is listed with `={}`
+    parts = option.split(".")
+    return any(re.search(rf"^ *{re.escape('.'.join(parts[:i]))}={{}}", text, re.M) for i in range(2, len(parts)))
 
 
 def page_runs() -> list[tuple[Path, ...]]:

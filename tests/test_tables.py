@@ -172,6 +172,10 @@ def test_resume_reads_the_pinned_snapshot_after_appends_and_a_compaction(kind, l
     assert losses(halves) == losses(whole) and len(losses(whole)) == STEPS
     assert recorded(halves)[option] == pinned
 
+    explicit = tmp_path / "explicit"  # a new run folder told the old snapshot trains on it, as `whole` did
+    ok(rankmix_ranks(1, *train_args(log, table, explicit, STEPS, f"--data.{option}={pinned}")))
+    assert losses(explicit) == losses(whole)
+
     newest = table.snapshots()[-1]
     refused = rankmix_ranks(1, *train_args(log, table, halves, STEPS + 2, f"--data.{option}={newest}"))
     assert refused.returncode == 2

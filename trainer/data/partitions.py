@@ -42,7 +42,6 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-import torch.distributed as dist
 
 from trainer.config import table_format
 from trainer.credentials import redact_uri
@@ -52,7 +51,7 @@ from trainer.data.identity import file_change
 from trainer.data.lakehouse import Table, metadata_errors, open_table, store_path
 from trainer.data.reader import ParquetReader
 from trainer.data.store import open_store
-from trainer.dist import on_rank0, side_group
+from trainer.dist import on_rank0
 
 log = logging.getLogger("rankmix.data")
 
@@ -108,17 +107,7 @@ def complete_partitions(root: str, marker: str, retry_seconds: float = 300.0, re
     KEY=VALUE partition folders, the folders of its complete partitions only (comma-separated,
     in time order; a shuffled reader deals their row groups anew every epoch), else `root`
     itself. Collective where a process group is up: rank 0 lists, so every rank reads the same."""
-    box: list = [root, None]  # the folders to read, or None and the error
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            box[0] = _complete_folders(root, marker, (retry_seconds, retry_attempts))
-        except ValueError as e:
-            box = [None, str(e)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0, group=side_group())
-    if box[1] is not None:
-        raise ValueError(box[1])
-    return box[0]
+    return on_rank0(lambda: _complete_folders(root, marker, (retry_seconds, retry_attempts)))
 
 
 def _complete_folders(root: str, marker: str, retries: tuple[float, int]) -> str:
