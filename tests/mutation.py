@@ -219,7 +219,6 @@ _FIRST = "the key is the text before the first '=', however many splits follow"
 _RETRIES = "the trainer passes data.retry_seconds and data.retry_attempts: the defaults are never used"
 _LIST = ("a comma-separated list is no folder: the listing finds nothing at the whole string and returns it as it "
          "is, the same answer")
-_TRAINED_FILES = "a trained partition's files are read from the listing and the state, never from this Partition"
 _NEWTON = "the log loss is convex: Newton's iteration reaches the same minimum from this start or with this damping"
 _SUMMARY_NUMBERS = ("a summary's figures are numbers: numpy makes them float64 (int64 for counts, which int(), "
                     "mean() and isnan read alike)")
@@ -436,8 +435,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "every hint that reaches this line (None, float, int, str, bool) has a __name__"),
     ("trainer.config_loader.x__parse_scalar",
      'return [_parse_scalar(t.strip(), None) for t in text.split(",") if t.strip()]', _LITERAL_ITEM),
-    ("trainer.config_loader.x_apply_override", "obj[key] = _coerce(_parse_scalar(text, None), item, dotted)",
-     _LITERAL_ITEM),
     ("trainer.config_loader.x_apply_override", "hint: Any = None",
      "the first hint is replaced before use: only a path of two or more parts reaches a table"),
     ("trainer.data.partitions.x__is_partition",
@@ -449,16 +446,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "def list_partitions(root: str, marker: str, retry_seconds: float = 301.0, retry_attempts: int = 3,", _RETRIES),
     ("trainer.data.partitions.x_list_partitions",
      "def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 4,", _RETRIES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
-     "retry_seconds: float = 301.0, retry_attempts: int = 3):", _RETRIES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1__init__",
-     "retry_seconds: float = 300.0, retry_attempts: int = 4):", _RETRIES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
-     'Partition(last["partition"], tuple(last["key"]), None))', _TRAINED_FILES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
-     'trained = [Partition(c["partition"], tuple(c["key"]), None) for c in consumed]', _TRAINED_FILES),
-    ("trainer.data.partitions.x\u01c1PartitionedReader\u01c1load_state_dict",
-     'change = file_change(c["files"], listed[c["partition"]].files, rows=None)', "rows=None is falsy, as False"),
     ("trainer.metrics.progressive.x\u01c1ProgressiveMetrics\u01c1_record",
      "self.split.add(logits.detach(), args[0].labels, None)",
      "SplitMetrics reads users for UAUC only, which progressive metrics do not compute (no spill folder)"),
