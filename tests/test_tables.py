@@ -217,6 +217,19 @@ def test_time_order_trains_each_appended_snapshot_once_in_order_and_skips_a_comp
             in refused.stderr)
 
 
+def test_two_ranks_agree_on_the_pinned_snapshot_and_split_its_rows(log, tmp_path):
+    """Rank 0 opens the table and broadcasts its snapshot and files: both ranks read them, the
+    epoch's rows split between them (a broken agreement fails the ranks' input check)."""
+    table = Delta(tmp_path / "table")
+    table.append(log["parts"][0])
+    table.append(log["parts"][1])
+    run = tmp_path / "run"
+    ok(rankmix_ranks(2, *train_args(log, table, run, 0, "--train.epochs=1")))
+    assert recorded(run)["version"] == 1
+    [rows] = [r for r in records(run, "data")]
+    assert rows["rows"] == 6_000 and rows["rows_trained"] == 2 * 11 * 256
+
+
 def test_a_delta_table_on_an_object_store_is_followed_and_pinned_through_one_environment(log, tmp_path):
     """deltalake and the reader take the store from the same AWS_* variables (moto's S3 on
     loopback): a time-order run trains the two appends; a rerun after a third trains it alone."""
