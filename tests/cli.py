@@ -18,13 +18,16 @@ interpreter exit (`tests/test_distributed.py`), signals through torchrun
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -137,11 +140,12 @@ def rankmix_ranks(world: int, *args: str, timeout: float = 300, env: dict[str, s
                                            "".join(read_output(err) for _, err in files))
 
 
-def start_rankmix(argv: list[str], cwd: Path | str, env: dict[str, str], out: Path,
-                  err: Path) -> multiprocessing.Process:
+def start_rankmix(argv: list[str], cwd: Path | str, env: dict[str, str], out: Path | str,
+                  err: Path | str, append: bool = False) -> multiprocessing.Process:
     """`rankmix ARGV` started in a child of the preloaded server, in `cwd` with `env`, its
-    stdout and stderr into `out` and `err`; not waited for (`rankmix` waits)."""
-    child = _server().Process(target=_command, args=(argv, str(cwd), env, str(out), str(err)))
+    stdout and stderr into `out` and `err` (`append`: written after what they hold, as a
+    caller's own /proc/PID/fd/N); not waited for (`rankmix` waits)."""
+    child = _server().Process(target=_command, args=(argv, str(cwd), env, str(out), str(err), append))
     child.start()
     return child
 
@@ -151,15 +155,16 @@ def read_output(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, append: bool = False) -> None:
     """In the child: become `rankmix ARGV` started in `cwd` with `env`, output to files."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     if env.get("PYTHONWARNINGS") == "ignore":  # read at start-up only, which the fork skipped
         warnings.simplefilter("ignore")
+    flags = os.O_WRONLY | (os.O_APPEND if append else os.O_CREAT | os.O_TRUNC)
     for fd, path in ((1, out), (2, err)):  # file descriptors too: C++ libraries write there
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        target = os.open(path, flags)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -171,3 +176,50 @@ def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
+
+
+SHIM = """#!{python}
+# rankmix, forked from the test suite's preloaded server (tests/cli.py, `shim_server`): the
+# command line, working folder and environment go over {socket!r}; this process's own stdout and
+# stderr receive the output; its exit code is the command's.
+import json, os, socket, sys
+client = socket.socket(socket.AF_UNIX)
+client.connect({socket!r})
+request = {{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid()}}
+client.sendall(json.dumps(request).encode() + b"\\n")
+sys.exit(int(client.makefile().readline()))
+"""
+
+
+@contextlib.contextmanager
+def shim_server(folder: Path) -> Iterator[str]:
+    """A `rankmix` executable in `folder` whose commands run as `rankmix` children of the
+    preloaded server (each a process of its own, as `rankmix(...)` starts them) instead of fresh
+    interpreters, which spend seconds importing the stack: for scripts that call
+    `.venv/bin/rankmix` many times (the guide's blocks, tests/test_readme.py). Yields its path."""
+    import json
+    import socketserver
+
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="rankmix-shim-"), "socket")  # short: a socket path has 108 bytes
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            request = json.loads(self.rfile.readline())
+            fds = [f"/proc/{request['pid']}/fd/{n}" for n in (1, 2)]  # the shim's own output
+            child = start_rankmix(request["argv"], request["cwd"], request["env"], *fds, append=True)
+            child.join()
+            code = child.exitcode
+            self.wfile.write(f"{128 - code if code < 0 else code}\n".encode())
+
+    _server()
+    server = socketserver.ThreadingUnixStreamServer(socket_path, Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    shim = folder / "rankmix"
+    shim.write_text(SHIM.format(python=sys.executable, socket=socket_path))
+    shim.chmod(0o755)
+    try:
+        yield str(shim)
+    finally:
+        server.shutdown()
+        server.server_close()
