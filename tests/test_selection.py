@@ -16,6 +16,7 @@ from cli import rankmix
 from cli import rankmix_ranks as train_ranks
 from dense.model_config import TaskSpec
 from embeddings.features import FeatureSpec
+from test_lifecycle import signalled
 from trainer.components.selection import BestPoint
 from trainer.config_loader import load_config
 from trainer.data.encode import RowEncoder
@@ -145,6 +146,50 @@ def test_a_resumed_run_keeps_its_best_point_and_ends_as_an_uninterrupted_one(tmp
     resumed = train(tmp_path / "resumed")
     keys = ("auc", "logloss", "best/step", "best/epochs", "best/restored", "valid/auc", "valid/logloss", "steps")
     assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
+
+
+def test_validation_inside_the_epoch_resumes_between_two_validations_as_an_unbroken_run(tmp_path):
+    """metrics.valid_every_epochs=0.25 validates every 16 of an epoch's 63 steps; a run stopped by
+    SIGTERM after step 20, between two validations, and resumed validates, picks, stops early and
+    restores bit for bit as the run never stopped (every loss and validation figure equal)."""
+    args = ["--config", "configs/debug.toml", "--train.steps=0", "--train.epochs=2", "--data.valid_fraction=0.1",
+            "--metrics.valid_every_epochs=0.25", "--train.early_stopping_patience=3",
+            f"--data.cache_dir={tmp_path / 'cache'}", "--metrics.progress=false", "--metrics.log_every=1",
+            "--metrics.tensorboard=false"]
+
+    def records(run, kind):
+        return [{k: v for k, v in r.items() if k != "time"}
+                for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+    def train(run):
+        proc = rankmix("train", *args, f"--train.run_dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((run / "summary.json").read_text())
+
+    whole = train(tmp_path / "whole")
+    stopped, logged = signalled(1, tmp_path / "resumed", [*args, f"--train.run_dir={tmp_path / 'resumed'}"],
+                                after_step=20)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert 20 <= max(r["step"] for r in logged if r["kind"] == "train") < whole["steps"]
+    resumed = train(tmp_path / "resumed")
+    valid = records(tmp_path / "whole", "valid")
+    assert [r["step"] for r in valid][:4] == [16, 32, 48, 64]
+    assert records(tmp_path / "resumed", "valid") == valid
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    assert {r["step"]: r["loss"] for r in records(tmp_path / "resumed", "train")} == losses
+    keys = ("auc", "logloss", "best/step", "best/epochs", "best/restored", "valid/auc", "steps")
+    assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--metrics.valid_every_epochs=-0.5"], "metrics.valid_every_epochs=-0.5 must be a share of an epoch >= 0"),
+    (["--metrics.valid_every_epochs=0.5", "--metrics.valid_every=10"],
+     "metrics.valid_every and metrics.valid_every_epochs are both set: give the schedule one way"),
+])
+def test_a_validation_schedule_given_twice_or_negative_is_refused(overrides, message):
+    with pytest.raises(ValueError) as e:
+        load_config(None, overrides)
+    assert str(e.value) == message
 
 
 def test_two_ranks_validate_every_held_out_row_once_and_restore_the_best(tmp_path):

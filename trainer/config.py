@@ -272,6 +272,9 @@ class MetricsConfig:
     """Evaluate every N steps (0: only at the end)."""
     valid_every: int = 0
     """With a validation split: validate every N steps (0: at the end of every epoch)."""
+    valid_every_epochs: float = 0.0
+    ("""With a validation split: validate every this share of an epoch's steps, e.g. 0.25 (0: metrics.valid_every; """
+     """both set is an error).""")
     eval_batches: int = 0
     """Evaluation batches per rank (0: the whole held-out split)."""
     log_every: int = 20

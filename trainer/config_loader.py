@@ -310,6 +310,11 @@ def validate(cfg: Config) -> None:
     if cfg.train.early_stopping_patience and not (cfg.data.valid_path or cfg.data.valid_fraction):
         raise ValueError("train.early_stopping_patience needs a validation split: set data.valid_path or "
                          "data.valid_fraction")
+    if not (math.isfinite(cfg.metrics.valid_every_epochs) and cfg.metrics.valid_every_epochs >= 0):
+        raise ValueError(f"metrics.valid_every_epochs={cfg.metrics.valid_every_epochs} must be a share of an "
+                         "epoch >= 0")
+    if cfg.metrics.valid_every_epochs and cfg.metrics.valid_every:
+        raise ValueError("metrics.valid_every and metrics.valid_every_epochs are both set: give the schedule one way")
     _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")

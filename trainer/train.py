@@ -302,6 +302,10 @@ class Trainer:
         epoch, step = self.position.epoch, self.position.step
         return epoch + step / max(self.train_reader.steps_in_epoch(epoch), 1)
 
+    def steps_in_epoch(self) -> int:
+        """Steps of the epoch being trained (in time order: of the partition)."""
+        return self.train_reader.steps_in_epoch(self.position.epoch)
+
     def due(self, every: int) -> bool:
         """This step is one of every `every` (0: none)."""
         return every > 0 and self.step % every == 0

@@ -70,6 +70,9 @@ class Loop(Protocol):
     def epoch_ended(self) -> bool:
         """The step just trained was its epoch's last."""
 
+    def steps_in_epoch(self) -> int:
+        """Steps of the epoch being trained (in time order: of the partition)."""
+
     def epochs_trained(self) -> float:
         """Passes over the training split so far."""
 

@@ -71,7 +71,7 @@ class BestPoint:
 
 class ModelSelection(LoopComponent):
     """What a validation split does for a run (docs/design.md §2.6), a component of the training
-    loop: it validates on schedule (metrics.valid_every, else at every epoch's end, and after the
+    loop: it validates on schedule (metrics.valid_every or valid_every_epochs, else at every epoch's end, and after the
     last step), tracks the best validation (`best`, the checkpoint part "best"), keeps that
     validation's weights in `folder` (train.restore_best), and puts them back after training.
     Once `patience` validations brought no improvement, it asks the loop to stop.
@@ -83,6 +83,7 @@ class ModelSelection(LoopComponent):
                       (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True})
                       if d.valid_fraction else None)
         self.every = cfg.metrics.valid_every
+        self.every_epochs = cfg.metrics.valid_every_epochs  # turned into steps once the epoch's are known
         self.best = BestPoint(t.select_metric, t.early_stopping_patience)
         self.checkpoint_part = "best" if self.split else None
         self.folder = RunFolder(run_dir).best
@@ -90,7 +91,10 @@ class ModelSelection(LoopComponent):
         self.restored = False
 
     def after_restore(self, loop: Loop) -> None:
-        """A run restored after its patience ran out trains no further."""
+        """metrics.valid_every_epochs as steps (at least one); a run restored after its patience ran
+        out trains no further."""
+        if self.every_epochs:
+            self.every = max(1, round(self.every_epochs * loop.steps_in_epoch()))
         if self.best.exhausted:
             loop.stop_requested = True
 
