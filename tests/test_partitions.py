@@ -624,15 +624,21 @@ def test_a_delta_tables_partitions_are_its_appends_in_order_and_a_resume_takes_u
     assert list(again) == ["version=5"]
 
 
-def test_an_iceberg_tables_partitions_come_through_its_catalog(tmp_path):
+def iceberg_table(folder: Path):
+    """([data.catalog] of a SQLite catalog in `folder`, its table logs.clicks after two appends)."""
     from pyiceberg.catalog import load_catalog
 
-    catalog = {"name": "lake", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}"}
+    catalog = {"name": "lake", "uri": f"sqlite:///{folder}/catalog.db", "warehouse": f"file://{folder}"}
     writer = load_catalog("lake", type="sql", **{k: v for k, v in catalog.items() if k != "name"})
     writer.create_namespace("logs")
     table = writer.create_table("logs.clicks", schema=pa.schema([("x", pa.int64())]))
     for rows in ([1, 2], [3]):
         table.append(pa.table({"x": pa.array(rows, pa.int64())}))
+    return catalog, table
+
+
+def test_an_iceberg_tables_partitions_come_through_its_catalog(tmp_path):
+    catalog, table = iceberg_table(tmp_path)
     reader = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
     assert list(reader) == [f"snapshot={s.snapshot_id}" for s in table.snapshots()]
     assert [p.key for p in reader.sequence] == [(s.sequence_number, s.timestamp_ms) for s in table.snapshots()]
@@ -642,14 +648,7 @@ def test_an_iceberg_tables_partitions_come_through_its_catalog(tmp_path):
 
 
 def test_a_table_rolled_back_past_the_last_trained_snapshot_is_refused(tmp_path):
-    from pyiceberg.catalog import load_catalog
-
-    catalog = {"name": "lake", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}"}
-    writer = load_catalog("lake", type="sql", **{k: v for k, v in catalog.items() if k != "name"})
-    writer.create_namespace("logs")
-    table = writer.create_table("logs.clicks", schema=pa.schema([("x", pa.int64())]))
-    for rows in ([1, 2], [3]):
-        table.append(pa.table({"x": pa.array(rows, pa.int64())}))
+    catalog, table = iceberg_table(tmp_path)
     reader = PartitionedReader("iceberg:logs.clicks", TableFiles, marker="_SUCCESS", catalog=catalog)
     assert len(list(reader)) == 2
     state = saved(reader)

@@ -217,6 +217,44 @@ def test_time_order_trains_each_appended_snapshot_once_in_order_and_skips_a_comp
             in refused.stderr)
 
 
+def test_a_following_run_trains_each_new_snapshot_as_it_lands(log, tmp_path):
+    """data.follow: the run trains the table's two appends, waits, trains a third and a fourth as
+    they are committed (a compaction between them adds nothing), and stops on SIGTERM."""
+    import os
+    import signal
+    import time
+
+    from tests.cli import read_output, start_rankmix
+
+    table = Delta(tmp_path / "table")
+    table.append(log["parts"][0])
+    table.append(log["parts"][1])
+    run = tmp_path / "run"
+    args = train_args(log, table, run, 0, "--data.order=time", "--data.follow=true", "--data.poll_seconds=0.2")
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    child = start_rankmix(["train", *args], REPO, run_env(), out, err)
+
+    def trained(n: int) -> list[str]:
+        deadline = time.monotonic() + 120
+        while len(names := [r["partition"] for r in records(run, "data")] if (run / "metrics.jsonl").exists()
+                   else []) < n:
+            assert child.is_alive() and time.monotonic() < deadline, read_output(err)[-3000:]
+            time.sleep(0.1)
+        return names
+
+    try:
+        assert trained(2) == ["version=0", "version=1"]
+        table.append(log["parts"][2])
+        table.compact()
+        table.append(log["parts"][3])
+        assert trained(4) == ["version=0", "version=1", "version=2", "version=4"]
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(60)
+        assert child.exitcode == 143, read_output(err)[-3000:]
+    finally:
+        child.kill()
+
+
 def test_two_ranks_agree_on_the_pinned_snapshot_and_split_its_rows(log, tmp_path):
     """Rank 0 opens the table and broadcasts its snapshot and files: both ranks read them, the
     epoch's rows split between them (a broken agreement fails the ranks' input check)."""
