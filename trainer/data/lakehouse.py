@@ -155,14 +155,20 @@ class IcebergTable(Table):
     def files(self, snapshot: int) -> list[DataFile]:
         self._snapshot(snapshot)
         files = []
-        for task in self.table.scan(snapshot_id=snapshot).plan_files():
+        try:
+            tasks = list(self.table.scan(snapshot_id=snapshot).plan_files())
+        except ValueError as e:  # pyiceberg plans no equality deletes
+            if "equality deletes" in str(e):
+                self._refuse_deletes(snapshot, "equality delete files")
+            raise ValueError(f"{self.shown}: cannot plan snapshot {snapshot}: {str(e)[:200]}") from None
+        for task in tasks:
             if task.delete_files:
                 self._refuse_deletes(snapshot, f"{len(task.delete_files)} delete file(s) on {task.file.file_path}")
             files.append(self._file(task.file))
         return _checked(self.shown, sorted(files, key=lambda f: f.uri))
 
     def commits(self) -> Iterator[Commit]:
-        from pyiceberg.manifest import ManifestEntryStatus
+        from pyiceberg.manifest import DataFileContent, ManifestEntryStatus
         from pyiceberg.table.snapshots import Operation, ancestors_of
 
         current = self.table.current_snapshot()
@@ -176,7 +182,8 @@ class IcebergTable(Table):
                          for manifest in snap.manifests(self.table.io)
                          if manifest.added_snapshot_id == snap.snapshot_id
                          for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
-                         if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id]
+                         if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id
+                         and entry.data_file.content == DataFileContent.DATA]  # a delete file holds no rows to train
                 operation = summary.operation if summary is not None else Operation.APPEND
                 removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
                 if summary is not None and int(summary.get("added-delete-files", 0) or 0):
