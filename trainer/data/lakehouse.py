@@ -168,8 +168,7 @@ class IcebergTable(Table):
         return _checked(self.shown, sorted(files, key=lambda f: f.uri))
 
     def commits(self) -> Iterator[Commit]:
-        from pyiceberg.manifest import DataFileContent, ManifestEntryStatus
-        from pyiceberg.table.snapshots import Operation, ancestors_of
+        from pyiceberg.table.snapshots import ancestors_of  # loaded with pyiceberg
 
         current = self.table.current_snapshot()
         # The ancestry, oldest first: a format-1 table numbers every snapshot 0, so its order is
@@ -177,22 +176,28 @@ class IcebergTable(Table):
         lineage = list(ancestors_of(current, self.table.metadata))[::-1] if current is not None else []
         for snap in lineage:
             if snap.snapshot_id not in self._commits:
-                summary = snap.summary
-                added = [self._file(entry.data_file)
-                         for manifest in snap.manifests(self.table.io)
-                         if manifest.added_snapshot_id == snap.snapshot_id
-                         for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
-                         if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id
-                         and entry.data_file.content == DataFileContent.DATA]  # a delete file holds no rows to train
-                operation = summary.operation if summary is not None else Operation.APPEND
-                removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
-                if summary is not None and int(summary.get("added-delete-files", 0) or 0):
-                    removed = removed or -1  # rows deleted by a delete file: their number is not in the summary
-                self._commits[snap.snapshot_id] = Commit(
-                    snap.snapshot_id, (snap.sequence_number, snap.timestamp_ms), operation.value,
-                    tuple(_checked(self.shown, sorted(added, key=lambda f: f.uri))), removed,
-                    operation == Operation.REPLACE)
+                self._commits[snap.snapshot_id] = self._commit(snap)
             yield self._commits[snap.snapshot_id]
+
+    def _commit(self, snap) -> Commit:
+        """What snapshot `snap` did: the data files its own manifests added, and the rows it removed
+        by its summary (-1: some, by delete files, whose rows the summary does not count)."""
+        from pyiceberg.manifest import DataFileContent, ManifestEntryStatus  # loaded with pyiceberg
+        from pyiceberg.table.snapshots import Operation
+
+        added = [self._file(entry.data_file)
+                 for manifest in snap.manifests(self.table.io) if manifest.added_snapshot_id == snap.snapshot_id
+                 for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
+                 if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id
+                 and entry.data_file.content == DataFileContent.DATA]  # a delete file holds no rows to train
+        summary = snap.summary
+        operation = summary.operation if summary is not None else Operation.APPEND
+        removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
+        if summary is not None and int(summary.get("added-delete-files", 0) or 0):
+            removed = removed or -1
+        return Commit(snap.snapshot_id, (snap.sequence_number, snap.timestamp_ms), operation.value,
+                      tuple(_checked(self.shown, sorted(added, key=lambda f: f.uri))), removed,
+                      operation == Operation.REPLACE)
 
     def _file(self, data_file) -> DataFile:
         return DataFile(_reader_uri(data_file.file_path, self._store_options), int(data_file.file_size_in_bytes),
