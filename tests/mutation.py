@@ -125,6 +125,8 @@ MODULES = {
         "PartitionedReader._consumed", "PartitionedReader.state_dict", "PartitionedReader.load_state_dict",
         "PartitionedReader._list", "table_partitions")),
     "progressive": Target("trainer/metrics/progressive.py", ("tests/test_partitions.py",)),
+    # a table's snapshots, files and commits on real Iceberg and Delta tables (open_table, its catalog, the stores)
+    "lakehouse": Target("trainer/data/lakehouse.py", ("tests/test_lakehouse.py", "tests/test_partitions.py")),
     # not the collective `publish` and the tracker's set-up on a sharded model (the runs of test_publish.py)
     "publish": Target("trainer/serving/publish.py", ("tests/test_publish_unit.py",), (
         "Publisher.__init__", "Publisher.due", "Publisher._write", "Publisher._changed_rows",
@@ -199,7 +201,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("tokenizer", "rankmixer"),
     ("tables", "managed"),
     ("plan_host", "cost"),
-    ("partitions", "progressive"),
+    ("partitions", "progressive", "lakehouse"),
     ("safe_load", "run_folder", "run_layout", "csvlog_markers"),
     ("metrics", "calibration", "streaming"),
     ("study", "doctor", "dist"),
@@ -446,6 +448,15 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "def list_partitions(root: str, marker: str, retry_seconds: float = 301.0, retry_attempts: int = 3,", _RETRIES),
     ("trainer.data.partitions.x_list_partitions",
      "def list_partitions(root: str, marker: str, retry_seconds: float = 300.0, retry_attempts: int = 4,", _RETRIES),
+    ("trainer.data.lakehouse.x__s3_options",
+     'options = [f"endpoint_override={parts.netloc}", f"scheme={parts.scheme}"]',
+     "the list is empty before the endpoint's options: `=` and `+=` give the same list"),
+    ("trainer.data.lakehouse.x\u01c1IcebergTable\u01c1__init__",
+     'self.table = load_catalog(catalog.get("name", None), **properties).load_table(name)',
+     "pyiceberg's load_catalog(None) is its catalog named 'default', as DEFAULT_CATALOG"),
+    ("trainer.data.lakehouse.x\u01c1IcebergTable\u01c1__init__",
+     'self.table = load_catalog(catalog.get("name", ), **properties).load_table(name)',
+     "pyiceberg's load_catalog(None) is its catalog named 'default', as DEFAULT_CATALOG"),
     ("trainer.metrics.progressive.x\u01c1ProgressiveMetrics\u01c1_record",
      "self.split.add(logits.detach(), args[0].labels, None)",
      "SplitMetrics reads users for UAUC only, which progressive metrics do not compute (no spill folder)"),

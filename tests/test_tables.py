@@ -379,42 +379,6 @@ def test_a_pin_that_does_not_fit_its_path_is_refused(overrides, message):
     assert str(e.value) == message
 
 
-def test_a_missing_table_or_snapshot_is_named(log, tmp_path):
-    from trainer.data.lakehouse import open_table
-
-    with pytest.raises(ValueError) as e:
-        open_table(f"delta:{tmp_path}/none", {})
-    assert str(e.value) == f"delta:{tmp_path}/none: no Delta table there (no _delta_log)"
-    lake = Iceberg(tmp_path / "lake")
-    with pytest.raises(ValueError) as e:
-        open_table(lake.path, dict(lake.properties))
-    assert str(e.value) == "iceberg:logs.clicks: no such table in the catalog of [data.catalog]"
-    lake.append(log["parts"][0])
-    table = open_table(lake.path, dict(lake.properties))
-    [snapshot] = lake.snapshots()
-    assert [f.rows for f in table.files(snapshot)] == [3_000]
-    with pytest.raises(ValueError) as e:
-        table.files(snapshot + 1)
-    assert str(e.value) == (f"iceberg:logs.clicks: no snapshot {snapshot + 1} (data.snapshot); the table's "
-                            f"snapshots are {snapshot} (newest last), unless expired")
-    with pytest.raises(ValueError) as e:
-        open_table("iceberg:clicks", {})
-    assert str(e.value) == "data path 'iceberg:clicks': expected iceberg:<namespace>.<table>"
-
-
-def test_a_tables_file_uris_become_the_readers():
-    from trainer.data.lakehouse import _reader_uri, _s3_options, store_path
-
-    assert _reader_uri("file:///lake/ts=2026-01-01%3A00/f.parquet", "") == "/lake/ts=2026-01-01%3A00/f.parquet"
-    options = _s3_options({"s3.endpoint": "http://minio:9000", "s3.region": "eu-west-1", "uri": "x"})
-    assert options == "endpoint_override=minio:9000&scheme=http&region=eu-west-1"
-    assert _reader_uri("s3a://bucket/t/f.parquet", options) == f"s3://bucket/t/f.parquet?{options}"
-    assert _reader_uri("s3://bucket/t/f.parquet", "") == "s3://bucket/t/f.parquet"
-    assert _reader_uri("gs://bucket/f.parquet", options) == "gs://bucket/f.parquet"
-    assert store_path(f"s3://bucket/t/f.parquet?{options}") == "bucket/t/f.parquet"
-    assert store_path("/lake/f.parquet") == "/lake/f.parquet"
-
-
 def test_an_mlflow_run_stopped_before_its_summary_is_killed_and_a_resume_goes_on_in_it(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -435,38 +399,3 @@ def test_an_mlflow_run_stopped_before_its_summary_is_killed_and_a_resume_goes_on
     assert run.info.status == "FINISHED" and run.data.params == {"data.batch_size": "8"}
     assert run.data.metrics["summary/auc"] == 0.75
     assert said == [f"mlflow: run {first.run_id} in experiment 'exp' at file:{tmp_path}/mlruns"] * 2
-
-
-def test_an_iceberg_snapshot_with_a_position_delete_is_refused_pinned_and_in_time_order(log, tmp_path):
-    """A position delete file (what Spark's merge-on-read DELETE writes; pyiceberg writes none, so it
-    is committed here as its own file) is refused with the snapshot named, never read past."""
-    import os
-
-    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
-    from pyiceberg.typedef import Record
-
-    from trainer.data.lakehouse import open_table
-
-    lake = Iceberg(tmp_path / "lake")
-    lake.append(log["parts"][0])
-    target = next(iter(lake.table.scan().plan_files())).file.file_path
-    deletes = tmp_path / "deletes.parquet"
-    pq.write_table(pa.table({"file_path": [target], "pos": pa.array([1], pa.int64())}), deletes)
-    with lake.table.transaction() as tx, tx.update_snapshot().fast_append() as append:
-        append.append_data_file(DataFile.from_args(
-            content=DataFileContent.POSITION_DELETES, file_path=f"file://{deletes}", file_format=FileFormat.PARQUET,
-            partition=Record(), record_count=1, file_size_in_bytes=os.path.getsize(deletes)))
-    first, deleted = lake.snapshots()
-    table = open_table(lake.path, dict(lake.properties))
-    assert len(table.files(first)) == 1
-    with pytest.raises(ValueError) as e:
-        table.files(deleted)
-    assert str(e.value) == (
-        f"iceberg:logs.clicks: snapshot {deleted} has 1 delete file(s) on {target}; rankmix does not apply them, "
-        "and will not read deleted rows as if they were there: compact the table, or pin a snapshot before the "
-        "deletes (data.snapshot)")
-    with pytest.raises(ValueError) as e:
-        table.appends()
-    assert str(e.value) == (
-        f"iceberg:logs.clicks: snapshot {deleted} (append) removes some rows and adds 0; data.order=time follows "
-        "appends and compactions only: a trained row cannot be taken back")

@@ -114,26 +114,23 @@ class IcebergTable(Table):
 
     def __init__(self, path: str, catalog: dict[str, str]):
         super().__init__(path)
-        _needs("pyiceberg", "iceberg")
         from pyiceberg.catalog import load_catalog  # an optional dependency, imported for iceberg: paths
         from pyiceberg.exceptions import NoSuchTableError
 
-        name = path.partition(":")[2]
-        if name.count(".") < 1 or "" in name.split("."):
+        name = path.removeprefix("iceberg:")
+        if "" in name.split(".") or "." not in name:
             raise ValueError(f"data path {path!r}: expected iceberg:<namespace>.<table>")
-        properties = dict(catalog)
-        catalog_name = properties.pop("name", DEFAULT_CATALOG)
-        if "type" not in properties and properties.get("uri", "").startswith("sqlite"):
-            properties["type"] = "sql"  # the embedded catalog: a SQLite file, no server
+        # pyiceberg takes a sqlite: or postgresql: uri for its SQL catalog, the embedded one with SQLite
+        properties = {k: v for k, v in catalog.items() if k != "name"}
         self._store_options = _s3_options(properties)
         self._commits: dict[int, Commit] = {}  # by snapshot id: a snapshot never changes
         try:
-            self.table = load_catalog(catalog_name, **properties).load_table(name)
+            self.table = load_catalog(catalog.get("name", DEFAULT_CATALOG), **properties).load_table(name)
         except NoSuchTableError:
             raise ValueError(f"{self.shown}: no such table in the catalog of [data.catalog]") from None
         except (ValueError, OSError, ImportError) as e:
             raise ValueError(f"{self.shown}: cannot open its catalog ([data.catalog]): "
-                             f"{redact_uri(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+                             f"{redact_uri(_first_line(e))}") from None
 
     def refresh(self) -> None:
         self.table.refresh()
@@ -158,9 +155,9 @@ class IcebergTable(Table):
         try:
             tasks = list(self.table.scan(snapshot_id=snapshot).plan_files())
         except ValueError as e:  # pyiceberg plans no equality deletes
-            if "equality deletes" in str(e):
-                self._refuse_deletes(snapshot, "equality delete files")
-            raise ValueError(f"{self.shown}: cannot plan snapshot {snapshot}: {str(e)[:200]}") from None
+            if "equality deletes" not in str(e):
+                raise
+            self._refuse_deletes(snapshot, "equality delete files")
         for task in tasks:
             if task.delete_files:
                 self._refuse_deletes(snapshot, f"{len(task.delete_files)} delete file(s) on {task.file.file_path}")
@@ -173,7 +170,7 @@ class IcebergTable(Table):
         current = self.table.current_snapshot()
         # The ancestry, oldest first: a format-1 table numbers every snapshot 0, so its order is
         # the ancestry's, kept in the key by the commit time (which a child never precedes).
-        lineage = list(ancestors_of(current, self.table.metadata))[::-1] if current is not None else []
+        lineage = list(ancestors_of(current, self.table.metadata))[::-1]  # none without a current snapshot
         for snap in lineage:
             if snap.snapshot_id not in self._commits:
                 self._commits[snap.snapshot_id] = self._commit(snap)
@@ -187,13 +184,13 @@ class IcebergTable(Table):
 
         added = [self._file(entry.data_file)
                  for manifest in snap.manifests(self.table.io) if manifest.added_snapshot_id == snap.snapshot_id
-                 for entry in manifest.fetch_manifest_entry(self.table.io, discard_deleted=False)
+                 for entry in manifest.fetch_manifest_entry(self.table.io)
                  if entry.status == ManifestEntryStatus.ADDED and entry.snapshot_id == snap.snapshot_id
                  and entry.data_file.content == DataFileContent.DATA]  # a delete file holds no rows to train
-        summary = snap.summary
-        operation = summary.operation if summary is not None else Operation.APPEND
-        removed = int(summary.get("deleted-records", 0) or 0) if summary is not None else 0
-        if summary is not None and int(summary.get("added-delete-files", 0) or 0):
+        operation = snap.summary.operation if snap.summary else Operation.APPEND  # a format-1 table's may lack one
+        counts = snap.summary.additional_properties if snap.summary else {}
+        removed = int(counts.get("deleted-records", 0))
+        if int(counts.get("added-delete-files", 0)):
             removed = removed or -1
         return Commit(snap.snapshot_id, (snap.sequence_number, snap.timestamp_ms), operation.value,
                       tuple(_checked(self.shown, sorted(added, key=lambda f: f.uri))), removed,
@@ -213,7 +210,6 @@ class DeltaLakeTable(Table):
 
     def __init__(self, path: str):
         super().__init__(path)
-        _needs("deltalake", "delta")
         from deltalake import DeltaTable  # an optional dependency, imported for delta: paths
 
         self.uri = path.partition(":")[2]
@@ -236,7 +232,7 @@ class DeltaLakeTable(Table):
         except (DeltaError, OSError) as e:
             at = "" if version is None else f" at version {version} (data.version)"
             raise ValueError(f"{self.shown}: cannot load the table{at}: "
-                             f"{redact_uri(str(e).splitlines()[0][:200])}") from None
+                             f"{redact_uri(_first_line(e)[:200])}") from None
 
     def refresh(self) -> None:
         self.table = self._load(None)
@@ -298,39 +294,45 @@ def metadata_errors(path: str) -> Iterator[None]:
     except (ValueError, DataUnavailableError):
         raise
     except Exception as e:  # noqa: BLE001 - the two libraries' and their stores' errors are many
-        text = (str(e).strip().splitlines() or [""])[0][:200]
         raise DataUnavailableError(f"{redact_uri(path)}: the table's metadata could not be read: "
-                                   f"{type(e).__name__}: {redact_uri(text)}") from e
+                                   f"{type(e).__name__}: {redact_uri(_first_line(e)[:200])}") from e
 
 
 def open_table(path: str, catalog: dict[str, str]) -> Table:
     """The table `path` names (`table_format(path)` is not None)."""
     kind = table_format(path)
     assert kind is not None, path
+    _needs(kind)
     if kind == "iceberg":
         return IcebergTable(path, catalog)
     return DeltaLakeTable(path)
 
 
-def _needs(module: str, kind: str) -> None:
-    """An ImportError as the one line that says what to install."""
+_LIBRARIES = {"iceberg": "pyiceberg", "delta": "deltalake"}
+
+
+def _needs(kind: str) -> None:
+    """A table format's missing library as the one line that says what to install."""
     try:
-        __import__(module)
+        __import__(_LIBRARIES[kind])
     except ImportError:
-        raise ValueError(f"{kind}: paths need {module}, which is not installed: pip install 'rankmix[tables]' "
-                         "(make setup installs it)") from None
+        raise ValueError(f"{kind}: paths need {_LIBRARIES[kind]}, which is not installed: pip install "
+                         "'rankmix[tables]' (make setup installs it)") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _s3_options(catalog: dict[str, str]) -> str:
     """The reader's S3 URI options (trainer/data/store.py) from pyiceberg's s3.endpoint / s3.region."""
-    options = {}
-    endpoint = catalog.get("s3.endpoint", "")
-    if endpoint:
-        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
-        options |= {"endpoint_override": parts.netloc, "scheme": parts.scheme}
-    if catalog.get("s3.region"):
-        options["region"] = catalog["s3.region"]
-    return "&".join(f"{k}={v}" for k, v in options.items())
+    options = []
+    if "s3.endpoint" in catalog:  # a URL, or host:port (https)
+        parts = urlsplit(catalog["s3.endpoint"] if "://" in catalog["s3.endpoint"] else f"https://{catalog['s3.endpoint']}")
+        options += [f"endpoint_override={parts.netloc}", f"scheme={parts.scheme}"]
+    if "s3.region" in catalog:
+        options.append(f"region={catalog['s3.region']}")
+    return "&".join(options)
 
 
 def _reader_uri(uri: str, s3_options: str) -> str:
