@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,7 +201,8 @@ def shim_server(folder: Path) -> Iterator[str]:
     import json
     import socketserver
 
-    socket_path = os.path.join(tempfile.mkdtemp(prefix="rankmix-shim-"), "socket")  # short: a socket path has 108 bytes
+    socket_folder = tempfile.mkdtemp(prefix="rankmix-shim-")  # short: a socket's path has 108 bytes
+    socket_path = os.path.join(socket_folder, "socket")
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
@@ -223,3 +225,4 @@ def shim_server(folder: Path) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+        shutil.rmtree(socket_folder, ignore_errors=True)
