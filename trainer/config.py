@@ -126,6 +126,9 @@ def per_rank_batch_size(cfg: Config, world_size: int) -> int:
 TABLE_SCHEMES = ("iceberg", "delta")
 """The prefixes of a table path in data.*_path (`iceberg:<namespace>.<table>`, `delta:<path or URI>`)."""
 
+PIN_FIELDS = {"iceberg": "snapshot", "delta": "version"}
+"""The [data] field that pins a table of each format to one snapshot (Iceberg's id, Delta's version)."""
+
 DEFAULT_CATALOG = "default"
 """The name of [data.catalog]'s catalog without data.catalog.name (pyiceberg's own default): a SQL
 catalog keeps its tables under it, and pyiceberg reads its PYICEBERG_CATALOG__<NAME>__* variables."""

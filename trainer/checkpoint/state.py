@@ -30,6 +30,7 @@ from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from embeddings.hooks import TrainingHooks
+from trainer.config import PIN_FIELDS, table_format
 from trainer.data.elastic import resumed_epoch
 from trainer.data.partitions import PartitionedReader
 from trainer.data.reader import ParquetReader
@@ -270,7 +271,7 @@ class TrainedPosition:
         if saved is None or mine is None or saved["path"] != mine["path"]:
             what = lambda t: f"table {t['path']}" if t else "files, not a table"  # noqa: E731
             raise ValueError(f"data reader state was saved reading {what(saved)}, but this run reads {what(mine)}")
-        option = "data.snapshot" if mine["path"].startswith("iceberg:") else "data.version"
+        option = f"data.{PIN_FIELDS[table_format(mine['path'])]}"
         raise ValueError(f"data reader state was saved reading {option.split('.')[1]} {saved['snapshot']} of "
                          f"{saved['path']}, but this run reads {mine['snapshot']} ({option}): a resume reads the "
                          f"snapshot it started on; set {option}={saved['snapshot']}, or leave it unset in the run "

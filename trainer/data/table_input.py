@@ -21,7 +21,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import DataConfig, table_format
+from trainer.config import PIN_FIELDS, DataConfig, table_format
 from trainer.data.lakehouse import metadata_errors, open_table
 from trainer.dist import on_rank0
 from trainer.run_layout import RunFolder
@@ -46,18 +46,11 @@ def pinned_train_files(data: DataConfig, run_dir: str) -> tuple[str, TablePin | 
     kind = table_format(data.train_path)
     if kind is None:
         return data.train_path, None
-    option = "snapshot" if kind == "iceberg" else "version"
+    option = PIN_FIELDS[kind]
     given = getattr(data, option)
-    if given == _UNSET[option]:
+    if given == _unset(option):
         given = _recorded(run_dir, data.train_path, option)
-
-    def pin() -> tuple[int, str]:
-        with metadata_errors(data.train_path):
-            table = open_table(data.train_path, data.catalog)
-            snapshot = table.current() if given is None else given
-            return snapshot, ",".join(f.uri for f in table.files(snapshot))
-
-    snapshot, files = on_rank0(pin)
+    snapshot, files = on_rank0(lambda: _snapshot_files(data.train_path, data.catalog, given))
     if given is None:
         log.info("%s: reading %s %d, its newest", data.train_path, option, snapshot)
     setattr(data, option, snapshot)
@@ -69,17 +62,20 @@ def newest_files(path: str, catalog: dict[str, str]) -> str:
     (collective)."""
     if not path or table_format(path) is None:
         return path
-
-    def files() -> tuple[int, str]:
-        with metadata_errors(path):
-            table = open_table(path, catalog)
-            snapshot = table.current()
-            return snapshot, ",".join(f.uri for f in table.files(snapshot))
-
-    return on_rank0(files)[1]
+    return on_rank0(lambda: _snapshot_files(path, catalog, None))[1]
 
 
-_UNSET = {"snapshot": 0, "version": -1}
+def _snapshot_files(path: str, catalog: dict[str, str], snapshot: int | None) -> tuple[int, str]:
+    """(`snapshot`, or the newest where None; its files, comma-separated) of the table `path`."""
+    with metadata_errors(path):
+        table = open_table(path, catalog)
+        snapshot = table.current() if snapshot is None else snapshot
+        return snapshot, ",".join(f.uri for f in table.files(snapshot))
+
+
+def _unset(option: str) -> int:
+    """The pin field's default: no pin given."""
+    return getattr(DataConfig(), option)
 
 
 def _recorded(run_dir: str, path: str, option: str) -> int | None:
@@ -92,7 +88,7 @@ def _recorded(run_dir: str, path: str, option: str) -> int | None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config}: cannot read the table pin of the run started there: {e}") from None
     value = data.get(option)
-    if data.get("train_path") != path or not isinstance(value, int) or value == _UNSET[option]:
+    if data.get("train_path") != path or not isinstance(value, int) or value == _unset(option):
         return None
     log.info("%s: reading %s %d, pinned by %s", path, option, value, config)
     return value
