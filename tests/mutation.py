@@ -761,8 +761,9 @@ def run(name: str, targets: list[Target], workers: int) -> Path:
     # target takes only some functions
     names = _union(t.selected() for t in targets) if any(t.functions for t in targets) else []
     with open(folder / "run.log", "w") as log:
-        proc = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(workers),
-                               *names], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # mutmut's run, its children on tests collected once before the forks (tests/mutation_fork.py)
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "mutation_fork.py"), "run", "--max-children",
+                               str(workers), *names], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"mutmut failed on {name} (exit {proc.returncode}); see {folder / 'run.log'}")
     if unrun.exists():
