@@ -9,7 +9,8 @@ between seeds (a synthetic log is drawn anew for each) cancels out of the compar
 
 The protocol (PROTOCOL): 10% of the training rows validate, validation after every epoch,
 early stopping with a patience of 2 at most 15 epochs, and the test split scored with the
-best validation's weights. `--set` entries come after it, so they can change it.
+best validation's weights. `--set` entries come after it, so they can change it:
+`--set data.split=time` judges every run on a cut in time (docs/training.md, "Splits in time").
 
 Every run is a `rankmix sweep` point (launch/sweep.py): a finished run is reused and an
 interrupted study continues where it stopped. Writes OUT/study.csv, OUT/study.md (the

@@ -157,6 +157,10 @@ MODULES = {
                                                                "tests/test_sequence.py")),
     "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py")),
     "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py",)),
+    # data.split=time's cut and files, on logs written in-process (not the two-rank run that trains on it)
+    "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=(
+        "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
+        "future",)),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
@@ -281,6 +285,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.checkpoint.safe_load.x_tiling_error", "grid[tuple(slice(lo, hi) for lo, hi in span)] = 1",
      "the grid is built only when the chunks cover as many cells as it has: a cell in two chunks leaves "
      "another in none, which fails the check as well"),
+    # time_split
+    ("trainer.data.time_split.x__times", "values = parquet.read(columns=None).column(column)",
+     "every column read, the time column taken: the same values"),
+    ("trainer.data.time_split.x_time_cut",
+     'k = int(np.searchsorted(ordered, np.quantile(ordered, share), )) if ordered.size else 0',
+     "searchsorted's side is 'left' by default"),
     # run_folder
     ("trainer.checkpoint.run_folder.x\u01c1RunLock\u01c1_create", "tmp.unlink(missing_ok=None)", _OWN_TMP),
     ("trainer.checkpoint.run_folder.x\u01c1RunLock\u01c1_create", "tmp.unlink(missing_ok=False)", _OWN_TMP),

@@ -26,6 +26,7 @@ from trainer.credentials import redact_uri, secret_kind
 # (`typing.get_args`), never from a list of its own.
 SynthTeacherName = Literal["default", "capacity", "sequence", "recency"]
 DataOrder = Literal["shuffled", "time"]
+DataSplit = Literal["given", "time"]
 Calibration = Literal["none", "bias", "platt"]
 ArtifactFormat = Literal["pt2", "torchscript"]
 ServedTables = Literal["fp32", "fp16", "int8", "int4"]
@@ -57,7 +58,13 @@ class DataConfig:
     valid_path: str = ""
     """Validation Parquet files that pick the best point and stop early ('' : none, or valid_fraction)."""
     valid_fraction: float = 0.0
-    """Share of every training row group held out as the validation split when valid_path is unset (0: none)."""
+    ("""Share of the training rows held out as the validation split when valid_path is unset (0: none): every """
+     """row group's last rows, or with split=time the latest rows before the cut.""")
+    split: DataSplit = "given"
+    ("""given (train_path trains, eval_path tests) | time (their rows are one log, cut by time_column at """
+     """split_at: the past trains, the future tests; trainer/data/time_split.py).""")
+    split_at: float = 0.8
+    """split=time: where the log is cut: a share of its rows in time order (0 < x < 1), or a time (>= 1, seconds)."""
     batch_size: int = 512
     """Rows per step on each rank; the global batch is batch_size x world size."""
     global_batch_size: int = 0
@@ -103,6 +110,12 @@ class DataConfig:
     """iceberg: train_path: the snapshot id read (0: the current one when the run starts; a resume keeps its own)."""
     version: int = -1
     """delta: train_path: the table version read (-1: the newest when the run starts; a resume keeps its own)."""
+
+    @property
+    def row_group_holdout(self) -> float:
+        """The share of every training row group that is the validation split: valid_fraction, unless
+        split=time made the validation split its own files."""
+        return self.valid_fraction if self.split == "given" else 0.0
 
 
 RECIPES: dict[str, dict[str, object]] = {
@@ -171,6 +184,8 @@ def unused_run_fields(data: DataConfig) -> dict[str, tuple[str, str]]:
                               "data.snapshot", "data.version"), why)
     unused = dict.fromkeys((*(f"data.{name}" for name in TIME_ORDER_FIELDS), "publish.every_partition",
                             "metrics.eval_next_partition"), why)
+    if data.split == "given":
+        unused["data.split_at"] = ("data.split", "only data.split=time cuts the log")
     if not data.valid_fraction and not data.valid_path:
         unused["train.calibrate"] = ("data.valid_fraction", "it fits on the validation split, and there is none "
                                      "(data.valid_fraction or data.valid_path)")

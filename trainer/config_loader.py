@@ -315,6 +315,7 @@ def validate(cfg: Config) -> None:
                          "epoch >= 0")
     if cfg.metrics.valid_every_epochs and cfg.metrics.valid_every:
         raise ValueError("metrics.valid_every and metrics.valid_every_epochs are both set: give the schedule one way")
+    _validate_split(cfg.data)
     _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
@@ -347,6 +348,25 @@ def validate(cfg: Config) -> None:
     if managed:
         raise ValueError(f"embeddings.table_sharding names managed tables {managed}: those are always row-wise "
                          "(TorchRec shards managed-collision tables no other way)")
+
+
+def _validate_split(data: DataConfig) -> None:
+    """data.split=time: a column to cut by, a cut that is a share or a time, and a split that owns validation."""
+    if data.split == "given":
+        return
+    if not data.time_column:
+        raise ValueError("data.split=time cuts the log by data.time_column, which is empty: name the column of "
+                         "each row's time (integer seconds)")
+    if not (math.isfinite(data.split_at) and data.split_at > 0 and (data.split_at < 1 or data.split_at.is_integer())):
+        raise ValueError(f"data.split_at={data.split_at:g} must be a share of the rows (0 < x < 1) or a time in "
+                         "whole seconds (>= 1)")
+    if data.valid_path:
+        raise ValueError("data.split=time makes the validation split from the log (data.valid_fraction): "
+                         "data.valid_path must be empty")
+    if data.order == "time":
+        raise ValueError("data.split=time judges a model on the future of its log; data.order=time trains on "
+                         "the log as it arrives and evaluates on each next partition (metrics.eval_next_partition): "
+                         "choose one")
 
 
 def _validate_tables(data: DataConfig) -> None:

@@ -80,8 +80,8 @@ class ModelSelection(LoopComponent):
     def __init__(self, cfg: Config, run_dir: Path, train_path: str, valid_path: str):
         t, d = cfg.train, cfg.data
         self.split = ((valid_path, {}) if valid_path else  # its own files, or every training row group's tail
-                      (train_path, {"holdout_fraction": d.valid_fraction, "holdout": True})
-                      if d.valid_fraction else None)
+                      (train_path, {"holdout_fraction": d.row_group_holdout, "holdout": True})
+                      if d.row_group_holdout else None)
         self.every = cfg.metrics.valid_every
         self.every_epochs = cfg.metrics.valid_every_epochs  # turned into steps once the epoch's are known
         self.best = BestPoint(t.select_metric, t.early_stopping_patience)

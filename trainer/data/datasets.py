@@ -4,6 +4,7 @@ built-in ones, the feature schema that fits them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from embeddings.features import FeatureSpec
 from embeddings.registry import Registry
 from trainer.config import Config, SynthTeacherName
+from trainer.data import time_split
 from trainer.data.table_input import TablePin, newest_files, pinned_train_files
-from trainer.dist import side_group
+from trainer.dist import on_rank0, side_group
 from trainer.offline import capacity as capacity_data
 from trainer.offline import sequence_log
 from trainer.offline import synth as synth_data
@@ -42,8 +44,28 @@ DATASETS: Registry[Callable[[Config], DatasetFiles]] = Registry("data.dataset")
 
 
 def build_dataset(cfg: Config) -> DatasetFiles:
-    """Resolve `data.dataset`; call on every rank (each node's local rank 0 prepares, the others wait)."""
-    return DATASETS.get(cfg.data.dataset)(cfg)
+    """Resolve `data.dataset`, then `data.split`; call on every rank (each node's local rank 0
+    prepares, the others wait)."""
+    files = DATASETS.get(cfg.data.dataset)(cfg)
+    return split_in_time(files, cfg) if cfg.data.split == "time" else files
+
+
+def split_in_time(files: DatasetFiles, cfg: Config) -> DatasetFiles:
+    """`files`' training and test rows as one log cut in time (trainer/data/time_split.py): the
+    split's folders, written on first use into data.cache_dir."""
+    data = cfg.data
+    log = ",".join(filter(None, (files.train_path, files.eval_path)))
+    # rank 0 reads every byte once for the key (the inputs' digests), not every rank
+    key = on_rank0(lambda: time_split.cache_key(time_split.input_digests(log, data), data))
+    folder = _prepared(Path(data.cache_dir) / f"time-split-{key}",
+                       lambda out: time_split.write_time_split(out, log, data))
+    summary = json.loads((folder / "_SUCCESS").read_text())
+    rows = summary["rows"]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"data.split=time: cut at {data.time_column}={summary['cut']}: {rows['train']} training, "
+              f"{rows['valid']} validation, {rows['test']} test rows ({folder})", flush=True)
+    return dataclasses.replace(files, train_path=str(folder / "train"), eval_path=str(folder / "test"),
+                               valid_path=str(folder / "valid") if rows["valid"] else "")
 
 
 @DATASETS.register("parquet")
@@ -52,7 +74,7 @@ def parquet(cfg: Config) -> DatasetFiles:
     run reads its training table at one snapshot, pinned (trainer/data/table_input.py); time order
     reads the table's snapshots one by one (trainer/data/partitions.py)."""
     data = cfg.data
-    for key in ("train_path", "eval_path"):
+    for key in ("train_path", "eval_path")[:2 if data.split == "given" else 1]:  # a cut in time makes the test split
         if not getattr(data, key):
             raise ValueError(f"data.{key} is empty: the parquet dataset needs it")
     if not cfg.features:
@@ -67,16 +89,25 @@ def _prepared(folder: Path, make: Callable[[Path], dict]) -> Path:
     complete, so `folder` only ever exists whole. data.cache_dir may be node-local (each node
     needs its own copy) or shared (nodes and runs may make it at the same time): the first
     rename wins, and a later one never replaces a folder another process may be reading."""
+    failure = None
     if _node_leader() and not (folder / "_SUCCESS").exists():
         tmp = folder.with_name(folder.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        summary = make(tmp)
-        (tmp / "_SUCCESS").write_text(json.dumps(summary, indent=1, default=str))
-        with contextlib.suppress(OSError):  # ENOTEMPTY: another run's folder took the name first
-            os.replace(tmp, folder)
+        try:
+            summary = make(tmp)
+            (tmp / "_SUCCESS").write_text(json.dumps(summary, indent=1, default=str))
+            with contextlib.suppress(OSError):  # ENOTEMPTY: another run's folder took the name first
+                os.replace(tmp, folder)
+        except ValueError as e:  # raised after the barrier: the node's other ranks must not wait on it
+            failure = e
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier(group=side_group())
+    if failure is not None:
+        raise failure
+    if not (folder / "_SUCCESS").exists():
+        raise ValueError(f"{folder} was not made: this node's local rank 0 failed to make it (its error is in "
+                         "its output)")
     return folder
 
 

@@ -43,12 +43,12 @@ class ReaderOptions:
                     seed: int = 0, num_epochs: int = 0, pin_memory: bool = False, holdout_fraction: float = 0.0,
                     holdout: bool = False) -> ReaderOptions:
         """The options of a reader of `data`'s files. Training shuffles as `data` says and leaves out
-        every row group's data.valid_fraction (the validation split); `seed`, `num_epochs` and
+        every row group's share of the validation split (data.row_group_holdout); `seed`, `num_epochs` and
         `pin_memory` are its own. Evaluation reads every row of its split once, in file order
         (`holdout_fraction`, `holdout`: the split's, as ModelSelection.split gives them)."""
         common = {"batch_size": batch_size, "rank": rank, "world_size": world_size,
                   "retry_seconds": data.retry_seconds, "retry_attempts": data.retry_attempts}
         if training:
             return cls(**common, shuffle=data.shuffle, shuffle_buffer=data.shuffle_buffer, seed=seed,
-                       num_epochs=num_epochs, holdout_fraction=data.valid_fraction, pin_memory=pin_memory)
+                       num_epochs=num_epochs, holdout_fraction=data.row_group_holdout, pin_memory=pin_memory)
         return cls(**common, shuffle=False, drop_last=False, holdout_fraction=holdout_fraction, holdout=holdout)

@@ -59,7 +59,7 @@ class TimeGaps:
         """The checks of `encode` alone, nothing dropped or counted (a served model's inputs:
         trainer/serving/predict.py)."""
         if self.features:
-            _request_times(table.column(self.time_column), where, self.time_column)
+            request_times(table.column(self.time_column), where, self.time_column)
             for f in self.features:
                 _timestamps(table, f, where)
 
@@ -69,7 +69,7 @@ class TimeGaps:
         those after the request time left out, where it has any (the ids to encode in its place)."""
         if not self.features:
             return {}, []
-        now = _request_times(table.column(self.time_column), where, self.time_column)
+        now = request_times(table.column(self.time_column), where, self.time_column)
         ids, out = {}, []
         for f in self.features:
             stamps, lengths = _timestamps(table, f, where)
@@ -123,7 +123,8 @@ def _timestamps(table: pa.Table, f: FeatureSpec, where: str) -> tuple[np.ndarray
     return _in_range(flat.to_numpy(zero_copy_only=False), n_stamps, where, f.timestamps, "timestamp"), n_stamps
 
 
-def _request_times(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
+def request_times(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
+    """The request times of `column` [rows] as int64, checked: no null, each within the range."""
     if column.null_count:
         row = int(np.flatnonzero(np.asarray(column.is_null()))[0])
         raise ValueError(f"{where}, column {name!r}: null request time at row {row}")

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trainer.data.time_split import time_cut
+
 __all__ = ["convert_movielens", "SCHEMA"]
 
 SCHEMA = pa.schema(
@@ -111,7 +113,8 @@ def convert_movielens(
     item_rows = _rows_of(inter.item, items.ids, "item_id", paths["inter"])
 
     table = _build_table(inter, users, items, user_rows, item_rows, history_len)
-    cut = _time_cut(inter.ts, valid_fraction)
+    # the first timestamp at or above the (1 - valid_fraction) quantile: rows at or after it are validation
+    cut = time_cut(inter.ts, 1.0 - valid_fraction, f"valid_fraction={valid_fraction}")
     # Sorting by (timestamp, user, item) keeps the output deterministic when timestamps tie.
     order = np.lexsort((inter.item, inter.user, inter.ts))
     in_valid = inter.ts[order] >= cut
@@ -322,16 +325,6 @@ def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndar
     }
     arrays = [c if isinstance(c, pa.Array) else pa.array(c, f.type) for f, c in zip(SCHEMA, columns.values())]
     return pa.Table.from_arrays(arrays, schema=SCHEMA)
-
-
-def _time_cut(ts: np.ndarray, valid_fraction: float) -> int:
-    """The first timestamp at or above the (1 - valid_fraction) quantile: rows at or after it are validation."""
-    ordered = np.sort(ts)
-    # Rounding up to a real timestamp keeps ties together on the valid side without overshooting the fraction.
-    k = int(np.searchsorted(ordered, np.quantile(ordered, 1.0 - valid_fraction), side="left"))
-    if k == 0 or k == ordered.size:
-        raise ValueError(f"valid_fraction={valid_fraction} leaves a split empty: too few distinct timestamps")
-    return int(ordered[k])
 
 
 def _write_split(table: pa.Table, folder: Path, parts: int, row_group_size: int) -> list[Path]:
