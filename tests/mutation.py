@@ -162,7 +162,7 @@ MODULES = {
         "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
         "future",)),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
-        "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown")),
+        "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown", "protocol")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
     "doctor": Target("launch/doctor.py", ("tests/test_doctor_unit.py",
                                           "tests/test_doctor.py::test_mismatches_are_named"),
@@ -285,6 +285,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.checkpoint.safe_load.x_tiling_error", "grid[tuple(slice(lo, hi) for lo, hi in span)] = 1",
      "the grid is built only when the chunks cover as many cells as it has: a cell in two chunks leaves "
      "another in none, which fails the check as well"),
+    ("launch.study.x_protocol",
+     'return [entry for entry in PROTOCOL if RIVALS.get(entry.rpartition("=")[0]) not in given]',
+     "each PROTOCOL entry holds one '='"),
     # time_split
     ("trainer.data.time_split.x__times", "values = parquet.read(columns=None).column(column)",
      "every column read, the time column taken: the same values"),

@@ -92,8 +92,9 @@ def test_tiny_study_pairs_every_run_with_the_better_baseline_and_the_reference(t
             assert float(r[f"vs_{name}_std"]) == pytest.approx(diffs.std(ddof=1))
     # the protocol reached every run, after it the user's --set
     point = json.loads((out / "mlp" / "base" / "seed-1" / "sweep_point.json").read_text())
-    assert point["overrides"][:len(PROTOCOL) + 1] == [f"--{s}" for s in PROTOCOL] + [
-        f"--data.cache_dir={tmp_path / 'cache'}"]
+    # (the user's metrics.valid_every takes the place of the protocol's valid_every_epochs)
+    kept = [s for s in PROTOCOL if not s.startswith("metrics.valid_every_epochs=")]
+    assert point["overrides"][:len(kept) + 1] == [f"--{s}" for s in kept] + [f"--data.cache_dir={tmp_path / 'cache'}"]
     table = (out / "study.md").read_text()
     assert f"AUC - better baseline ({better[0]} [{better[1]}])" in table and "| logreg | - |" in table
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from launch.study import Row, better_baseline, markdown, paired, rows_of, table
+from launch.study import PROTOCOL, Row, better_baseline, markdown, paired, protocol, rows_of, table
 from launch.sweep import Point
 
 
@@ -141,3 +141,14 @@ def test_the_markdown_table_without_a_baseline_or_reference():
     assert lines[0].endswith("| epochs to best | AUC - better baseline | AUC - reference |")
     assert lines[2].endswith("| 3.0 ± 0.0 | - | - |")
     assert markdown([], None, None).splitlines()[-1].startswith("Mean ± sample standard deviation over 0 seed(s);")
+
+
+def test_the_protocol_validates_four_times_an_epoch_unless_the_user_sets_the_schedule():
+    assert protocol([]) == list(PROTOCOL)
+    assert "metrics.valid_every_epochs=0.25" in PROTOCOL and "train.early_stopping_patience=4" in PROTOCOL
+    # the user's steps replace the protocol's share of an epoch (a run takes one of the two), and the other way
+    assert protocol(["metrics.valid_every=50"]) == [p for p in PROTOCOL if not p.startswith("metrics.valid_every_")]
+    assert protocol([" metrics.valid_every_epochs = 0.5"]) == list(PROTOCOL)  # the same key: later wins
+    assert protocol(["train.epochs=3", "data.split=time"]) == list(PROTOCOL)
+    # the key is what comes before the first '=' (a value may hold more)
+    assert "metrics.valid_every_epochs=0.25" not in protocol(["metrics.valid_every=x=y"])
