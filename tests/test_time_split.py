@@ -5,6 +5,7 @@ files, against a split computed here with numpy; and a two-rank run that trains 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli import rankmix_ranks
+from test_lifecycle import signalled
 from trainer.config import DataConfig
 from trainer.config_loader import load_config
 from trainer.data.time_split import cache_key, input_digests, time_cut, write_time_split
@@ -200,3 +202,32 @@ def test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the
     assert again.returncode == 0, again.stderr[-3000:]
     assert [folder] == list((tmp_path / "cache").glob("time-split-*"))
     assert mtimes == sorted(p.stat().st_mtime_ns for p in folder.rglob("*.parquet"))
+
+
+def test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_unbroken_one(tmp_path):
+    """The split's folder is deleted between the stop and the resume: the split is made again
+    from the same log, byte for byte (the resume checks every training file's sha256), and the
+    resumed run's losses and validations equal the unbroken run's."""
+    args = [f"--config={REPO / 'configs' / 'sequence.toml'}", "--data.synth_rows=4000", "--data.split=time",
+            "--data.valid_fraction=0.2", f"--data.cache_dir={tmp_path / 'cache'}", "--train.epochs=2",
+            "--data.batch_size=64", "--metrics.valid_every=10", "--metrics.progress=false", "--metrics.log_every=1",
+            "--metrics.tensorboard=false", "--checkpoint.interval=5"]
+
+    def records(run, kind):
+        return [{k: v for k, v in r.items() if k != "time"}
+                for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+    whole = rankmix_ranks(1, *args, f"--train.run_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    folder, = (tmp_path / "cache").glob("time-split-*")
+    digests = {p.name: p.read_bytes() for p in folder.rglob("*.parquet")}
+    stopped, _ = signalled(1, tmp_path / "resumed", [*args, f"--train.run_dir={tmp_path / 'resumed'}"], after_step=23)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    shutil.rmtree(folder)
+    resumed = rankmix_ranks(1, *args, f"--train.run_dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in folder.rglob("*.parquet")} == digests
+    assert records(tmp_path / "resumed", "valid") == records(tmp_path / "whole", "valid")
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    assert {r["step"]: r["loss"] for r in records(tmp_path / "resumed", "train")} == losses
+    assert len(records(tmp_path / "whole", "valid")) >= 4
