@@ -64,7 +64,8 @@ class DataConfig:
     ("""given (train_path trains, eval_path tests) | time (their rows are one log, cut by time_column at """
      """split_at: the past trains, the future tests; trainer/data/time_split.py).""")
     split_at: float = 0.8
-    """split=time: where the log is cut: a share of its rows in time order (0 < x < 1), or a time (>= 1, seconds)."""
+    ("""split=time: where the log is cut: a share of its rows in time order (0 < x < 1), or a time in the """
+     """column's unit (>= 1; read as a float, so exact below 2^53).""")
     batch_size: int = 512
     """Rows per step on each rank; the global batch is batch_size x world size."""
     global_batch_size: int = 0
