@@ -198,9 +198,11 @@ def dense_activations(cfg: Config, model: nn.Module, width: int, batch: int, dev
 
 def rmsprop_temporaries(cfg: Config, model: nn.Module) -> int:
     """Bytes of the parameter-sized tensors torch's foreach RMSProp makes within its step: the
-    square average's root, and the gradient plus the decayed weight when optim.weight_decay is set."""
+    square average's root, and the gradient plus the decayed weight when a weight decay is set
+    (optim.weight_decay or a part's: counted for every parameter, an upper bound)."""
     params = sum(p.numel() for p in model.parameters()) * 4
-    return params * (1 + (cfg.optim.weight_decay > 0))
+    o = cfg.optim
+    return params * (1 + (max(o.weight_decay, o.tokenizer_weight_decay, o.sequence_weight_decay) > 0))
 
 
 def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params: int, device: str,

@@ -206,7 +206,11 @@ class OptimConfig:
     momentum: float = 0.0
     """RMSProp momentum."""
     weight_decay: float = 0.0
-    """L2 penalty on dense weights."""
+    """L2 penalty on the dense weights (the tokenizer's and the sequence modules' too, unless set apart below)."""
+    tokenizer_weight_decay: float = -1.0
+    """L2 penalty on a token tower's tokenizer (-1: optim.weight_decay)."""
+    sequence_weight_decay: float = -1.0
+    """L2 penalty on the sequence modules (-1: optim.weight_decay)."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over this many steps."""
     dense_warmup_steps: int = 300

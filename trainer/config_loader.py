@@ -316,6 +316,12 @@ def validate(cfg: Config) -> None:
     if cfg.metrics.valid_every_epochs and cfg.metrics.valid_every:
         raise ValueError("metrics.valid_every and metrics.valid_every_epochs are both set: give the schedule one way")
     _validate_split(cfg.data)
+    o = cfg.optim
+    for key, value in (("weight_decay", o.weight_decay), ("tokenizer_weight_decay", o.tokenizer_weight_decay),
+                       ("sequence_weight_decay", o.sequence_weight_decay)):
+        if not (value >= 0 or (value == -1 and key != "weight_decay")):
+            unset = "" if key == "weight_decay" else " (or -1: optim.weight_decay)"
+            raise ValueError(f"optim.{key}={value:g} must be >= 0{unset}")
     _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")

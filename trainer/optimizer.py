@@ -7,6 +7,7 @@ The sparse tables are updated inside the backward pass by FBGEMM's fused Adagrad
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -22,26 +23,46 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> tuple[CombinedOptimizer
                                                                list[nn.Parameter]]:
     """(the combined optimizer, the dense one, the dense parameters) of a sharded model."""
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    decay = {id(p): d for name, p in dense.items() if (d := weight_decay_of(name, o)) != o.weight_decay}
     # foreach on every device (torch picks it only on CUDA): one kernel per stage for all
     # tensors instead of a Python loop over them, a tenth of a small model's CPU step.
     dense_optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
-        lr_groups(model, params, o.lr), lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
+        lr_groups(model, params, o.lr, decay), lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
         weight_decay=o.weight_decay, foreach=True))
     # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense_optimizer)])
     return combined, dense_optimizer, list(dense.values())
 
 
-def lr_groups(model: nn.Module, params: list[torch.Tensor], lr: float) -> list[dict]:
+# The dense parameters that optim.<part>_weight_decay sets apart, by their names in the model
+# (dense/tokenizer.py under a token tower; RankingModel.sequences), whatever wraps the model.
+DECAY_PARTS = {"tokenizer": re.compile(r"(^|\.)tower\.tokenizer\."), "sequence": re.compile(r"(^|\.)sequences\.")}
+
+
+def weight_decay_of(name: str, o: OptimConfig) -> float:
+    """The weight decay of the dense parameter `name`: its part's where set (>= 0), else optim.weight_decay."""
+    for part, pattern in DECAY_PARTS.items():
+        own = getattr(o, f"{part}_weight_decay")
+        if own >= 0 and pattern.search(name):
+            return own
+    return o.weight_decay
+
+
+def lr_groups(model: nn.Module, params: list[torch.Tensor], lr: float,
+              decay: dict[int, float] | None = None) -> list[dict]:
     """`params` as RMSProp's parameter groups: one at `lr`, then one per learning-rate multiple
-    that a `ScaledLearningRate` module of `model` asks for its own parameters (none when no
-    module asks: the groups, and so checkpoints, of other models stay as they were)."""
+    that a `ScaledLearningRate` module of `model` asks for its own parameters and per weight
+    decay of `decay` (id -> decay, for the parameters whose decay is not the optimizer's); none
+    when no module asks and no decay differs: the groups, and so checkpoints, of other models
+    and configs stay as they were."""
     mult = {id(p): m.lr_mult for m in model.modules() if isinstance(m, ScaledLearningRate)
             for p in m.parameters(recurse=False)}
-    groups: dict[float, list[torch.Tensor]] = {1.0: []}
+    decay = decay or {}
+    groups: dict[tuple[float, float | None], list[torch.Tensor]] = {(1.0, None): []}
     for p in params:
-        groups.setdefault(mult.get(id(p), 1.0), []).append(p)
-    return [{"params": group, "lr": lr * m} for m, group in groups.items() if group or m == 1.0]
+        groups.setdefault((mult.get(id(p), 1.0), decay.get(id(p))), []).append(p)
+    return [{"params": group, "lr": lr * m, **({} if d is None else {"weight_decay": d})}
+            for (m, d), group in groups.items() if group or (m, d) == (1.0, None)]
 
 
 def warmups(optimizer: CombinedOptimizer, sparse_groups: int, o: OptimConfig) -> list[Callable[[int], float]]:
