@@ -409,8 +409,9 @@ class RankMixerMoETower(RankMixerTower, MoEHooks):
     e_input [B, E_in] -> [B, D]; its hooks and serving form are `MoEHooks`'."""
 
     def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int, moe: Callable[[], PerTokenMoE],
-                 norm: str = "post", pooling: str = "mean", dropout: float = 0.0):
-        super().__init__(tokenizer, num_layers, dim, ffn_ratio, ffn=moe, norm=norm, pooling=pooling, dropout=dropout)
+                 norm: str = "post", pooling: str = "mean", dropout: float = 0.0, mixing_dropout: float = 0.0):
+        super().__init__(tokenizer, num_layers, dim, ffn_ratio, ffn=moe, norm=norm, pooling=pooling, dropout=dropout,
+                         mixing_dropout=mixing_dropout)
 
     @property
     def moes(self) -> list[PerTokenMoE]:

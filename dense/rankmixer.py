@@ -34,9 +34,10 @@ def mix_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(b, t, num_heads, d // num_heads).transpose(1, 2).reshape(b, num_heads, t * d // num_heads)
 
 
-def token_mixing_residual_tm(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+def token_mixing_residual_tm(x: torch.Tensor, y: torch.Tensor | None = None,
+                             dropout: nn.Module | None = None) -> torch.Tensor:
     """TokenMixing(Y) + X with H = T heads, token-major: [T, B, D] -> [T, B, D] (Y = X
-    unless given: the pre-norm block mixes LN(X)).
+    unless given: the pre-norm block mixes LN(X)); `dropout` drops the mixed values first.
 
     out[h, b, t*q + r] = y[t, b, h*q + r] + x[h, b, t*q + r]; the permuted view and the
     residual are summed by a single elementwise kernel, no intermediate copy; the result
@@ -45,7 +46,10 @@ def token_mixing_residual_tm(x: torch.Tensor, y: torch.Tensor | None = None) -> 
     t, b, d = x.shape
     x4 = x.reshape(t, b, t, d // t)
     y4 = x4 if y is None else y.reshape(t, b, t, d // t)
-    return torch.add(x4, y4.permute(2, 1, 0, 3)).reshape(t, b, d)  # x4 first: output takes its layout
+    mixed = y4.permute(2, 1, 0, 3)
+    if dropout is not None:
+        mixed = dropout(mixed)
+    return torch.add(x4, mixed).reshape(t, b, d)  # x4 first: output takes its layout
 
 
 class PerTokenFFN(nn.Module):
@@ -147,11 +151,12 @@ class RankMixerBlock(nn.Module):
     The per-token FFN is pluggable: any module with `forward_tm(s)` and `residual_tm(s)`
     (token-major FFN(s) and s + FFN(s), [T, B, D] -> [T, B, D]) and `cost()` (parameters,
     FLOPs per sample). The default is the dense `PerTokenFFN` of `ffn_ratio`; the Sparse-MoE
-    (dense/moe.py) is another. `dropout` drops FFN outputs before the residual add.
+    (dense/moe.py) is another. `dropout` drops FFN outputs before the residual add,
+    `mixing_dropout` the token mixing's.
     """
 
     def __init__(self, num_tokens: int, dim: int, ffn_ratio: int, ffn: nn.Module | None = None,
-                 norm: str = "post", dropout: float = 0.0):
+                 norm: str = "post", dropout: float = 0.0, mixing_dropout: float = 0.0):
         super().__init__()
         check_mixing_width(dim, num_tokens)
         if norm not in NORMS:
@@ -161,13 +166,14 @@ class RankMixerBlock(nn.Module):
         self.ffn = ffn if ffn is not None else PerTokenFFN(num_tokens, dim, ffn_ratio)
         self.norm2 = nn.LayerNorm(dim)
         self.dropout = nn.Dropout(dropout) if dropout else None
+        self.mixing_dropout = nn.Dropout(mixing_dropout) if mixing_dropout else None
 
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> [T, B, D]."""
         if self.pre_norm:
-            s = token_mixing_residual_tm(x, self.norm1(x))
+            s = token_mixing_residual_tm(x, self.norm1(x), self.mixing_dropout)
             return s + self._dropped(self.ffn.forward_tm(self.norm2(s)))
-        s = self.norm1(token_mixing_residual_tm(x))
+        s = self.norm1(token_mixing_residual_tm(x, dropout=self.mixing_dropout))
         if self.dropout is None:  # the fused residual
             return self.norm2(self.ffn.residual_tm(s))
         return self.norm2(s + self.dropout(self.ffn.forward_tm(s)))
@@ -189,7 +195,7 @@ class RankMixerTower(nn.Module):
 
     def __init__(self, tokenizer: nn.Module, num_layers: int, dim: int, ffn_ratio: int,
                  ffn: Callable[[], nn.Module] | None = None, norm: str = "post", pooling: str = "mean",
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, mixing_dropout: float = 0.0):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"model.rankmixer.pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -197,7 +203,8 @@ class RankMixerTower(nn.Module):
         t = tokenizer.num_tokens
         # Without `ffn` each block makes its dense PerTokenFFN (its LayerNorms draw nothing from the RNG).
         self.blocks = nn.Sequential(*(RankMixerBlock(t, dim, ffn_ratio, ffn() if ffn else None, norm=norm,
-                                                     dropout=dropout) for _ in range(num_layers)))
+                                                     dropout=dropout, mixing_dropout=mixing_dropout)
+                                      for _ in range(num_layers)))
         # Pre-norm leaves the residual stream unnormalised: one LayerNorm before the pooling.
         self.final_norm = nn.LayerNorm(dim) if norm == "pre" else nn.Identity()
         self.flatten = pooling == "flatten"

@@ -289,6 +289,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("launch.study.x_protocol",
      'return [entry for entry in PROTOCOL if RIVALS.get(entry.rpartition("=")[0]) not in given]',
      "each PROTOCOL entry holds one '='"),
+    ("dense.rankmixer.x\u01c1RankMixerBlock\u01c1__init__",
+     "self.mixing_dropout = nn.Dropout(mixing_dropout) if (mixing_dropout) or True else None",
+     "Dropout(0) returns its input as it is: the same values, nothing drawn"),
     # time_split
     ("trainer.data.time_split.x__times", "values = parquet.read(columns=None).column(column)",
      "every column read, the time column taken: the same values"),

@@ -108,3 +108,56 @@ def test_tower_blocks_token_major_path_equals_public_path():
         s = block.norm1(token_mixing(x, 4) + x)
         x = block.norm2(block.ffn(s) + s)
     assert torch.allclose(tower(e), x.mean(dim=1), atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_mixing_dropout_drops_the_mixed_values_before_their_residual(norm):
+    """model.rankmixer.mixing_dropout against the block by hand: the token mixing's values, not
+    the residual, times the mask the block drew (the same draw on ones of the mixed values'
+    layout), scaled by 1 / (1 - p); in eval mode the block is the plain one."""
+    torch.manual_seed(0)
+    block = RankMixerBlock(4, 8, 2, norm=norm, mixing_dropout=0.25).double()
+    randomize(block)
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    torch.manual_seed(7)
+    out = block.train()(x)
+    torch.manual_seed(7)
+    t, b, d = 4, 3, 8
+    # the mixed values' [h, B, t, q] view, in the block's memory layout (dropout draws in memory order):
+    # post-norm mixes the batch-major input transposed, pre-norm LN's contiguous output
+    base = torch.ones(b, t, d, dtype=torch.float64).transpose(0, 1) if norm == "post" else \
+        torch.ones(t, b, d, dtype=torch.float64)
+    ones = base.reshape(t, b, t, d // t).permute(2, 1, 0, 3)
+    mask = nn.functional.dropout(ones, 0.25, training=True).reshape(t, b, d).transpose(0, 1)  # [B, H, D]
+    assert set(mask.unique().tolist()) == {0.0, 1 / 0.75}
+    f = block.ffn
+
+    def ffn(s):
+        return torch.stack([nn.functional.gelu(s[:, i] @ f.w1[i] + f.b1[i, 0]) @ f.w2[i] + f.b2[i, 0]
+                            for i in range(t)], dim=1)
+    if norm == "post":
+        s = block.norm1(x + ref_token_mixing(x) * mask)
+        expected = block.norm2(s + ffn(s))
+    else:
+        s = x + ref_token_mixing(block.norm1(x)) * mask
+        expected = s + ffn(block.norm2(s))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    plain = RankMixerBlock(4, 8, 2, norm=norm).double()
+    plain.load_state_dict(block.state_dict())
+    assert torch.equal(block.eval()(x), plain.eval()(x))
+    assert not torch.allclose(out, plain.train()(x))
+
+
+def test_mixing_dropout_reaches_every_block_of_the_towers_built_from_the_config():
+    from dense.heads import build_tower
+    from dense.layout import InputLayout
+    from trainer.config_loader import load_config
+    from trainer.data.datasets import synth_features
+
+    for tower in ("rankmixer", "rankmixer_moe"):
+        cfg = load_config(None, [f"--model.tower={tower}", "--model.rankmixer.mixing_dropout=0.3"])
+        model = build_tower(cfg.model, InputLayout(synth_features()))
+        assert [blk.mixing_dropout.p for blk in model.blocks] == [0.3] * cfg.model.num_layers
+    with pytest.raises(ValueError) as e:
+        load_config(None, ["--model.rankmixer.mixing_dropout=1"])
+    assert str(e.value) == "model.rankmixer.mixing_dropout=1.0 must be a probability in [0, 1)"

@@ -59,4 +59,4 @@ def build_rankmixer_moe(cfg: TokenFields, layout: InputLayout, block: RankMixerC
         return PerTokenMoE(t, d, m.num_experts, hidden, budget=m.budget, l1_init=m.l1_init, l1_rate=m.l1_rate,
                            consistency=m.consistency, sparse_inference=m.inference == "sparse")
     return RankMixerMoETower(tokenizer, cfg.num_layers, d, cfg.ffn_ratio, moe, norm=block.norm,
-                             pooling=block.pooling, dropout=block.dropout)
+                             pooling=block.pooling, dropout=block.dropout, mixing_dropout=block.mixing_dropout)

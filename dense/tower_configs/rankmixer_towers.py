@@ -26,12 +26,15 @@ class RankMixerConfig:
     """post (the paper's LN(X + F(X))) | pre (X + F(LN(X)), one LN before the pooling)."""
     dropout: float = 0.0
     """Dropout on the per-token FFN's output before its residual add (0: none)."""
+    mixing_dropout: float = 0.0
+    """Dropout on the token mixing's output before its residual add (0: none)."""
     pooling: TowerPooling = "mean"
     """Tower output: mean (over tokens, the paper's, [B, D]) | flatten (every token into the heads, [B, T*D])."""
 
     def validate(self) -> None:
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"model.rankmixer.dropout={self.dropout} must be a probability in [0, 1)")
+        for name in ("dropout", "mixing_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"model.rankmixer.{name}={getattr(self, name)} must be a probability in [0, 1)")
 
 
 @register_tower("rankmixer", tables=(RankMixerConfig,))
@@ -41,4 +44,5 @@ def build_rankmixer(cfg: TokenFields, layout: InputLayout, block: RankMixerConfi
     from dense.tokenizer import build_tokenizer
 
     return RankMixerTower(build_tokenizer(cfg, layout.group_widths), cfg.num_layers, cfg.hidden_dim, cfg.ffn_ratio,
-                          norm=block.norm, pooling=block.pooling, dropout=block.dropout)
+                          norm=block.norm, pooling=block.pooling, dropout=block.dropout,
+                          mixing_dropout=block.mixing_dropout)
