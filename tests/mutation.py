@@ -162,6 +162,11 @@ MODULES = {
         "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
         "future", "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
                   "unbroken_one")),
+    # where a log is cut in time (data.split=time's cuts, the MovieLens converter's validation cut)
+    "time_cut": Target("trainer/offline/time_cut.py", ("tests/test_time_split.py",), deselect=(
+        "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
+        "future", "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
+                  "unbroken_one")),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown", "protocol")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`
@@ -208,6 +213,7 @@ RUNS: tuple[tuple[str, ...], ...] = (
     ("plan_host", "cost"),
     ("partitions", "progressive", "lakehouse"),
     ("safe_load", "run_folder", "run_layout", "csvlog_markers"),
+    ("time_split", "time_cut"),
     ("metrics", "calibration", "streaming"),
     ("study", "doctor", "dist"),
 )
@@ -295,7 +301,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # time_split
     ("trainer.data.time_split.x__times", "values = parquet.read(columns=None).column(column)",
      "every column read, the time column taken: the same values"),
-    ("trainer.data.time_split.x_time_cut",
+    ("trainer.offline.time_cut.x_time_cut",
      'k = int(np.searchsorted(ordered, np.quantile(ordered, share), )) if ordered.size else 0',
      "searchsorted's side is 'left' by default"),
     # run_folder

@@ -17,7 +17,8 @@ from cli import rankmix_ranks
 from test_lifecycle import signalled
 from trainer.config import DataConfig
 from trainer.config_loader import load_config
-from trainer.data.time_split import cache_key, input_digests, time_cut, write_time_split
+from trainer.data.time_split import cache_key, input_digests, write_time_split
+from trainer.offline.time_cut import time_cut
 
 REPO = Path(__file__).resolve().parents[1]
 

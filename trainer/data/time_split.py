@@ -31,21 +31,10 @@ from trainer.config import DataConfig
 from trainer.data.identity import file_digest
 from trainer.data.store import Store, reason, resolve
 from trainer.data.timestamps import request_times
+from trainer.offline.time_cut import time_cut
 
 SPLITS = ("train", "valid", "test")
 VERSION = "v1"  # of the files written: bump when they change, or runs read an older split from the cache
-
-
-def time_cut(times: np.ndarray, share: float, option: str) -> int:
-    """The first time at or above the `share` quantile of `times` [N]: rows before it are the
-    earlier part. Rounding up to a time in the log keeps rows of one time together, on the
-    later side. A cut that leaves either side empty is a ValueError naming `option` ("key=value")."""
-    ordered = np.sort(times)
-    k = int(np.searchsorted(ordered, np.quantile(ordered, share), side="left")) if ordered.size else 0
-    if k == 0 or k == ordered.size:
-        raise ValueError(f"{option} leaves a split empty: {ordered.size} rows, "
-                         f"{np.unique(ordered).size} distinct times")
-    return int(ordered[k])
 
 
 def cache_key(inputs: list[str], data: DataConfig) -> str:

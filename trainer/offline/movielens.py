@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainer.data.time_split import time_cut
+from trainer.offline.time_cut import time_cut
 
 __all__ = ["convert_movielens", "SCHEMA"]
 
