@@ -107,3 +107,13 @@ def test_measuring_the_peak_draws_nothing_from_the_runs_seeded_generator():
     before = torch.get_rng_state()
     assert peak_flops(torch.device("cpu")) > 0
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("part", ["tokenizer", "sequence"])
+def test_a_parts_own_weight_decay_is_planned_as_a_decayed_step(part):
+    """A decay set apart for one part makes RMSProp add the decayed weight to that part's
+    gradients: the plan counts the temporary for every parameter (an upper bound)."""
+    model = mlp()
+    plain = rmsprop_temporaries(load_config(None, []), model)
+    assert rmsprop_temporaries(load_config(None, [f"--optim.{part}_weight_decay=0.01"]), model) == 2 * plain
+    assert rmsprop_temporaries(load_config(None, [f"--optim.{part}_weight_decay=0"]), model) == plain
