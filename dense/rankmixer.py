@@ -171,7 +171,7 @@ class RankMixerBlock(nn.Module):
     def forward_tm(self, x: torch.Tensor) -> torch.Tensor:
         """Token-major [T, B, D] -> [T, B, D]."""
         if self.pre_norm:
-            s = token_mixing_residual_tm(x, self.norm1(x), self.mixing_dropout)
+            s = token_mixing_residual_tm(x, self.norm1(x), dropout=self.mixing_dropout)
             return s + self._dropped(self.ffn.forward_tm(self.norm2(s)))
         s = self.norm1(token_mixing_residual_tm(x, dropout=self.mixing_dropout))
         if self.dropout is None:  # the fused residual

@@ -74,6 +74,11 @@ def _mangled(function: str) -> str:
 _FOUR_RANKS = ("tests/test_elastic_resume.py::test_four_ranks_stopped_mid_epoch_resume_on_two_then_three_and_train_"
                "every_row_once",
                "tests/test_elastic_resume.py::test_a_partition_stopped_at_four_ranks_resumes_on_two_and_the_next_follows")
+# the runs that train on a split in time: other processes, which no mutant reaches
+_TIME_SPLIT_RUNS = ("tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_"
+                    "on_the_future",
+                    "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
+                    "unbroken_one")
 _READER_TESTS = ("tests/test_reader.py", "tests/test_reader_balance.py", "tests/test_reader_assignment.py",
                  "tests/test_elastic_resume.py", "tests/test_reader_bounded.py")
 
@@ -158,15 +163,9 @@ MODULES = {
     "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py")),
     "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py",)),
     # data.split=time's cut and files, on logs written in-process (not the runs that train on it)
-    "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=(
-        "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
-        "future", "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
-                  "unbroken_one")),
+    "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
     # where a log is cut in time (data.split=time's cuts, the MovieLens converter's validation cut)
-    "time_cut": Target("trainer/offline/time_cut.py", ("tests/test_time_split.py",), deselect=(
-        "tests/test_time_split.py::test_two_ranks_train_on_the_past_validate_on_its_latest_rows_and_test_on_the_"
-        "future", "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
-                  "unbroken_one")),
+    "time_cut": Target("trainer/offline/time_cut.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
     "study": Target("launch/study.py", ("tests/test_study_unit.py",), (
         "Row.values", "Row.mean_std", "paired", "rows_of", "better_baseline", "table", "markdown", "protocol")),
     # the verdict on given facts, not the probing; test_doctor.py's other tests run `rankmix doctor`

@@ -83,6 +83,13 @@ def test_a_cut_at_a_time_keeps_that_time_on_the_test_side(tmp_path):
     assert _split_rows(tmp_path / "out", "test").tolist() == [2, 3, 4, 5, 6]
 
 
+def test_a_cut_at_the_last_time_leaves_its_rows_alone_to_test(tmp_path):
+    data = DataConfig(time_column="ts", split="time", split_at=9)
+    summary = write_time_split(tmp_path / "out", _log(tmp_path / "log", [np.array([9, 5, 9, 7])]), data)
+    assert summary["rows"] == {"train": 2, "valid": 0, "test": 2}
+    assert _split_rows(tmp_path / "out", "test").tolist() == [0, 2]
+
+
 def test_a_cut_at_the_first_second_is_a_time_not_a_share(tmp_path):
     data = DataConfig(time_column="ts", split="time", split_at=1)
     summary = write_time_split(tmp_path / "out", _log(tmp_path / "log", [np.array([0, 1, 2])]), data)
@@ -109,6 +116,10 @@ def test_the_cache_key_follows_the_bytes_the_column_and_the_cuts(tmp_path):
      "data.split_at=0.5 leaves a split empty: 0 rows, 0 distinct times"),
     ([np.array([3, 4, 5])], DataConfig(time_column="ts", split="time", split_at=100),
      "data.split_at=100 leaves a split empty: of 3 rows, 3 are before it (ts from 3 to 5)"),
+    ([np.array([3, 4, 5])], DataConfig(time_column="ts", split="time", split_at=3),
+     "data.split_at=3 leaves a split empty: of 3 rows, 0 are before it (ts from 3 to 5)"),
+    ([np.array([], np.int64)], DataConfig(time_column="ts", split="time", split_at=3),
+     "data.split_at=3 leaves a split empty: of 0 rows, 0 are before it (no rows)"),
     ([np.array([2, 2, 2, 5])], DataConfig(time_column="ts", split="time", split_at=0.9, valid_fraction=0.2),
      "data.valid_fraction=0.2 leaves a split empty: 3 rows, 1 distinct times"),
 ])
@@ -156,11 +167,11 @@ def test_time_cut_rounds_up_to_a_time_of_the_log():
     (["--data.split=time"], "data.split=time cuts the log by data.time_column, which is empty: name the column "
                             "of each row's time (integer seconds)"),
     (["--data.split=time", "--data.time_column=t", "--data.split_at=1.5"],
-     "data.split_at=1.5 must be a share of the rows (0 < x < 1) or a time in whole seconds (>= 1)"),
+     "data.split_at=1.5 must be a share of the rows (0 < x < 1) or a whole time in the column's unit (>= 1)"),
     (["--data.split=time", "--data.time_column=t", "--data.split_at=0"],
-     "data.split_at=0 must be a share of the rows (0 < x < 1) or a time in whole seconds (>= 1)"),
+     "data.split_at=0 must be a share of the rows (0 < x < 1) or a whole time in the column's unit (>= 1)"),
     (["--data.split=time", "--data.time_column=t", "--data.split_at=nan"],
-     "data.split_at=nan must be a share of the rows (0 < x < 1) or a time in whole seconds (>= 1)"),
+     "data.split_at=nan must be a share of the rows (0 < x < 1) or a whole time in the column's unit (>= 1)"),
     (["--data.split=time", "--data.time_column=t", "--data.valid_path=v"],
      "data.split=time makes the validation split from the log (data.valid_fraction): data.valid_path must be "
      "empty"),

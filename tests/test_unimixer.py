@@ -261,16 +261,16 @@ def test_default_width_spends_rankmixers_flops(tower, layers, ffn_ratio):
 
 
 def test_mixing_parameters_get_their_own_learning_rate():
-    from trainer.optimizer import lr_groups
+    from trainer.optimizer import param_groups
 
     cfg = ModelConfig(tower="unimixer_lite", num_tokens=4, hidden_dim=8, unimixer=UniMixerConfig(mixing_lr_mult=7.0))
     model = build_tower(cfg, InputLayout(synth_features()))
-    groups = lr_groups(model, list(model.parameters()), 0.002)
+    groups = param_groups(model, list(model.parameters()), 0.002)
     mixing = {id(p) for layer in model.layers for p in layer.block.mixing.parameters(recurse=False)}  # not its norm
     assert [g["lr"] for g in groups] == [0.002, pytest.approx(0.014)]
     assert {id(p) for p in groups[1]["params"]} == mixing and len(mixing) == 2 * 4
     plain = build_tower(ModelConfig(num_tokens=4, hidden_dim=8), InputLayout(synth_features()))
-    assert [g["lr"] for g in lr_groups(plain, list(plain.parameters()), 0.002)] == [0.002]
+    assert [g["lr"] for g in param_groups(plain, list(plain.parameters()), 0.002)] == [0.002]
 
 
 def test_unimixer_moe_routes_and_counts_as_rankmixers_moe():

@@ -16,7 +16,7 @@ from torch import nn
 from cli import rendezvous_port, spawn
 from trainer.config import OptimConfig
 from trainer.config_loader import load_config
-from trainer.optimizer import lr_groups, weight_decay_of
+from trainer.optimizer import param_groups, weight_decay_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_a_step_decays_each_parameter_as_rmsprop_of_it_alone_would():
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
     params = list(model.parameters())
     decays = [0.0, 0.5, 0.25, 0.5]  # the optimizer's own (0.0) for the first
-    groups = lr_groups(model, params, 0.01, {id(p): d for p, d in zip(params, decays) if d})
+    groups = param_groups(model, params, 0.01, {id(p): d for p, d in zip(params, decays) if d})
     assert [(g["lr"], g.get("weight_decay"), len(g["params"])) for g in groups] == [
         (0.01, None, 1), (0.01, 0.5, 2), (0.01, 0.25, 1)]
     optimizer = torch.optim.RMSprop(groups, lr=0.01, weight_decay=0.0, foreach=True)
@@ -57,7 +57,7 @@ def test_a_step_decays_each_parameter_as_rmsprop_of_it_alone_would():
     for p, (q, _) in zip(params, alone):
         assert torch.equal(p, q)
     # without decays apart, the groups (and a checkpoint's) are as before: one at lr
-    assert [(g["lr"], len(g["params"])) for g in lr_groups(model, params, 0.01)] == [(0.01, 4)]
+    assert [(g["lr"], len(g["params"])) for g in param_groups(model, params, 0.01)] == [(0.01, 4)]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -316,12 +316,11 @@ def validate(cfg: Config) -> None:
     if cfg.metrics.valid_every_epochs and cfg.metrics.valid_every:
         raise ValueError("metrics.valid_every and metrics.valid_every_epochs are both set: give the schedule one way")
     _validate_split(cfg.data)
-    o = cfg.optim
-    for key, value in (("weight_decay", o.weight_decay), ("tokenizer_weight_decay", o.tokenizer_weight_decay),
-                       ("sequence_weight_decay", o.sequence_weight_decay)):
-        if not (value >= 0 or (value == -1 and key != "weight_decay")):
-            unset = "" if key == "weight_decay" else " (or -1: optim.weight_decay)"
-            raise ValueError(f"optim.{key}={value:g} must be >= 0{unset}")
+    if not cfg.optim.weight_decay >= 0:
+        raise ValueError(f"optim.weight_decay={cfg.optim.weight_decay:g} must be >= 0")
+    for key in ("tokenizer_weight_decay", "sequence_weight_decay"):
+        if not (getattr(cfg.optim, key) >= 0 or getattr(cfg.optim, key) == -1):
+            raise ValueError(f"optim.{key}={getattr(cfg.optim, key):g} must be >= 0 (or -1: optim.weight_decay)")
     _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")
@@ -364,8 +363,8 @@ def _validate_split(data: DataConfig) -> None:
         raise ValueError("data.split=time cuts the log by data.time_column, which is empty: name the column of "
                          "each row's time (integer seconds)")
     if not (math.isfinite(data.split_at) and data.split_at > 0 and (data.split_at < 1 or data.split_at.is_integer())):
-        raise ValueError(f"data.split_at={data.split_at:g} must be a share of the rows (0 < x < 1) or a time in "
-                         "whole seconds (>= 1)")
+        raise ValueError(f"data.split_at={data.split_at:g} must be a share of the rows (0 < x < 1) or a whole "
+                         "time in the column's unit (>= 1)")
     if data.valid_path:
         raise ValueError("data.split=time makes the validation split from the log (data.valid_fraction): "
                          "data.valid_path must be empty")

@@ -27,7 +27,7 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> tuple[CombinedOptimizer
     # foreach on every device (torch picks it only on CUDA): one kernel per stage for all
     # tensors instead of a Python loop over them, a tenth of a small model's CPU step.
     dense_optimizer = KeyedOptimizerWrapper(dense, lambda params: torch.optim.RMSprop(
-        lr_groups(model, params, o.lr, decay), lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
+        param_groups(model, params, o.lr, decay), lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
         weight_decay=o.weight_decay, foreach=True))
     # One optimizer for both sides, so that LR schedules reach the fused sparse kernel too.
     combined = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense_optimizer)])
@@ -48,7 +48,7 @@ def weight_decay_of(name: str, o: OptimConfig) -> float:
     return o.weight_decay
 
 
-def lr_groups(model: nn.Module, params: list[torch.Tensor], lr: float,
+def param_groups(model: nn.Module, params: list[torch.Tensor], lr: float,
               decay: dict[int, float] | None = None) -> list[dict]:
     """`params` as RMSProp's parameter groups: one at `lr`, then one per learning-rate multiple
     that a `ScaledLearningRate` module of `model` asks for its own parameters and per weight

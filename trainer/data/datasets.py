@@ -74,7 +74,8 @@ def parquet(cfg: Config) -> DatasetFiles:
     run reads its training table at one snapshot, pinned (trainer/data/table_input.py); time order
     reads the table's snapshots one by one (trainer/data/partitions.py)."""
     data = cfg.data
-    for key in ("train_path", "eval_path")[:2 if data.split == "given" else 1]:  # a cut in time makes the test split
+    needed = ("train_path", "eval_path") if data.split == "given" else ("train_path",)  # a cut makes the test split
+    for key in needed:
         if not getattr(data, key):
             raise ValueError(f"data.{key} is empty: the parquet dataset needs it")
     if not cfg.features:

@@ -5,7 +5,7 @@ The rows of the training and test inputs (data.train_path and data.eval_path, or
 dataset's two folders) are one log. `data.split_at` cuts it by `data.time_column`: a share of
 the rows (0 < split_at < 1: the cut is the first time at or above that quantile, so rows of one
 time stay on one side, the test side) or a time itself (split_at >= 1, in the column's
-seconds). Rows before the cut train, rows at or after it are the test split. With
+unit). Rows before the cut train, rows at or after it are the test split. With
 `data.valid_fraction`, the validation split is the last share of the training rows in the same
 way: the time just before the test split, not every row group's tail, which in a log sorted by
 time would be slices of every period.
@@ -55,12 +55,15 @@ def write_time_split(out: Path, spec: str, data: DataConfig) -> dict:
     store, infos = resolve(spec, data.retry_seconds, data.retry_attempts)
     times = [_times(store, info.path, data.time_column) for info in infos]
     every = np.concatenate(times)
-    cut = time_cut(every, data.split_at, f"data.split_at={data.split_at:g}") if data.split_at < 1 else \
-        int(data.split_at)
+    if data.split_at < 1:  # a share: time_cut refuses a cut that empties a side
+        cut = time_cut(every, data.split_at, f"data.split_at={data.split_at:g}")
+    else:
+        cut = int(data.split_at)
+        if not (every.size and every.min() < cut <= every.max()):
+            span = f"{data.time_column} from {every.min()} to {every.max()}" if every.size else "no rows"
+            raise ValueError(f"data.split_at={data.split_at:g} leaves a split empty: of {every.size} rows, "
+                             f"{int((every < cut).sum())} are before it ({span})")
     before = every[every < cut]
-    if not before.size or before.size == every.size:
-        raise ValueError(f"data.split_at={data.split_at:g} leaves a split empty: of {every.size} rows, "
-                         f"{before.size} are before it ({data.time_column} from {every.min()} to {every.max()})")
     valid_cut = time_cut(before, 1 - data.valid_fraction, f"data.valid_fraction={data.valid_fraction:g}") \
         if data.valid_fraction else cut
     rows = dict.fromkeys(SPLITS, 0)
