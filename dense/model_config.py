@@ -18,7 +18,7 @@ from dense.tower_registry import TABLES, TOWERS, TokenFields, readers
 
 Tokenizer = Literal["slice", "group"]
 TokenizerBias = Literal["uniform", "zero"]
-Recipe = Literal["rankmix", "paper"]
+Recipe = Literal["auto", "rankmix", "paper"]
 
 
 @dataclass
@@ -43,9 +43,10 @@ class ModelFields:
 
     tower: str = "rankmixer"
     """Registered dense tower (dense/tower_configs/); ModelConfig's field holds the choices."""
-    recipe: Recipe = "rankmix"
-    ("""rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; docs/results.md) | paper: the """
-     """RankMixer paper's (RECIPES); keys given explicitly win.""")
+    recipe: Recipe = "auto"
+    ("""auto: rankmix's, and hidden_dim the widest a run may use, halved for few training rows """
+     """(trainer/auto_width.py) | rankmix: this project's defaults (zero tokenizer biases, a dense warm-up; """
+     """docs/results.md) | paper: the RankMixer paper's (RECIPES); keys given explicitly win.""")
     tokenizer: Tokenizer = "slice"
     """slice: concatenate groups, cut into num_tokens slices | group: one token per semantic group."""
     num_tokens: int = 8

@@ -14,6 +14,8 @@ by the sweep on the same data (OUT/baseline/<tower>), or a number. Outputs: OUT/
 OUT/fit.json, OUT/sweep.png, and where the runs validate (data.valid_fraction or
 data.valid_path), their validation curves in OUT/curves.json and OUT/curves.png. With
 early stopping a run's AUC is the test split's at its best validation (trainer/checkpoint/selection.py).
+A sweep sets each point's size itself: where the config's recipe is `auto`, which would narrow a
+point's token width for few training rows (trainer/auto_width.py), its runs take `rankmix`'s.
 
 Credentials in URIs (`--set data.train_path=s3://KEY:SECRET@...`) never reach a run's
 command line, which any user of the host can read (`ps`): a run gets its URIs without the
@@ -194,6 +196,16 @@ def check_points(config: str | None, points: list[Point]) -> list[tuple[int, int
         except ValueError as e:
             raise ValueError(f"sweep point {p.tower} [{p.label}]: {e}") from None
     return costs
+
+
+def fixed_width(config: str | None, sets: list[str]) -> list[str]:
+    """`model.recipe=rankmix` where the config's recipe is `auto`: a point's width is the one it
+    names, not one narrowed for the data (its cost is computed from the config)."""
+    try:
+        recipe = load_config(config, [f"--{s.removeprefix('--')}" for s in sets]).model.recipe
+    except ValueError as e:
+        raise ValueError(f"sweep: {e}") from None
+    return ["model.recipe=rankmix"] if recipe == "auto" else []
 
 
 def cost_of_config(cfg) -> tuple[int, int] | None:
@@ -502,6 +514,7 @@ def sweep(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
+    args.set = [*fixed_width(args.config, args.set), *args.set]
     points, baseline = build_points(args)
     runs = points + ([baseline] if baseline else [])
     costs = check_points(args.config, runs)

@@ -88,7 +88,7 @@ def test_a_run_fits_on_the_validation_split_and_keeps_the_map_with_the_best_weig
               "--data.synth_rows=6000", "--train.steps=30", "--metrics.valid_every=10", "--metrics.progress=false",
               "--metrics.tensorboard=false", "--checkpoint.enabled=false"]
     # The validation split is the test split itself, so the fitted map must calibrate the test metrics.
-    test_split = tmp_path / "cache" / "synth-v1-6000-seed0" / "valid"
+    test_split = tmp_path / "cache" / "synth-v2-6000-seed0" / "valid"
     assert rankmix(*common, f"--train.run_dir={tmp_path / 'prep'}", "--train.steps=1").returncode == 0
     proc = rankmix(*common, f"--data.valid_path={test_split}", "--train.calibrate=platt", f"--train.run_dir={run}")
     assert proc.returncode == 0, proc.stderr

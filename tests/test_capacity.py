@@ -17,6 +17,7 @@ from trainer.data.encode import RowEncoder
 from trainer.data.options import ReaderOptions
 from trainer.data.reader import ParquetReader
 from trainer.offline import capacity
+from trainer.offline.synth import FIRST_SECOND
 
 
 def _table(folder):
@@ -29,6 +30,8 @@ def test_rows_do_not_depend_on_files_or_row_groups(tmp_path):
     assert a == b
     for split in ("train", "valid"):
         assert _table(tmp_path / "a" / split).equals(_table(tmp_path / "b" / split))
+    times = np.concatenate([_table(tmp_path / "b" / split)["request_time"].to_numpy() for split in ("train", "valid")])
+    assert np.array_equal(times, FIRST_SECOND + np.arange(5_000))  # one a second: data.split=time cuts it
     other = capacity.write_capacity(tmp_path / "c", rows=5_000, files=1, seed=4)
     assert not _table(tmp_path / "c" / "train").equals(_table(tmp_path / "a" / "train")) and other != a
 

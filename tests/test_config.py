@@ -94,8 +94,12 @@ warmup_steps = 10
 
 
 def test_the_paper_recipe_replaces_defaults_but_not_given_keys(tmp_path):
-    ours = load_config()
+    ours = load_config(None, ["--model.recipe=rankmix"])
     assert (ours.model.recipe, ours.model.tokenizer_bias, ours.optim.dense_warmup_steps) == ("rankmix", "zero", 300)
+    # auto is rankmix's defaults (the width it narrows is chosen when a run starts: test_auto_width)
+    auto = load_config()
+    assert auto.model.recipe == "auto" and dataclasses.replace(auto, model=dataclasses.replace(
+        auto.model, recipe="rankmix")) == ours
     paper = load_config(None, ["--model.recipe=paper"])
     assert (paper.model.tokenizer_bias, paper.optim.dense_warmup_steps) == ("uniform", 0)
     # and nothing else: the recipe's two keys are the whole difference
@@ -108,7 +112,7 @@ def test_the_paper_recipe_replaces_defaults_but_not_given_keys(tmp_path):
     # the resolved config written into a run folder reads back to the same recipe
     dump_toml(cfg, tmp_path / "resolved.toml")
     assert load_config(tmp_path / "resolved.toml") == cfg
-    with pytest.raises(ValueError, match=r"^model.recipe must be one of \('rankmix', 'paper'\), got 'papers'$"):
+    with pytest.raises(ValueError, match=r"^model.recipe must be one of \('auto', 'rankmix', 'paper'\), got 'papers'$"):
         load_config(None, ["--model.recipe=papers"])
 
 

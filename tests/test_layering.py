@@ -35,8 +35,8 @@ INNER_FLOORS: dict[str, list[tuple[str, list[str]]]] = {
         ("measures", ["metrics"]),
         ("generators", ["offline"]),  # they score their teacher with measures' auc
         ("data", ["data"]),  # datasets.py builds the generators' data sets
-        ("parts", ["ranking_model", "optimizer", "pipeline", "lifecycle", "checkpoint", "metrics.evaluation",
-                   "metrics.report"]),
+        ("parts", ["ranking_model", "auto_width", "optimizer", "pipeline", "lifecycle", "checkpoint",
+                   "metrics.evaluation", "metrics.report"]),
         ("serving", ["serving"]),
         ("components", ["components"]),
         ("loop", ["train"]),

@@ -104,4 +104,4 @@ def test_each_node_builds_its_data_cache(tmp_path, shared):
     caches = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert caches == (["shared"] if shared else ["node0", "node1"])
     for cache in caches:  # each holds one whole dataset, and no leftover temporary folder
-        assert [p.name for p in (tmp_path / cache).iterdir()] == ["synth-v1-2000-seed0"]
+        assert [p.name for p in (tmp_path / cache).iterdir()] == ["synth-v2-2000-seed0"]

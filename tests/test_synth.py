@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.offline.synth import _build_teacher, write_synthetic
+from trainer.offline.synth import FIRST_SECOND, _build_teacher, write_days, write_synthetic
 
 ROWS = 20_000
 NUM_USERS = 5_000
@@ -33,6 +33,7 @@ EXPECTED_TYPES = {
     "hist_items": pa.list_(pa.int64()),
     "click": pa.int64(),
     "like": pa.int64(),
+    "request_time": pa.int64(),
 }
 
 
@@ -253,3 +254,19 @@ def test_a_cache_made_by_two_runs_at_once_keeps_the_first_complete_one(tmp_path)
     assert _prepared(folder, make_while_another_run_finishes_first) == folder
     assert (folder / "_SUCCESS").read_text() == "the other run's"
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no temporary folder left
+
+
+def test_rows_come_one_a_second_in_row_order(table: pa.Table) -> None:
+    """request_time, for data.split=time: train then valid, one second apart from FIRST_SECOND
+    (2026-01-01 00:00 UTC)."""
+    assert FIRST_SECOND == 1_767_225_600
+    assert np.array_equal(_col(table, "request_time"), FIRST_SECOND + np.arange(ROWS))
+
+
+def test_a_days_rows_spread_over_its_seconds(tmp_path: Path) -> None:
+    write_days(tmp_path, days=2, drift=0.1, rows=1_000, files=3)
+    for day in range(2):
+        times = _col(_read(sorted(str(p) for p in tmp_path.glob(f"date=2026-01-0{day + 1}/*.parquet"))),
+                     "request_time")
+        start = FIRST_SECOND + 86_400 * day
+        assert np.array_equal(times, start + np.arange(1_000) * 86_400 // 1_000)

@@ -17,6 +17,7 @@ import torch
 from dense.cost import peak_flops
 from embeddings.hooks import TrainingHooks
 from embeddings.torchrec_compat import input_feature_order
+from trainer.auto_width import choose_width
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.run_folder import RunLocks, claim_run_folders, run_folders
 from trainer.checkpoint.state import TrainedPosition
@@ -91,6 +92,9 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, run_lock: RunLocks | N
     if selection.split:  # its files' schema and its rows checked now, not after an epoch
         path, split = selection.split
         ParquetReader(path, encoder, ReaderOptions.from_config(cfg.data, training=False, batch_size=1, **split))
+    width_choice = choose_width(cfg, None if time_order else train_reader.num_rows, run_dir)
+    if width_choice and env.is_main:
+        print(width_choice, flush=True)
     precision = autocast_dtype(cfg.train.mixed_precision, env.device)
     model, cost = build_sharded_model(cfg, env.device, batch_size, precision)
     order = input_feature_order(model.module.ebc)

@@ -120,6 +120,7 @@ class DataConfig:
 
 
 RECIPES: dict[str, dict[str, object]] = {
+    "auto": {},  # rankmix's; the width is chosen from the data when a run starts (trainer/auto_width.py)
     "rankmix": {},
     "paper": {"model.tokenizer_bias": "uniform", "optim.dense_warmup_steps": 0},
 }

@@ -16,6 +16,7 @@ At the floor of trainer/: it imports nothing of the project, so that every modul
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,16 @@ class RunFolder:
     @property
     def config(self) -> Path:
         return self.root / CONFIG
+
+    def recorded(self, section: str, why: str) -> dict:
+        """The [section] of the config.toml of the run started here ({} when none started);
+        a ValueError that says `why` it was read when that file is not TOML."""
+        if not self.config.is_file():
+            return {}
+        try:
+            return tomllib.loads(self.config.read_text()).get(section, {})
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.config}: cannot read {why} of the run started there: {e}") from None
 
     @property
     def summary(self) -> Path:

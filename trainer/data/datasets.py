@@ -131,8 +131,8 @@ class SynthTeacher(NamedTuple):
 
 
 SYNTH_TEACHERS: dict[str, SynthTeacher] = {
-    "default": SynthTeacher(synth_data.write_synthetic, lambda: synth_features(), "synth-v1"),  # defined below
-    "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v2"),
+    "default": SynthTeacher(synth_data.write_synthetic, lambda: synth_features(), "synth-v2"),  # defined below
+    "capacity": SynthTeacher(capacity_data.write_capacity, lambda: capacity_features(), "synth-capacity-v3"),
     "sequence": SynthTeacher(sequence_log.write_sequence_log, sequence_log.sequence_features, "synth-sequence-v2"),
     "recency": SynthTeacher(functools.partial(sequence_log.write_sequence_log, recency=True),
                             sequence_log.sequence_features, "synth-recency-v2"),

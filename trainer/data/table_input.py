@@ -17,7 +17,6 @@ the run starts: like loose files, they are not part of a checkpoint's input reco
 from __future__ import annotations
 
 import logging
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,15 +79,10 @@ def _unset(option: str) -> int:
 
 def _recorded(run_dir: str, path: str, option: str) -> int | None:
     """The pin of `path` in the run folder's config.toml (a run started there before), or None."""
-    config = RunFolder(Path(run_dir)).config
-    if not config.is_file():
-        return None
-    try:
-        data = tomllib.loads(config.read_text()).get("data", {})
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config}: cannot read the table pin of the run started there: {e}") from None
+    folder = RunFolder(Path(run_dir))
+    data = folder.recorded("data", "the table pin")
     value = data.get(option)
     if data.get("train_path") != path or not isinstance(value, int) or value == _unset(option):
         return None
-    log.info("%s: reading %s %d, pinned by %s", path, option, value, config)
+    log.info("%s: reading %s %d, pinned by %s", path, option, value, folder.config)
     return value

@@ -8,14 +8,17 @@ interactions clearly beats a first-order logistic regression on the same feature
 Rows are generated in fixed-size chunks, each from its own generator seeded with
 ``[seed, 1, chunk_index]``; the row stream therefore depends only on ``seed``,
 ``num_users`` and ``num_items`` (and the teacher only on those), never on how the
-rows are split into files or row groups.
+rows are split into files or row groups. Row i's ``request_time`` is FIRST_SECOND + i (one
+request a second), so ``data.split=time`` can cut the log; its rows are drawn alike throughout,
+so a cut in time is a cut in row order here.
 
 ``write_days`` writes a drifting log instead: one Hive partition ``date=YYYY-MM-DD/`` a day,
 each with a ``_SUCCESS`` marker, from a teacher that moves day by day (``day_teachers``): users
 and items are born over the days (70% of each exist on the first day, all on the last), and
 each day a share ``drift`` of the users' and items' latent vectors and biases is drawn anew,
 the hour x device cross moves by that share, and that share of the item popularity ranks swap
-places. Day d's rows come from generators seeded with ``[seed, 3, d, file]``.
+places. Day d's rows come from generators seeded with ``[seed, 3, d, file]``; their
+``request_time`` spreads them over that day's seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ SCHEMA = pa.schema(
         ("hist_items", pa.list_(pa.int64())),
         ("click", pa.int64()),
         ("like", pa.int64()),
+        ("request_time", pa.int64()),
     ]
 )
 
@@ -386,14 +390,17 @@ def _rows_table(teacher: _Teacher, seed: int, lo: int, hi: int) -> pa.Table:
     for chunk in range(lo // _CHUNK_ROWS, (hi - 1) // _CHUNK_ROWS + 1):
         base = chunk * _CHUNK_ROWS
         # Chunks straddling a file boundary are regenerated; cheaper than caching them.
-        table = _chunk_table(teacher, np.random.default_rng([seed, 1, chunk]), _CHUNK_ROWS)
+        times = FIRST_SECOND + base + np.arange(_CHUNK_ROWS)  # one request a second, in row order
+        table = _chunk_table(teacher, np.random.default_rng([seed, 1, chunk]), times)
         start, stop = max(lo, base) - base, min(hi, base + _CHUNK_ROWS) - base
         parts.append(table.slice(start, stop - start))
     return pa.concat_tables(parts)
 
 
-def _chunk_table(teacher: _Teacher, rng: np.random.Generator, n: int) -> pa.Table:
-    """Generate n impressions with features and teacher labels."""
+def _chunk_table(teacher: _Teacher, rng: np.random.Generator, times: np.ndarray) -> pa.Table:
+    """Generate one impression a time of `times` (seconds, the `request_time` column) with features
+    and teacher labels; the times draw nothing from `rng`."""
+    n = len(times)
     users = _draw(teacher.user_rank_ids, teacher.user_cdf, rng.random(n))
     popular = _draw(teacher.item_rank_ids, teacher.item_cdf, rng.random(n))
     items = np.where(rng.random(n) < _PREF_IMPRESSION_RATE, _draw_preferred(teacher, rng, users), popular)
@@ -422,6 +429,7 @@ def _chunk_table(teacher: _Teacher, rng: np.random.Generator, n: int) -> pa.Tabl
         _list_array(hist_values, hist_offsets),
         click.astype(np.int64),
         like.astype(np.int64),
+        times.astype(np.int64),
     ]
     return pa.Table.from_arrays([pa.array(c) if isinstance(c, np.ndarray) else c for c in columns], schema=SCHEMA)
 
@@ -527,6 +535,9 @@ def _remove_stale_parts(split_dir: Path, written: list[Path]) -> None:
 # --------------------------------------------------------------------------- drifting days
 
 FIRST_DAY = datetime.date(2026, 1, 1)
+FIRST_SECOND = int(datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc).timestamp())
+"""`request_time` of the first row (Unix seconds, FIRST_DAY's midnight UTC): write_synthetic's
+rows come one a second from it, write_days' spread over their day."""
 _BORN_FIRST_DAY = 0.7  # share of users and items that exist on the first day; all exist on the last
 
 
@@ -556,8 +567,10 @@ def write_days(
         (folder / "_SUCCESS").unlink(missing_ok=True)  # incomplete while it is rewritten
         written, day_clicks = [], 0
         for i in range(files):
-            n = rows * (i + 1) // files - rows * i // files
-            table = _chunk_table(teacher, np.random.default_rng([seed, 3, day, i]), n)
+            first, stop = rows * i // files, rows * (i + 1) // files
+            # the day's rows spread over its 86,400 seconds, in file order
+            times = FIRST_SECOND + day * 86_400 + np.arange(first, stop) * 86_400 // rows
+            table = _chunk_table(teacher, np.random.default_rng([seed, 3, day, i]), times)
             path = folder / f"part-{i:05d}.parquet"
             _write_atomic(table, path, row_group_size)
             day_clicks += pc.sum(table["click"]).as_py() or 0
