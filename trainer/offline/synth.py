@@ -535,7 +535,7 @@ def _remove_stale_parts(split_dir: Path, written: list[Path]) -> None:
 # --------------------------------------------------------------------------- drifting days
 
 FIRST_DAY = datetime.date(2026, 1, 1)
-FIRST_SECOND = int(datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc).timestamp())
+FIRST_SECOND = int(datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp())
 """`request_time` of the first row (Unix seconds, FIRST_DAY's midnight UTC): write_synthetic's
 rows come one a second from it, write_days' spread over their day."""
 _BORN_FIRST_DAY = 0.7  # share of users and items that exist on the first day; all exist on the last
