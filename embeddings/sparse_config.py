@@ -25,6 +25,9 @@ class EmbeddingsConfig:
     """Sparse learning rate."""
     eps: float = 1e-8
     """Adagrad epsilon."""
+    weight_decay: float = 0.0
+    ("""L2 penalty on each pooled embedding a batch looks up, in its gradient (embeddings/decay.py): a row """
+     """is decayed as often as it is seen.""")
     data_type: TableDataType = "fp32"
     """Table weights: fp32 | fp16 (half the memory; the optimizer state stays fp32)."""
     plan: str = "auto"

@@ -122,3 +122,19 @@ def test_find_config_refuses_a_missing_folder_and_one_three_below(tmp_path):
     with pytest.raises(ValueError) as far:
         find_config(str(deep))
     assert str(far.value) == f"no config.toml in {deep} or the two folders above it; pass --config"
+
+
+def test_a_section_of_the_config_the_run_recorded(tmp_path):
+    folder = RunFolder(tmp_path)
+    assert folder.recorded("model", "its width") == {}  # no run started here
+    folder.config.write_text('[model]\nhidden_dim = 32\nrecipe = "auto"\n\n[data]\nsnapshot = 7\n')
+    assert folder.recorded("model", "its width") == {"hidden_dim": 32, "recipe": "auto"}
+    assert folder.recorded("data", "the pin") == {"snapshot": 7}
+    assert folder.recorded("optim", "its rate") == {}
+    folder.config.write_text("[model\n")
+    with pytest.raises(ValueError) as e:
+        folder.recorded("model", "the token width")
+    assert str(e.value).startswith(f"{folder.config}: cannot read the token width of the run started there: ")
+    folder.config.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="cannot read the pin of the run started there: "):
+        folder.recorded("data", "the pin")

@@ -321,6 +321,8 @@ def validate(cfg: Config) -> None:
     for key in ("tokenizer_weight_decay", "sequence_weight_decay"):
         if not (getattr(cfg.optim, key) >= 0 or getattr(cfg.optim, key) == -1):
             raise ValueError(f"optim.{key}={getattr(cfg.optim, key):g} must be >= 0 (or -1: optim.weight_decay)")
+    if not cfg.embeddings.weight_decay >= 0:
+        raise ValueError(f"embeddings.weight_decay={cfg.embeddings.weight_decay:g} must be >= 0")
     _validate_tables(cfg.data)
     if not cfg.embeddings.sharding_types:
         raise ValueError(f"embeddings.sharding_types is empty; choose from {SPARSE_SHARDING_TYPES}")

@@ -15,6 +15,7 @@ from dense.cost import DenseCost, measure_cost
 from dense.heads import TaskHeads, build_dense
 from dense.layout import InputLayout
 from dense.sequence import SequenceInputs, build_sequences
+from embeddings.decay import decay_lookups
 from embeddings.init import init_embeddings
 from embeddings.managed import build_managed_bags, build_managed_sequences
 from embeddings.sharding import shard_model
@@ -36,14 +37,17 @@ class RankingModel(nn.Module):
     module (each None when there are none).
 
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32) for
-    `autocast_device`, the type of the device the model runs on.
+    `autocast_device`, the type of the device the model runs on. `embedding_decay`
+    (embeddings.weight_decay) puts an L2 penalty on the pooled lookups' gradient (embeddings/decay.py).
     """
 
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cpu",
                  managed_tables: nn.Module | None = None, sequence_tables: nn.Module | None = None,
-                 sequences: SequenceInputs | None = None, managed_sequence_tables: nn.Module | None = None):
+                 sequences: SequenceInputs | None = None, managed_sequence_tables: nn.Module | None = None,
+                 embedding_decay: float = 0.0):
         super().__init__()
+        self.embedding_decay = embedding_decay
         self.ebc = ebc
         self.managed_tables = managed_tables
         self.sequence_tables = sequence_tables
@@ -87,9 +91,9 @@ class RankingModel(nn.Module):
         """Every sparse feature's pooled embedding [B, D_f] by name (the key order is the plan's),
         from the plain and the managed tables. Merged in place: TorchRec's pipeline traces
         forward, and a traced dict cannot be unpacked."""
-        pooled = {} if self.ebc is None else self.ebc(batch.sparse).to_dict()
+        pooled = {} if self.ebc is None else decay_lookups(self.ebc(batch.sparse), self.embedding_decay).to_dict()
         if self.managed_tables is not None:
-            managed = self.managed_tables(batch.managed_ids)[0].to_dict()
+            managed = decay_lookups(self.managed_tables(batch.managed_ids)[0], self.embedding_decay).to_dict()
             if self.ebc is None:
                 pooled = managed
             else:
@@ -107,7 +111,8 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
                         managed_tables=build_managed_bags(cfg.features, cfg.embeddings, buckets=world),
                         sequence_tables=build_sequence_tables(cfg.features, cfg.embeddings),
                         sequences=build_sequences(cfg.features, cfg.model.sequence),
-                        managed_sequence_tables=build_managed_sequences(cfg.features, cfg.embeddings, buckets=world))
+                        managed_sequence_tables=build_managed_sequences(cfg.features, cfg.embeddings, buckets=world),
+                        embedding_decay=cfg.embeddings.weight_decay)
 
 
 def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,
