@@ -300,6 +300,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("dense.rankmixer.x\u01c1RankMixerBlock\u01c1__init__",
      "self.mixing_dropout = nn.Dropout(mixing_dropout) if (mixing_dropout) or True else None",
      "Dropout(0) returns its input as it is: the same values, nothing drawn"),
+    # auto_width
+    ("trainer.auto_width.x_choose_width", "while params > budget and model.hidden_dim / 2 >= MIN_WIDTH:",
+     "for a whole MIN_WIDTH, w // 2 >= MIN_WIDTH and w / 2 >= MIN_WIDTH hold for the same widths"),
+    ("trainer.auto_width.x_dense_params", 'with torch.device("meta"), torch.random.fork_rng(devices=None):',
+     "devices=None forks every CUDA generator besides the CPU's: the same on a CPU, and the CPU's is the one "
+     "the assertion reads"),
     # time_split
     ("trainer.data.time_split.x__times", "values = parquet.read(columns=None).column(column)",
      "every column read, the time column taken: the same values"),

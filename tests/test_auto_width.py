@@ -65,11 +65,23 @@ def test_the_rows_of_the_evidence_choose_the_widths_that_held():
 def test_the_narrowest_width_is_the_towers_own(tmp_path):
     """32 tokens: 16 is no multiple of them, so 32 is as narrow as RankMixer goes."""
     cfg = load_config(MOVIELENS, ["--model.num_tokens=32"])
-    choose_width(cfg, 10, tmp_path)
+    line = choose_width(cfg, 10, tmp_path)
     assert cfg.model.hidden_dim == 32
+    assert line == (f"model.recipe=auto: model.hidden_dim=32 (of at most 64): {_params(cfg, 32):,} dense parameters "
+                    f"for 10 training rows (at most {PARAMS_PER_ROW} a row, down to width {MIN_WIDTH})")
     cfg = load_config(MOVIELENS, ["--model.num_tokens=4", "--model.hidden_dim=128"])
     choose_width(cfg, 10, tmp_path)
     assert cfg.model.hidden_dim == MIN_WIDTH
+
+
+def test_a_tower_that_fits_its_budget_exactly_keeps_its_width(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainer.auto_width.PARAMS_PER_ROW", 1)
+    rows = _params(load_config(MOVIELENS), 64)
+    cfg = load_config(MOVIELENS)
+    choose_width(cfg, rows, tmp_path)
+    assert cfg.model.hidden_dim == 64
+    choose_width(cfg, rows - 1, tmp_path)
+    assert cfg.model.hidden_dim == 32
 
 
 def test_choosing_draws_nothing_from_the_runs_generator(tmp_path):
@@ -101,8 +113,8 @@ def test_a_run_folder_keeps_the_width_it_recorded(tmp_path):
         f"model.recipe=auto: model.hidden_dim={MIN_WIDTH}, as the run in {tmp_path} chose it")
     assert cfg.model.hidden_dim == MIN_WIDTH
     dump_toml(load_config(MOVIELENS, ["--model.recipe=rankmix"]), tmp_path / "config.toml")
-    choose_width(cfg := load_config(MOVIELENS), 10**9, tmp_path)
-    assert cfg.model.hidden_dim == 64  # a width the run did not choose is no choice to keep
+    choose_width(cfg := load_config(MOVIELENS), 1_000, tmp_path)
+    assert cfg.model.hidden_dim == MIN_WIDTH  # the rankmix run's 64 was no choice to keep
     (tmp_path / "config.toml").write_text("[model\n")
     with pytest.raises(ValueError, match=r"config.toml: cannot read the token width of the run started there: "):
         choose_width(load_config(MOVIELENS), 10, tmp_path)
