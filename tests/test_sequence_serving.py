@@ -30,8 +30,8 @@ def timed_table(seed: int = 0) -> pa.Table:
     rows = table(seed)
     rng = np.random.default_rng(seed + 1)
     now = rng.integers(10**6, 2 * 10**6, ROWS)
-    # one in four after the request time: both sides drop them before cutting to max_len
-    stamps = [list(now[i] - rng.integers(-3 * 10**4, 10**5, len(h)))
+    # one in four after the request time: both sides drop them before cutting to max_len; oldest first
+    stamps = [sorted(now[i] - rng.integers(-3 * 10**4, 10**5, len(h)))
               for i, h in enumerate(rows.column("history").to_pylist())]
     return rows.append_column("history_ts", pa.array(stamps, pa.list_(pa.int64()))).append_column("now", pa.array(now))
 
@@ -78,6 +78,22 @@ def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower,
         one_row = artifact(*raw_inputs(rows.slice(3, 1), cfg.features, "test", time_column))
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(one_row, expected[3:4], atol=1e-6, rtol=0)
+
+
+def test_a_servers_history_not_oldest_first_is_refused_as_the_readers():
+    """raw_inputs, the artifact's inputs, checks the order as the reader does (timestamps.py)."""
+    cfg, _ = reference("target_attention", "rankmixer", True)
+    rows = timed_table()
+    stamps = rows.column("history_ts").to_pylist()
+    row = next(i for i, s in enumerate(stamps) if len(s) > 1 and s[0] < s[1])
+    stamps[row][:2] = stamps[row][1::-1]
+    shuffled = rows.set_column(rows.schema.get_field_index("history_ts"), "history_ts",
+                               pa.array(stamps, pa.list_(pa.int64())))
+    with pytest.raises(ValueError) as e:
+        raw_inputs(shuffled, cfg.features, "requests.parquet", cfg.data.time_column)
+    assert str(e.value) == (f"requests.parquet, column 'history_ts': row {row} is not oldest first: timestamp "
+                            f"{stamps[row][1]} follows {stamps[row][0]}; sort each history by time "
+                            "(docs/data.md, Sequences)")
 
 
 def test_the_artifact_refuses_times_outside_the_readers_range():

@@ -58,14 +58,28 @@ def test_the_gaps_of_the_kept_behaviours_reach_the_batch_aligned_with_their_ids(
 
 def test_a_history_is_oldest_first_and_max_len_keeps_the_newest():
     """Most recent last (docs/data.md, Sequences): of five behaviours max_len 3 keeps the three
-    newest, with their gaps, the smallest last. A list written newest first is read as it is,
-    neither reordered nor refused (as documented there): max_len keeps its last three, the oldest,
-    and their gaps say how old they are."""
+    newest, with their gaps, the smallest last; a tie is in order."""
     stamps = [0, 590, 596, 598, 599]  # at request time 600: gaps of 600, 10, 4, 2, 1 seconds
-    rows = encoder(max_len=3).encode(table([[10, 11, 12, 13, 14], [14, 13, 12, 11, 10]],
-                                           [stamps, stamps[::-1]], [600, 600]), "f.parquet").to_batch()
-    assert rows.sequence_ids["hist"].values().tolist() == [12, 13, 14, 12, 11, 10]
-    assert rows.sequence_gaps[0].tolist() == [reference_bucket(g, 32) for g in (4, 2, 1, 4, 10, 600)]
+    rows = encoder(max_len=3).encode(table([[10, 11, 12, 13, 14], [14, 13]], [stamps, [7, 7]], [600, 600]),
+                                     "f.parquet").to_batch()
+    assert rows.sequence_ids["hist"].values().tolist() == [12, 13, 14, 14, 13]
+    assert rows.sequence_gaps[0].tolist() == [reference_bucket(g, 32) for g in (4, 2, 1, 593, 593)]
+
+
+@pytest.mark.parametrize("stamps,row,message", [
+    ([[1, 2], [0, 5, 3]], 1, "timestamp 3 follows 5"),  # a drop across rows is no disorder
+    ([[], [9, 9, 8], [1]], 1, "timestamp 8 follows 9"),
+    ([[4, 3], []], 0, "timestamp 3 follows 4"),
+    ([[1], [], [2, 7, 12, 8]], 2, "timestamp 8 follows 12"),  # 12 is after the request: out of order all the same
+])
+def test_a_history_not_oldest_first_is_refused_naming_its_row(stamps, row, message):
+    """Neither reordered nor read as it is: max_len would keep the wrong end and the recency
+    positions run backwards. The served model's inputs pass the same check (test_sequence_serving)."""
+    hist = [[100 + k for k in range(len(s))] for s in stamps]
+    with pytest.raises(ValueError) as e:
+        encoder().encode(table(hist, stamps, [10] * len(stamps)), "day=1/part-0.parquet")
+    assert str(e.value) == (f"day=1/part-0.parquet, column 'hist_ts': row {row} is not oldest first: {message}; "
+                            "sort each history by time (docs/data.md, Sequences)")
 
 
 def test_lengths_that_differ_name_the_file_row_and_column():
@@ -79,7 +93,7 @@ def test_a_behaviour_after_its_request_time_is_dropped_with_its_id_and_counted(c
     """Not clamped to a gap of 0 (it would show the model what came after the label): the id and
     its timestamp leave the list, then max_len keeps the last of what is left."""
     enc = encoder(max_len=2)
-    rows = enc.encode(table([[1, 2, 3], [4]], [[5, 12, 8], [30]], [10, 20]), "day=1/part-0.parquet, row group 2")
+    rows = enc.encode(table([[1, 3, 2], [4]], [[5, 8, 12], [30]], [10, 20]), "day=1/part-0.parquet, row group 2")
     batch = rows.to_batch()
     assert batch.sequence_ids["hist"].values().tolist() == [1, 3]
     assert batch.sequence_ids["hist"].lengths().tolist() == [2, 0]
@@ -117,8 +131,8 @@ def test_the_behaviours_kept_and_their_gaps_match_a_per_row_reference(list_type)
         length = int(rng.integers(0, 9))
         hist.append(rng.integers(0, 100, length).tolist())
         drift = rng.integers(-2**20, 2**20, length)  # about half after the request time
-        stamps.append([int(min(max(t - d, 0), 2**62 - 1)) for d in drift])
-    stamps[0], hist[0] = [2**62 - 1, 0], [1, 2]  # at request time 0: one dropped, one kept at gap 0
+        stamps.append(sorted(int(min(max(t - d, 0), 2**62 - 1)) for d in drift))  # oldest first
+    stamps[0], hist[0] = [0, 2**62 - 1], [2, 1]  # at request time 0: one kept at gap 0, one dropped
     stamps[1], hist[1] = [0], [3]  # gap 2^62 - 1, the widest
     hist[5], stamps[5] = None, None  # a null list: an empty sequence
     enc = encoder(max_len=4)

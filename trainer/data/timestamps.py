@@ -8,7 +8,8 @@ seconds, or milli-, micro- or nanoseconds since 1970, which reach 2^62 in 2116),
 column's own type, so that a uint64 2^64 - 1 is named as itself rather than wrapped to -1. Within
 that range a gap, request time minus timestamp, cannot overflow int64.
 
-A list whose length differs from its ids' is an error naming the file, row and column. A
+A list whose length differs from its ids', or whose times are not oldest first (ties allowed),
+is an error naming the file, row and column. A
 behaviour after its request time is dropped from its sequence (its id and its timestamp; the
 list is shorter, and `max_len` keeps the last of what is left) and counted (`TimeGaps.dropped`;
 one warning per file names the first): kept, it would show the model what happened after the
@@ -120,7 +121,24 @@ def _timestamps(table: pa.Table, f: FeatureSpec, where: str) -> tuple[np.ndarray
     if flat.null_count:
         row = _row_of(int(np.flatnonzero(np.asarray(flat.is_null()))[0]), n_stamps)
         raise ValueError(f"{where}, column {f.timestamps!r}: null timestamp inside the list at row {row}")
-    return _in_range(flat.to_numpy(zero_copy_only=False), n_stamps, where, f.timestamps, "timestamp"), n_stamps
+    values = _in_range(flat.to_numpy(zero_copy_only=False), n_stamps, where, f.timestamps, "timestamp")
+    _check_order(values, n_stamps, where, f.timestamps)
+    return values, n_stamps
+
+
+def _check_order(stamps: np.ndarray, lengths: np.ndarray, where: str, column: str) -> None:
+    """Each row's timestamps oldest first (ties allowed): max_len keeps a list's last ids, the newest
+    only in that order, and the transformer's recency positions count from its end."""
+    later = np.diff(stamps) < 0  # stamps[i + 1] before stamps[i]
+    if not later.any():
+        return
+    ends = np.cumsum(lengths)[:-1] - 1  # each row's last position: a drop from there is the next row's
+    later[ends[(ends >= 0) & (ends < later.size)]] = False
+    if later.any():
+        i = int(np.flatnonzero(later)[0])
+        raise ValueError(f"{where}, column {column!r}: row {_row_of(i + 1, lengths)} is not oldest first: "
+                         f"timestamp {int(stamps[i + 1])} follows {int(stamps[i])}; sort each history by "
+                         "time (docs/data.md, Sequences)")
 
 
 def request_times(column: pa.ChunkedArray, where: str, name: str) -> np.ndarray:
