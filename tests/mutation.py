@@ -604,11 +604,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.data.timestamps.x__in_range", "return values.astype(np.int64, )", _COPY),
     ("trainer.data.timestamps.x__in_range", "return values.astype(np.int64, copy=True)", _COPY),
     ("trainer.data.timestamps.x__timestamps",
-     'return _in_range(flat.to_numpy(zero_copy_only=None), n_stamps, where, f.timestamps, '
-     '"timestamp"), n_stamps', _ZERO_COPY_NONE),
+     'values = _in_range(flat.to_numpy(zero_copy_only=None), n_stamps, where, f.timestamps, "timestamp")',
+     _ZERO_COPY_NONE),
     ("trainer.data.timestamps.x__timestamps",
-     'return _in_range(flat.to_numpy(zero_copy_only=True), n_stamps, where, f.timestamps, '
-     '"timestamp"), n_stamps', _ZERO_COPY),
+     'values = _in_range(flat.to_numpy(zero_copy_only=True), n_stamps, where, f.timestamps, "timestamp")',
+     _ZERO_COPY),
+    ("trainer.data.timestamps.x__check_order", "later[ends[(ends >= 0) & (ends < later.size)]] = None",
+     "numpy stores None in a bool array as False"),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
      '"counted, each file named once", file=sys.stderr, flush=None)', _STDERR),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",

@@ -71,6 +71,7 @@ def test_a_history_is_oldest_first_and_max_len_keeps_the_newest():
     ([[], [9, 9, 8], [1]], 1, "timestamp 8 follows 9"),
     ([[4, 3], []], 0, "timestamp 3 follows 4"),
     ([[1], [], [2, 7, 12, 8]], 2, "timestamp 8 follows 12"),  # 12 is after the request: out of order all the same
+    ([[9], [1, 2], [6, 4]], 2, "timestamp 4 follows 6"),  # from row 0's only time to row 1's first: no disorder
 ])
 def test_a_history_not_oldest_first_is_refused_naming_its_row(stamps, row, message):
     """Neither reordered nor read as it is: max_len would keep the wrong end and the recency
