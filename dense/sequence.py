@@ -193,19 +193,28 @@ class SelfAttentionBlock(nn.Module):
     """Pre-norm multi-head self-attention and FFN over [B, L, W]; padded keys are masked, so a
     real position's output does not depend on the padding."""
 
-    def __init__(self, width: int, heads: int, ffn_ratio: int):
+    def __init__(self, width: int, heads: int, ffn_ratio: int, time_buckets: int = 0):
         super().__init__()
         self.heads = heads
+        # relative time bias: per head, by the difference of two positions' gap buckets (T5's
+        # relative bias over log time); zeros, so a new block attends as one without it
+        self.time_bias = nn.Parameter(torch.zeros(heads, 2 * time_buckets - 1)) if time_buckets else None
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.ffn = nn.Sequential(nn.Linear(width, ffn_ratio * width), nn.GELU(), nn.Linear(ffn_ratio * width, width))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, L, W], mask [B, L] -> [B, L, W]. torch's fused attention (flash on the CPU and on
-        CUDA: memory O(B L W), not O(B L^2)). Every row has a key (the transformer's candidate),
-        so none is all masked (which would give NaN)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, buckets: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, L, W], mask [B, L], gap buckets [B, L] (with time_bias) -> [B, L, W]. torch's fused
+        attention: with a boolean mask memory O(B L W); the time bias is an [B, H, L, L] float mask,
+        O(B H L^2). Every row has a key (the transformer's candidate), so none is all masked
+        (which would give NaN)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
-        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1).unsqueeze(1))
+        keys = mask.unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
+        if self.time_bias is not None:
+            relative = buckets.unsqueeze(2) - buckets.unsqueeze(1) + (self.time_bias.shape[1] - 1) // 2  # [B, L, L]
+            bias = self.time_bias[:, relative].permute(1, 0, 2, 3)  # [B, H, L, L]
+            keys = bias.to(q.dtype).masked_fill(~keys, float("-inf"))  # autocast's q: the mask's type must match
+        attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys)
         x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
         return x + self.ffn(self.norm2(x))
 
@@ -218,11 +227,12 @@ class SequenceTransformer(nn.Module):
     of the behaviours' outputs against the candidate.
 
     The position, time and candidate embeddings start at `init_std`, the scale of the sequence's
-    table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn)."""
+    table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn).
+    `time_bias` (with gaps) adds each block's relative time bias to its attention scores."""
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
                  hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
-                 time_value: bool):
+                 time_value: bool, time_bias: bool = False):
         super().__init__()
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
         self.position = nn.Embedding(max_len, width)
@@ -230,7 +240,9 @@ class SequenceTransformer(nn.Module):
         self.candidate = nn.Parameter(torch.zeros(width))
         for table in (self.position.weight, self.candidate, *([self.time.weight] if time else [])):
             nn.init.normal_(table, std=init_std)
-        self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio) for _ in range(layers))
+        self.time_bias = bool(time and time_bias)
+        self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio, time[0] if self.time_bias else 0)
+                                    for _ in range(layers))
         self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
         self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value)
         self.max_len = max_len
@@ -245,8 +257,10 @@ class SequenceTransformer(nn.Module):
         first = (self.inp(candidate) + self.candidate).unsqueeze(1)  # [B, 1, W]
         h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
         keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
+        # the candidate is now: the bucket of a gap of 0 (trainer/data/feature_ops.py)
+        buckets = torch.cat([torch.ones_like(gaps[:, :1]), gaps], dim=1) if self.time_bias else None
         for block in self.blocks:
-            h = block(h, keys)
+            h = block(h, keys, buckets)
         return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)
 
 

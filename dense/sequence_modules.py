@@ -64,6 +64,9 @@ class TransformerConfig:
     """Model width of the blocks (0: the sequence table's embedding_dim)."""
     ffn_ratio: int = 2
     """Each block's FFN hidden width is ffn_ratio x width."""
+    time_bias: bool = False
+    ("""With timestamps: a learned bias per head on each pair's attention by the difference of their gap """
+     """buckets (relative time); an [B, H, L, L] mask, memory O(L^2).""")
 
     def validate(self) -> None:
         _positive(self, self.key, "layers", "heads", "ffn_ratio")
@@ -94,7 +97,7 @@ def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
                                t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
                                (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
-                               weights=target.weights, time_value=target.time_value)
+                               weights=target.weights, time_value=target.time_value, time_bias=t.time_bias)
 
 
 @dataclass

@@ -56,7 +56,12 @@ def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch
         heads = block.heads
         q, k, val = block.qkv(block.norm1(h)).chunk(3, dim=1)  # [n, W] each, heads side by side
         q, k, val = (a.reshape(n, heads, -1).transpose(0, 1) for a in (q, k, val))  # [heads, n, W / heads]
-        attention = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1) @ val
+        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [heads, n, n]
+        if block.time_bias is not None:  # the candidate's bucket is a gap of 0's: 1
+            buckets = torch.cat([torch.ones(1, dtype=torch.long), gaps]).tolist()
+            scores = scores + torch.stack([torch.stack([
+                block.time_bias[:, bi - bj + TIME[0] - 1] for bj in buckets]) for bi in buckets]).permute(2, 0, 1)
+        attention = torch.softmax(scores, dim=-1) @ val
         h = h + block.proj(attention.transpose(0, 1).reshape(n, -1))
         first, second = block.ffn[0], block.ffn[-1]
         h = h + second(nn.functional.gelu(first(block.norm2(h))))
@@ -64,18 +69,22 @@ def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch
     return target_reference(module.target, h, v, gaps, tokens)
 
 
-@pytest.mark.parametrize("width,layers,time,weights,time_value", [
-    (D, 1, None, "softmax", False), (12, 2, TIME, "softmax", False), (12, 1, TIME, "sigmoid", True)])
+@pytest.mark.parametrize("width,layers,time,weights,time_value,time_bias", [
+    (D, 1, None, "softmax", False, False), (12, 2, TIME, "softmax", False, False),
+    (12, 1, TIME, "sigmoid", True, False), (12, 2, TIME, "softmax", True, True)])
 def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(width, layers, time, weights,
-                                                                              time_value):
+                                                                              time_value, time_bias):
     """Rows of 3, 1, 6 (= max_len), 0 and 2 behaviours padded to 6: each row's tokens are its
     reference's, with gradients, and the same again without gradients (evaluation's plain ops)."""
     torch.manual_seed(0)
     tokens, rows = 2, [3, 1, 6, 0, 2]
     module = SequenceTransformer(D, tokens, max_len=6, layers=layers, heads=2, width=width, ffn_ratio=2,
-                                 hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value)
+                                 hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value,
+                                 time_bias=time_bias)
     if time_value:  # it starts at zero, the values as without it: here they differ
         nn.init.normal_(module.target.time_value.weight)
+    for block in module.blocks if time_bias else ():  # as do the biases
+        nn.init.normal_(block.time_bias)
     seqs, gaps = jagged(rows), jagged(rows, width=None, seed=3)
     values = seqs.values().clone().requires_grad_()
     gap_values = torch.randint(0, TIME[0], gaps.values().shape, generator=torch.Generator().manual_seed(4))
@@ -202,6 +211,30 @@ def test_the_time_value_starts_at_zero_the_values_as_without_it(weights):
     without = TargetAttention(D, 2, [16], TIME, weights, time_value=False)
     without.load_state_dict({k: v for k, v in with_values.state_dict().items() if not k.startswith("time_value.")})
     assert torch.equal(with_values(x, mask, cand, gaps), without(x, mask, cand, gaps))
+
+
+def test_the_time_bias_starts_at_zero_and_then_reads_each_pairs_gaps():
+    """A new transformer with time_bias attends as the same one without it (to rounding); a bias that is not
+    zero changes only the rows with two or more behaviours' gaps to compare (or one and the
+    candidate's)."""
+    torch.manual_seed(0)
+    rows = [3, 1, 5, 0]
+    seqs = jagged(rows)
+    gaps = pad(jagged(rows, width=None, seed=3).values().abs() % TIME[0], seqs.offsets(), 5)[0]
+    x, mask = pad(seqs.values(), seqs.offsets(), 5)
+    cand = torch.randn(4, D)
+    kwargs = dict(max_len=5, layers=2, heads=2, width=12, ffn_ratio=2, hidden=[16], time=TIME, init_std=0.3,
+                  weights="softmax", time_value=True)
+    biased = SequenceTransformer(D, 2, time_bias=True, **kwargs)
+    plain = SequenceTransformer(D, 2, time_bias=False, **kwargs)
+    plain.load_state_dict({k: v for k, v in biased.state_dict().items() if not k.endswith(".time_bias")})
+    assert all(block.time_bias.shape == (2, 2 * TIME[0] - 1) for block in biased.blocks)
+    # the same up to the kernel: a float mask of zeros and -inf takes another path than a boolean one
+    torch.testing.assert_close(biased(x, mask, cand, gaps), plain(x, mask, cand, gaps), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        biased.blocks[0].time_bias.normal_()
+    differs = (biased(x, mask, cand, gaps) - plain(x, mask, cand, gaps)).abs().amax(dim=(1, 2))
+    assert (differs[:3] > 1e-4).all() and differs[3] == 0
 
 
 def test_target_attention_without_time_reads_a_set_and_the_transformer_reads_the_order():

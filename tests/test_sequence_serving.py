@@ -58,11 +58,12 @@ def reference(module: str, tower: str, timestamps: bool, options: tuple[str, ...
     ("target_attention", "rankmixer", True, ()), ("transformer", "mlp", False, ()),
     ("target_attention", "dcnv2", False, ()),
     ("transformer", "rankmixer", True, ("--model.sequence.target_attention.weights=sigmoid",
-                                        "--model.sequence.target_attention.time_value=true"))])
+                                        "--model.sequence.target_attention.time_value=true")),
+    ("transformer", "mlp", True, ("--model.sequence.transformer.time_bias=true",))])
 def test_the_artifact_attends_raw_rows_as_training_evaluates_them(module, tower, timestamps, options, fmt):
     cfg, model = reference(module, tower, timestamps, options)
-    for name, weights in model.named_parameters():  # the time values start at zero: here they count
-        if "time_value" in name:
+    for name, weights in model.named_parameters():  # the time values and biases start at zero: here they count
+        if "time_value" in name or "time_bias" in name:
             torch.nn.init.normal_(weights)
     rows = timed_table()
     encoder = RowEncoder(cfg.features, cfg.model.tasks, "", cfg.data.time_column, cfg.model.sequence.time_buckets)
