@@ -21,6 +21,23 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A process group of this process alone, as `rankmix score` makes, left as it was found."""
+    # on use: torch, which the suite's other tests and mutation children need not import here
+    import torch.distributed as dist
+
+    from trainer.dist import init_distributed, shutdown
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards, as init_distributed sets them
+    own = not dist.is_initialized()
+    env = init_distributed("gloo", "cpu")
+    yield env
+    if own:
+        shutdown()
+
+
 @pytest.fixture(scope="session")
 def made_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
     """`made_once(name, make)`: a folder that `make` fills once per test session, also when

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
 
@@ -21,20 +20,6 @@ from trainer.config_loader import load_config
 
 ROWS, COEF = 6, 0.5
 TABLES = {"t": 4, "u": 8}
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A process group of this process alone, left as it was found."""
-    from trainer.dist import init_distributed, shutdown
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)  # restored afterwards, as init_distributed sets them
-    own = not dist.is_initialized()
-    env = init_distributed("gloo", "cpu")
-    yield env
-    if own:
-        shutdown()
 
 
 def test_the_gradient_is_the_penalty_s_and_the_values_are_unchanged():

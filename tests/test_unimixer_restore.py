@@ -6,7 +6,6 @@ the in-memory model gives at the schedule's temperature, not at tau 1."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dense.model_config import TaskSpec
 from dense.unimixer import UniMixerTower
@@ -21,20 +20,6 @@ from trainer.serving.predict import raw_inputs
 
 STEP = 5  # of tau_anneal_steps = 10 from 1.0 to 0.05: tau = 1 - 0.95 * 5 / 10
 TAU = 0.525
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A process group of this process alone, as `rankmix score` makes, left as it was found."""
-    from trainer.dist import init_distributed, shutdown
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)  # restored afterwards, as init_distributed sets them
-    own = not dist.is_initialized()
-    env = init_distributed("gloo", "cpu")
-    yield env
-    if own:
-        shutdown()
 
 
 def tower_of(model: torch.nn.Module) -> UniMixerTower:
