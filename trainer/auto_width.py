@@ -1,9 +1,9 @@
 """`model.recipe = "auto"`: the token width for the size of the training data.
 
 A token tower of the config's width can hold many more parameters than its training rows can
-pin down: on MovieLens-100K cut in time (65k training rows) RankMixer at D = 64 (537k dense
-parameters, 8 a row) trails the MLP by 0.0067 +- 0.0048 AUC while D = 32 (137k, 2 a row) is
-level; on the sequence teachers (144k and 1.44M rows) D = 64 (137k, 1 and 0.1 a row) is ahead
+pin down: on MovieLens-100K cut in time (72k training rows) RankMixer at D = 64 (537k dense
+parameters, 7.5 a row) trails the MLP by 0.0067 +- 0.0048 AUC while D = 32 (137k, 1.9 a row) is
+level; on the sequence teachers (144k and 1.44M rows) D = 64 (137k, 0.95 and 0.1 a row) is ahead
 (docs/results.md, "RankMixer against the MLP on splits in time"). So auto takes `model.hidden_dim`
 as the widest the run may use and halves it while the dense tower and heads hold more than
 PARAMS_PER_ROW parameters per training row, down to MIN_WIDTH or the narrowest width the tower
