@@ -79,7 +79,9 @@ def build(module: str, length: int, rows: int, tower: str, ragged: bool = False)
         return [row[:n] for row, n in zip(ids, keep)]
     table = pa.table({"user": rng.integers(0, 1000, rows), "item": rng.integers(0, items, rows),
                       "hist": pa.array(cut(rng.integers(0, items, (rows, length))), pa.list_(pa.int64())),
-                      "ts": pa.array(cut(1_000_000 - rng.integers(0, 10**6, (rows, length))), pa.list_(pa.int64())),
+                      # oldest first, as the reader requires of a history with times
+                      "ts": pa.array(cut(np.sort(1_000_000 - rng.integers(0, 10**6, (rows, length)), axis=1)),
+                                     pa.list_(pa.int64())),
                       "now": np.full(rows, 1_000_000), "click": rng.integers(0, 2, rows)})
     batch = RowEncoder(cfg.features, cfg.model.tasks, "", "now", cfg.model.sequence.time_buckets).encode(
         table, "bench").to_batch()
