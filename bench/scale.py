@@ -176,7 +176,8 @@ progress = false
 def _model_section(tower: str) -> str:
     if tower == "mlp":
         return '[model]\ntower = "mlp"\n\n[model.mlp]\nhidden = [64, 32]\n'
-    return "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in RANKMIXER.items())
+    # the product's tower at its plan's width: model.recipe=auto would narrow it for the small preset's rows
+    return '[model]\nrecipe = "rankmix"\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in RANKMIXER.items())
 
 
 # ---------------------------------------------------------------------- memory
