@@ -35,5 +35,6 @@ def decay_lookups(pooled: KeyedTensor, coef: float) -> KeyedTensor:
     """`pooled` ([B, sum of D_f]) with the penalty of `coef` on its rows' gradient; itself for 0."""
     if not coef:
         return pooled
+    assert pooled.key_dim() == 1  # pooled lookups are [B, sum of D_f]: the batch is their first dimension
     return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(),
-                       values=_LookupDecay.apply(pooled.values(), coef), key_dim=pooled.key_dim())
+                       values=_LookupDecay.apply(pooled.values(), coef))

@@ -166,6 +166,9 @@ MODULES = {
     "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
     # where a log is cut in time (data.split=time's cuts, the MovieLens converter's validation cut)
     "time_cut": Target("trainer/offline/time_cut.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
+    # embeddings.weight_decay's gradient, in-process and through the fused optimizer (not the runs)
+    "decay": Target("embeddings/decay.py", ("tests/test_sparse_weight_decay.py",), deselect=(
+        "tests/test_sparse_weight_decay.py::test_the_pipelined_loop_decays_as_the_plain_one",)),
     # model.recipe=auto's width, on configs built in-process (not the runs that train at it)
     "auto_width": Target("trainer/auto_width.py", ("tests/test_auto_width.py",), deselect=(
         "tests/test_auto_width.py::test_a_run_trains_at_the_width_it_chose_records_it_and_resumes_at_it",)),
