@@ -32,9 +32,9 @@ class _LookupDecay(torch.autograd.Function):
 
 
 def decay_lookups(pooled: KeyedTensor, coef: float) -> KeyedTensor:
-    """`pooled` ([B, sum of D_f]) with the penalty of `coef` on its rows' gradient; itself for 0."""
+    """`pooled` ([B, sum of D_f]: a bag collection's output, its key dimension 1, no check here: TorchRec's
+    pipeline traces this) with the penalty of `coef` on its rows' gradient; itself for 0."""
     if not coef:
         return pooled
-    assert pooled.key_dim() == 1  # pooled lookups are [B, sum of D_f]: the batch is their first dimension
     return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(),
                        values=_LookupDecay.apply(pooled.values(), coef))
