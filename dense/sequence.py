@@ -193,7 +193,7 @@ class SelfAttentionBlock(nn.Module):
     """Pre-norm multi-head self-attention and FFN over [B, L, W]; padded keys are masked, so a
     real position's output does not depend on the padding."""
 
-    def __init__(self, width: int, heads: int, ffn_ratio: int, time_buckets: int = 0):
+    def __init__(self, width: int, heads: int, ffn_ratio: int, time_buckets: int):
         super().__init__()
         self.heads = heads
         # relative time bias: per head, by the difference of two positions' gap buckets (T5's
@@ -204,7 +204,7 @@ class SelfAttentionBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(width, ffn_ratio * width), nn.GELU(), nn.Linear(ffn_ratio * width, width))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, buckets: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, L, W], mask [B, L], gap buckets [B, L] (with time_bias) -> [B, L, W]. torch's fused
+        """x [B, L, W], mask [B, L], gap buckets [B, L] (with time buckets) -> [B, L, W]. torch's fused
         attention: with a boolean mask memory O(B L W); the time bias is an [B, H, L, L] float mask,
         O(B H L^2). Every row has a key (the transformer's candidate), so none is all masked
         (which would give NaN)."""
@@ -232,7 +232,7 @@ class SequenceTransformer(nn.Module):
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
                  hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
-                 time_value: bool, time_bias: bool = False):
+                 time_value: bool, time_bias: bool):
         super().__init__()
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
         self.position = nn.Embedding(max_len, width)

@@ -155,7 +155,10 @@ MODULES = {
         "_marker", "_markers", "_digest", "_read_marker", "_adopt_legacy_markers", "_names", "_part_of",
         "_name_hash")),
     # the sequence module, its config and schema rules, and the timestamps at the data boundary
-    "sequence": Target("dense/sequence.py", ("tests/test_sequence.py", "tests/test_sequence_reference.py")),
+    "sequence": Target("dense/sequence.py", (
+        "tests/test_sequence.py", "tests/test_sequence_reference.py",
+        "tests/test_sequence_modules.py::test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_"
+        "table")),
     "sequence_modules": Target("dense/sequence_modules.py", ("tests/test_sequence_modules.py",
                                                              "tests/test_sequence.py")),
     "sequence_registry": Target("dense/sequence_registry.py", ("tests/test_sequence_modules.py",
@@ -534,8 +537,15 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "dtype=float reads None as NaN"),
     # sequence (dense/sequence.py)
     ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
-     "attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1).unsqueeze(2))",
+     "keys = mask.unsqueeze(1).unsqueeze(2)  # [B, 1, 1, L]",
      "mask.unsqueeze(1) is [B, 1, L]: a new axis at 1 or at 2 both make it [B, 1, 1, L]"),
+    ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
+     'keys = bias.to(q.dtype).masked_fill(~keys, float("-INF"))  # autocast\'s q: the mask\'s type must match',
+     "float() reads '-INF' as -inf"),
+    ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
+     'keys = bias.to(None).masked_fill(~keys, float("-inf"))  # autocast\'s q: the mask\'s type must match',
+     "to(None) keeps fp32, which torch's attention on the CPU takes beside a bf16 query (the cast is for "
+     "CUDA's kernels, which want the query's type)"),
     ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
      "x = x + self.proj(attended_values.transpose(1, 2).flatten(+2))  # [B, L, W]",
      "the attention's output [B, L, heads, W / heads] is 4-D: dimensions 2 and -2 are the same"),

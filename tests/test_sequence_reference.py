@@ -235,6 +235,10 @@ def test_the_time_bias_starts_at_zero_and_then_reads_each_pairs_gaps():
         biased.blocks[0].time_bias.normal_()
     differs = (biased(x, mask, cand, gaps) - plain(x, mask, cand, gaps)).abs().amax(dim=(1, 2))
     assert (differs[:3] > 1e-4).all() and differs[3] == 0
+    # under autocast, as training's mixed precision runs it: the bias takes the scores' type
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        low = biased(x, mask, cand, gaps)
+    torch.testing.assert_close(low.float(), biased(x, mask, cand, gaps).detach(), rtol=0.05, atol=0.05)
 
 
 def test_target_attention_without_time_reads_a_set_and_the_transformer_reads_the_order():
@@ -247,7 +251,8 @@ def test_target_attention_without_time_reads_a_set_and_the_transformer_reads_the
     reversed_x = torch.stack([torch.cat([x[r, :n].flip(0), x[r, n:]]) for r, n in enumerate(rows)])
     target = TargetAttention(D, 1, [16])
     torch.testing.assert_close(target(reversed_x, mask, cand), target(x, mask, cand), rtol=1e-5, atol=1e-6)
-    transformer = SequenceTransformer(D, 1, 5, 1, 2, D, 2, [16], init_std=0.1, weights="softmax", time_value=False)
+    transformer = SequenceTransformer(D, 1, 5, 1, 2, D, 2, [16], init_std=0.1, weights="softmax", time_value=False,
+                                      time_bias=False)
     differs = (transformer(reversed_x, mask, cand) - transformer(x, mask, cand)).abs().amax(dim=(1, 2))
     assert (differs > 1e-3).all(), differs
 
