@@ -240,8 +240,8 @@ class SequenceTransformer(nn.Module):
         self.candidate = nn.Parameter(torch.zeros(width))
         for table in (self.position.weight, self.candidate, *([self.time.weight] if time else [])):
             nn.init.normal_(table, std=init_std)
-        self.time_bias = bool(time and time_bias)
-        self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio, time[0] if self.time_bias else 0)
+        self.relative_time = bool(time and time_bias)  # each block then holds its own time_bias
+        self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio, time[0] if self.relative_time else 0)
                                     for _ in range(layers))
         self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
         self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value)
@@ -258,7 +258,7 @@ class SequenceTransformer(nn.Module):
         h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
         keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
         # the candidate is now: the bucket of a gap of 0 (trainer/data/feature_ops.py)
-        buckets = torch.cat([torch.ones_like(gaps[:, :1]), gaps], dim=1) if self.time_bias else None
+        buckets = torch.cat([torch.ones_like(gaps[:, :1]), gaps], dim=1) if self.relative_time else None
         for block in self.blocks:
             h = block(h, keys, buckets)
         return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)

@@ -49,7 +49,7 @@ def weight_decay_of(name: str, o: OptimConfig) -> float:
 
 
 def param_groups(model: nn.Module, params: list[torch.Tensor], lr: float,
-              decay: dict[int, float] | None = None) -> list[dict]:
+                 decay: dict[int, float] | None = None) -> list[dict]:
     """`params` as RMSProp's parameter groups: one at `lr`, then one per learning-rate multiple
     that a `ScaledLearningRate` module of `model` asks for its own parameters and per weight
     decay of `decay` (id -> decay, for the parameters whose decay is not the optimizer's); none
