@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from dense.sequence_registry import SEQUENCE_MODULES, token_slots
-from embeddings.features import FeatureSpec, attended, attended_tables, default_candidate, unpooled_features
+from embeddings.features import (
+    FeatureSpec,
+    attended,
+    attended_tables,
+    default_candidate,
+    side_fields,
+    unpooled_features,
+)
 
 _MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
 
@@ -275,6 +282,10 @@ class SequenceInputs(nn.Module):
         pooled     the bags' vectors by name [B, D_f]: a candidate on another table comes from there
         ->         name -> [B, D]: the pooled vector (pooling sum or mean) of every plain feature on
                    these tables, and each attended sequence's token slots (dense/sequence_registry.py)
+
+    A behaviour's vector is its id's plus those of its side fields (`features.<name>.side_of`,
+    aligned with it), and the query the candidate's plus its `candidate_fields`': the modules
+    read one [B, L, D] and one [B, D] whatever the fields.
     """
 
     def __init__(self, features: list[FeatureSpec], cfg):
@@ -284,7 +295,9 @@ class SequenceInputs(nn.Module):
         self.mean = {f.name for f in on if not attended(f) and f.kind != "id" and f.pooling == "mean"}
         self.attention = nn.ModuleDict({f.name: SEQUENCE_MODULES.get(f.sequence_module)(cfg, f)
                                         for f in on if attended(f)})
-        self.candidates = {f.name: default_candidate(f, features) for f in on if attended(f)}
+        self.candidates = {f.name: [default_candidate(f, features), *f.candidate_fields] for f in on if attended(f)}
+        self.sides = {f.name: [g.name for g in side_fields(f, features)] for f in on if attended(f)}
+        self.read_padded = set(self.attention) | {name for names in self.sides.values() for name in names}
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
         self.timed = [f.name for f in features if attended(f) and f.timestamps]  # schema order, as the gaps
 
@@ -295,7 +308,7 @@ class SequenceInputs(nn.Module):
         for i, name in enumerate(self.keys):
             rows = looked_up[name]
             x, mask = pad(rows.values(), rows.offsets(), longest[i])
-            if name in self.attention:
+            if name in self.read_padded:
                 padded[name] = (x, mask)
                 if name in self.timed:
                     padded_gaps[name] = pad(gaps[self.timed.index(name)], rows.offsets(), longest[i])[0]
@@ -308,14 +321,16 @@ class SequenceInputs(nn.Module):
     def attend(self, own: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor],
                padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
                gaps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each attended sequence's token slots [B, D] from its padded rows (x [B, L, D], mask
-        [B, L]) and gap buckets [B, L]; its candidate's vector from `own` (the features on these
+        """Each attended sequence's token slots [B, D] from its and its side fields' padded rows
+        (x [B, L, D], mask [B, L]: a side field's mask is its sequence's, their lengths checked
+        equal) and gap buckets [B, L]; the query's vectors from `own` (the features on these
         tables) or else `pooled` (the bags). A served model pads by its own means and calls this."""
         out = {}
         for name, module in self.attention.items():
-            candidate = self.candidates[name]
-            v = own[candidate] if candidate in own else pooled[candidate]
+            candidate, *fields = [own[q] if q in own else pooled[q] for q in self.candidates[name]]
+            v = sum(fields, candidate)
             x, mask = padded[name]
+            x = sum((padded[side][0] for side in self.sides[name]), x)
             vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
             for j, slot in enumerate(self.slots[name]):  # narrow: a slice of CUDA needs the CUDA build
                 out[slot] = vectors.narrow(1, j, 1).squeeze(1)

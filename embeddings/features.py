@@ -79,6 +79,12 @@ class FeatureSpec:
     timestamps: str = ""
     ("""sequence, not pool: list column of the behaviours' times (seconds, aligned with the ids); the gap to """
      """data.time_column is embedded.""")
+    side_of: str = ""
+    ("""sequence: makes this list a side field of that sequence, one value per behaviour aligned with its ids """
+     """(a past rating's stars, its genre); its vector is added to the behaviour's.""")
+    candidate_fields: list[str] = field(default_factory=list)
+    ("""sequence, not pool: more id features of the candidate added to its vector into the query (its genre, """
+     """on the table of the behaviours' genre side field).""")
 
     def __post_init__(self) -> None:
         self.column = self.column or self.name
@@ -88,13 +94,24 @@ class FeatureSpec:
 
 def attended(f: FeatureSpec) -> bool:
     """Whether `f` is a sequence read position by position (a sequence module other than pool)."""
-    return f.kind == "sequence" and f.sequence_module != "pool"
+    return f.kind == "sequence" and not f.side_of and f.sequence_module != "pool"
+
+
+def side_fields(f: FeatureSpec, features: list[FeatureSpec]) -> list[FeatureSpec]:
+    """The side fields of sequence `f` (features whose side_of names it), in schema order."""
+    return [g for g in features if g.kind == "sequence" and g.side_of == f.name]
+
+
+def read_with_attended(features: list[FeatureSpec]) -> list[FeatureSpec]:
+    """The features read position by position: attended sequences and their side fields."""
+    names = {f.name for f in features if attended(f)}
+    return [f for f in features if attended(f) or (f.kind == "sequence" and f.side_of in names)]
 
 
 def attended_tables(features: list[FeatureSpec]) -> list[str]:
-    """The tables of attended sequences, sorted by name: looked up unpooled (an EmbeddingCollection),
-    with every feature that names them."""
-    return sorted({f.table for f in features if attended(f)})
+    """The tables of attended sequences and of their side fields, sorted by name: looked up unpooled
+    (an EmbeddingCollection), with every feature that names them."""
+    return sorted({f.table for f in read_with_attended(features)})
 
 
 def default_candidate(f: FeatureSpec, features: list[FeatureSpec]) -> str:
@@ -124,7 +141,7 @@ def unpooled_features(features: list[FeatureSpec]) -> list[FeatureSpec]:
 
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
 """FeatureSpec fields that only id, id_list and sequence features read."""
-SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps")
+SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps", "side_of", "candidate_fields")
 """FeatureSpec fields that only sequence features read (all but sequence_module only when not pooled)."""
 NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
 """FeatureSpec fields that only numeric features read."""
@@ -141,8 +158,13 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
         unused |= dict.fromkeys((f"{where}.{name}" for name in (NUMERIC_FIELDS if not numeric else ID_FIELDS)), cause)
         if f.kind != "sequence":
             unused |= dict.fromkeys((f"{where}.{name}" for name in SEQUENCE_FIELDS), cause)
+        elif f.side_of:  # a side field is read as its sequence is: the sequence's settings hold
+            unused |= dict.fromkeys((f"{where}.{name}" for name in SEQUENCE_FIELDS if name != "side_of"),
+                                    (f"{where}.side_of", f"{where} is a side field of features.{f.side_of}, "
+                                     "whose settings it follows"))
         elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
-            unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens")),
+            unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens",
+                                                                     "candidate_fields")),
                                     (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
@@ -187,7 +209,33 @@ def validate_features(features: list[FeatureSpec]) -> None:
                 "managed" in (f.hashing, other.hashing):
             raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
                              "managed with the same eviction_policy and eviction_interval, or neither")
+    _validate_sides(features)
     _validate_sequences(features)
+
+
+def _validate_sides(features: list[FeatureSpec]) -> None:
+    """Side fields: each of a sequence that is not one itself, as wide (its vector is added to the
+    behaviour's) and as long (the same newest behaviours kept) as it; pooled as a pooled sequence."""
+    by_name = {f.name: f for f in features}
+    for f in features:
+        if not f.side_of:
+            continue
+        where = f"features.{f.name}"
+        seq = by_name.get(f.side_of)
+        if f.kind != "sequence":
+            raise ValueError(f"{where}.side_of needs kind='sequence' (a list per row, one value per behaviour), "
+                             f"got kind={f.kind!r}")
+        if seq is None or seq.kind != "sequence" or seq.side_of:
+            raise ValueError(f"{where}.side_of={f.side_of!r} is not a sequence feature (a side field's own "
+                             "side_of must name the sequence itself)")
+        for name in ("embedding_dim", "max_len"):
+            if getattr(f, name) != getattr(seq, name):
+                raise ValueError(f"{where}.{name}={getattr(f, name)} differs from features.{seq.name}.{name}="
+                                 f"{getattr(seq, name)}: a side field is aligned with its sequence, its vector "
+                                 "added to each behaviour's")
+        if not attended(seq) and f.pooling != seq.pooling:
+            raise ValueError(f"{where}.pooling={f.pooling!r} differs from features.{seq.name}.pooling="
+                             f"{seq.pooling!r}: a pooled sequence's side field is pooled as it is")
 
 
 def _validate_sequences(features: list[FeatureSpec]) -> None:
@@ -211,6 +259,13 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
         if cand.embedding_dim != f.embedding_dim:
             raise ValueError(f"{where}.candidate={name!r} has embedding_dim {cand.embedding_dim}, the sequence "
                              f"{f.embedding_dim}: they must match")
+        for extra in f.candidate_fields:
+            other = by_name.get(extra)
+            if other is None or other.kind not in ("id", "id_list"):
+                raise ValueError(f"{where}.candidate_fields: {extra!r} is not an id or id_list feature")
+            if other.embedding_dim != f.embedding_dim:
+                raise ValueError(f"{where}.candidate_fields: {extra!r} has embedding_dim {other.embedding_dim}, the "
+                                 f"sequence {f.embedding_dim}: they must match (its vector is added to the query)")
         if width is not None and width != f.embedding_dim:
             raise ValueError(f"{where}.embedding_dim={f.embedding_dim}: every attended sequence's table needs the same "
                              f"width (TorchRec's EmbeddingCollection), another has {width}")

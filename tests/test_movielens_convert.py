@@ -31,11 +31,14 @@ EXPECTED_SCHEMA = [
     ("user_zip", pa.int64()),
     ("item_id", pa.int64()),
     ("item_genres", pa.list_(pa.int64())),
+    ("item_genre", pa.int64()),
     ("item_year", pa.int64()),
     ("hour", pa.int64()),
     ("weekday", pa.int64()),
     ("hist_items", pa.list_(pa.int64())),
     ("hist_timestamps", pa.list_(pa.int64())),
+    ("hist_ratings", pa.list_(pa.int64())),
+    ("hist_genres", pa.list_(pa.int64())),
     ("hist_len", pa.float64()),
     ("rating", pa.float64()),
     ("timestamp", pa.int64()),
@@ -128,18 +131,30 @@ def test_time_split(converted, train: pa.Table, valid: pa.Table) -> None:
     assert 0.09 <= len(valid_ts) / (len(train_ts) + len(valid_ts)) <= 0.11
 
 
-def test_history_matches_raw(raw_inter, rows) -> None:
-    by_user: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for user, item, _, ts in raw_inter:
-        by_user[user].append((ts, item))
+@pytest.fixture(scope="module")
+def rarest_genre() -> dict[int, int]:
+    """Each item's genre (ids as the converter numbers them) held by the fewest items, ties to the lower id."""
+    items = {int(i["item_id"]): i["class"].split() or ["unknown"] for i in _raw("ml-100k.item")}
+    names = sorted({g for gs in items.values() for g in gs})
+    count = {g: sum(g in gs for gs in items.values()) for g in names}
+    return {item: names.index(min(gs, key=lambda g: (count[g], names.index(g)))) + 1 for item, gs in items.items()}
+
+
+def test_history_matches_raw(raw_inter, rows, rarest_genre) -> None:
+    by_user: dict[int, list[tuple[int, int, float]]] = defaultdict(list)
+    for user, item, rating, ts in raw_inter:
+        by_user[user].append((ts, item, rating))
     sample = random.Random(0).sample(raw_inter, 2_000)
     for user, item, _, ts in sample:
         # Same-second ratings are ordered by item id: the converter's documented tie-break.
-        earlier = [(t, it) for t, it in sorted(by_user[user]) if t < ts]
+        earlier = [(t, it, r) for t, it, r in sorted(by_user[user]) if t < ts][-HISTORY_LEN:]
         row = rows[(user, item, ts)]
-        assert row["hist_len"] == float(len(earlier))
-        assert row["hist_items"] == [it for _, it in earlier[-HISTORY_LEN:]]
-        assert row["hist_timestamps"] == [t for t, _ in earlier[-HISTORY_LEN:]]
+        assert row["hist_len"] == float(len([t for t, _, _ in by_user[user] if t < ts]))
+        assert row["hist_items"] == [it for _, it, _ in earlier]
+        assert row["hist_timestamps"] == [t for t, _, _ in earlier]
+        assert row["hist_ratings"] == [int(r) for _, _, r in earlier]  # MovieLens-100K's stars are whole
+        assert row["hist_genres"] == [rarest_genre[it] for _, it, _ in earlier]
+        assert row["item_genre"] == rarest_genre[item]
 
 
 def test_calendar_features_are_utc(raw_inter, rows) -> None:
@@ -176,7 +191,7 @@ def test_item_features_match_raw(rows) -> None:
     for row in list(rows.values())[::97]:
         raw = items[row["item_id"]]
         expected = sorted({genres.index(g) + 1 for g in raw["class"].split() or ["unknown"]})
-        assert sorted(row["item_genres"]) == expected
+        assert sorted(row["item_genres"]) == expected and row["item_genre"] in expected
         year = raw["release_year"]
         assert row["item_year"] == (min(max(int(year) - 1919, 1), 80) if year.isdigit() else 81)
 
@@ -237,6 +252,8 @@ def test_tiny_dataset_edge_cases(tmp_path: Path) -> None:
     assert table.column("item_genres").to_pylist() == [[1], [1]]
     valid = _read_split(tmp_path / "out", "valid")
     assert valid.column("hist_items").to_pylist() == [[1, 1]]
+    assert valid.column("hist_ratings").to_pylist() == [[4, 2]]  # the same second and item: in file order
+    assert valid.column("hist_genres").to_pylist() == [[1, 1]]
     assert summary["time_cut"] == 300
 
 

@@ -69,7 +69,8 @@ def test_the_features_on_an_attended_table_are_unpooled_unmanaged_first_each_in_
 
 def test_each_field_a_feature_does_not_read_is_named_with_the_reason():
     features = [f(name="p", kind="numeric"), f(name="u"), f(name="m", hashing="managed"),
-                f(name="s", kind="sequence"), f(name="a", kind="sequence", sequence_module="transformer")]
+                f(name="s", kind="sequence"), f(name="a", kind="sequence", sequence_module="transformer"),
+                f(name="r", kind="sequence", side_of="a")]
     kind = {name: (f"features.{name}.kind", f"features.{name}.kind={k!r} does not read it")
             for name, k in [("p", "numeric"), ("u", "id"), ("m", "id")]}
     expected = {}
@@ -79,13 +80,16 @@ def test_each_field_a_feature_does_not_read_is_named_with_the_reason():
         expected |= {f"features.{name}.{x}": kind[name] for x in (*NUMERIC_FIELDS, *SEQUENCE_FIELDS)}
     unmanaged = ("features.u.hashing", "features.u.hashing='modulo' is not managed")
     expected |= {"features.u.eviction_policy": unmanaged, "features.u.eviction_interval": unmanaged}
-    for name in ("s", "a"):
+    for name in ("s", "a", "r"):
         cause = (f"features.{name}.kind", f"features.{name}.kind='sequence' does not read it")
         expected |= {f"features.{name}.{x}": cause for x in NUMERIC_FIELDS}
         hashing = (f"features.{name}.hashing", f"features.{name}.hashing='modulo' is not managed")
         expected |= {f"features.{name}.eviction_policy": hashing, f"features.{name}.eviction_interval": hashing}
     pool = ("features.s.sequence_module", "features.s.sequence_module='pool' does not read it")
-    expected |= {"features.s.candidate": pool, "features.s.sequence_tokens": pool}  # timestamps: the schema's column
+    expected |= {"features.s.candidate": pool, "features.s.sequence_tokens": pool,  # timestamps: the schema's column
+                 "features.s.candidate_fields": pool}
+    side = ("features.r.side_of", "features.r is a side field of features.a, whose settings it follows")
+    expected |= {f"features.r.{x}": side for x in SEQUENCE_FIELDS if x != "side_of"}
     assert unused_feature_fields(features) == expected
 
 

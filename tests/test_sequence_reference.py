@@ -294,7 +294,7 @@ def test_build_sequences_builds_each_attended_module_from_the_config():
     module = inputs.attention["hist"]
     assert isinstance(module, TargetAttention)
     assert [m.out_features for m in [module.first, *module.rest] if isinstance(m, nn.Linear)] == [5, 3, 2]
-    assert inputs.candidates == {"hist": "item"} and inputs.slots == {"hist": ["hist.0", "hist.1"]}
+    assert inputs.candidates == {"hist": ["item"]} and inputs.slots == {"hist": ["hist.0", "hist.1"]}
     assert inputs.keys == ["item", "also", "hist"] and inputs.mean == {"also"}
 
 

@@ -160,7 +160,8 @@ def movielens(cfg: Config) -> DatasetFiles:
     if not cfg.features:
         raise ValueError("features is empty: the movielens dataset needs a [[features]] schema "
                          "(see configs/movielens.toml)")
-    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k-v2",  # v2: with hist_timestamps
+    # v3: with item_genre and the history's side fields hist_ratings and hist_genres
+    folder = _prepared(Path(cfg.data.cache_dir) / "movielens-100k-v3",
                        lambda out: convert_movielens(cfg.data.source_dir, out))
     return DatasetFiles(str(folder / "train"), str(folder / "valid"), cfg.features, cfg.data.valid_path)
 

@@ -14,6 +14,7 @@ from embeddings.features import FeatureSpec, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.ids import encode_ids
+from trainer.data.side_fields import check_aligned
 from trainer.data.timestamps import TimeGaps
 
 
@@ -81,8 +82,10 @@ class RowEncoder:
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
         and labels, int64 users (uint64 ones by their bit pattern); computed a whole column at a time."""
-        # First the timed sequences' behaviours after their request time, so that ids and gaps
-        # leave out the same ones before max_len keeps the last (trainer/data/timestamps.py).
+        # First the side fields' alignment, then the timed sequences' behaviours after their request
+        # time, so that ids, side fields and gaps leave out the same ones before max_len keeps the
+        # last (trainer/data/timestamps.py).
+        check_aligned(table, self.sparse, where)
         timed_ids, gaps = self.gaps.encode(table, where)
         ids, lengths = [], []
         for f in self.sparse:

@@ -10,8 +10,8 @@ that range a gap, request time minus timestamp, cannot overflow int64.
 
 A list whose length differs from its ids', or whose times are not oldest first (ties allowed),
 is an error naming the file, row and column. A
-behaviour after its request time is dropped from its sequence (its id and its timestamp; the
-list is shorter, and `max_len` keeps the last of what is left) and counted (`TimeGaps.dropped`;
+behaviour after its request time is dropped from its sequence (its id, its timestamp and its
+side fields' values; the list is shorter, and `max_len` keeps the last of what is left) and counted (`TimeGaps.dropped`;
 one warning per file names the first): kept, it would show the model what happened after the
 label. docs/data.md, "Sequences".
 """
@@ -24,9 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embeddings.features import FeatureSpec, attended
+from embeddings.features import FeatureSpec, attended, side_fields
 from trainer.data.feature_ops import gap_buckets_numpy
 from trainer.data.ids import _keep_last, _one_array, _row_of
+from trainer.data.side_fields import without
 
 TIME_LIMIT = 2 ** 62  # times are 0 <= t < TIME_LIMIT
 assert 2 * TIME_LIMIT - 1 <= np.iinfo(np.int64).max  # so any gap between two of them fits int64
@@ -37,6 +38,7 @@ class TimeGaps:
 
     def __init__(self, features: list[FeatureSpec], time_column: str, buckets: int):
         self.features = [f for f in features if attended(f) and f.timestamps]
+        self.sides = {f.name: side_fields(f, features) for f in self.features}
         self.time_column, self.buckets = time_column, buckets
         self.dropped = 0  # behaviours after their row's request time, left out of their sequence
         self._named: set[str] = set()  # files whose first dropped behaviour a warning named
@@ -66,8 +68,9 @@ class TimeGaps:
 
     def encode(self, table: pa.Table, where: str) -> tuple[dict[str, pa.Array], list[np.ndarray]]:
         """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last
-        max_len of those not after the request time), and, by feature name, its id column with
-        those after the request time left out, where it has any (the ids to encode in its place)."""
+        max_len of those not after the request time), and, by feature name, its id column and its
+        side fields' with those after the request time left out, where it has any (the ids to
+        encode in their place)."""
         if not self.features:
             return {}, []
         now = request_times(table.column(self.time_column), where, self.time_column)
@@ -77,7 +80,8 @@ class TimeGaps:
             gaps = np.repeat(now, lengths) - stamps  # within (-2^62, 2^62): both are in [0, 2^62)
             future = gaps < 0
             if future.any():
-                ids[f.name], lengths = self._drop(table, f, future, lengths, where)
+                dropped, lengths = self._drop(table, f, future, lengths, where)
+                ids.update(dropped)
                 gaps = gaps[~future]
             if f.max_len and lengths.size and lengths.max() > f.max_len:
                 gaps, _ = _keep_last(gaps, lengths, f.max_len)
@@ -85,9 +89,10 @@ class TimeGaps:
         return ids, out
 
     def _drop(self, table: pa.Table, f: FeatureSpec, future: np.ndarray, lengths: np.ndarray,
-              where: str) -> tuple[pa.Array, np.ndarray]:
-        """Feature `f`'s id lists without the behaviours flagged `future` (flat, [sum(lengths)]),
-        and the lists' new lengths; counted, and the first of a file named once."""
+              where: str) -> tuple[dict[str, pa.Array], np.ndarray]:
+        """By feature name, the lists of `f` and of its side fields (checked aligned) without the
+        behaviours flagged `future` (flat, [sum(lengths)]), and the lists' new lengths; counted,
+        and the first of a file named once."""
         at = np.flatnonzero(future)
         rows = np.searchsorted(np.cumsum(lengths), at, side="right")  # the row of each dropped behaviour
         kept = lengths - np.bincount(rows, minlength=lengths.size)
@@ -98,12 +103,7 @@ class TimeGaps:
             print(f"rankmix: warning: {where}, column {f.timestamps!r}: {at.size} behaviour(s) after the request "
                   f"time ({self.time_column!r}) dropped from their sequence, the first at row {int(rows[0])}; "
                   "counted, each file named once", file=sys.stderr, flush=True)
-        ids = _one_array(table.column(f.column))
-        offsets = np.zeros(kept.size + 1, np.int64 if pa.types.is_large_list(ids.type) else np.int32)
-        np.cumsum(kept, out=offsets[1:])
-        values = pc.list_flatten(ids).filter(pa.array(~future))
-        cls = pa.LargeListArray if pa.types.is_large_list(ids.type) else pa.ListArray
-        return cls.from_arrays(pa.array(offsets), values), kept
+        return {g.name: without(table.column(g.column), future, kept) for g in [f, *self.sides[f.name]]}, kept
 
 
 def _timestamps(table: pa.Table, f: FeatureSpec, where: str) -> tuple[np.ndarray, np.ndarray]:

@@ -29,11 +29,14 @@ SCHEMA = pa.schema(
         ("user_zip", pa.int64()),
         ("item_id", pa.int64()),
         ("item_genres", pa.list_(pa.int64())),
+        ("item_genre", pa.int64()),
         ("item_year", pa.int64()),
         ("hour", pa.int64()),
         ("weekday", pa.int64()),
         ("hist_items", pa.list_(pa.int64())),
         ("hist_timestamps", pa.list_(pa.int64())),
+        ("hist_ratings", pa.list_(pa.int64())),
+        ("hist_genres", pa.list_(pa.int64())),
         ("hist_len", pa.float64()),
         ("rating", pa.float64()),
         ("timestamp", pa.int64()),
@@ -81,6 +84,7 @@ class _Items:
 
     ids: np.ndarray
     genres: pa.ListArray
+    genre: np.ndarray  # int64: the item's rarest genre (the fewest items), ties to the lower id
     year: np.ndarray
 
 
@@ -243,10 +247,12 @@ def _read_items(path: Path) -> _Items:
         genre_names.append(genres.split() or [_UNKNOWN_GENRE])
     genre_ids = {g: i for i, g in enumerate(sorted({g for gs in genre_names for g in gs}), start=1)}
     ids, last = _distinct(ids)
-    genres = pa.array([sorted({genre_ids[g] for g in gs}) for gs in genre_names], type=pa.list_(pa.int64()))
+    genre_lists = [sorted({genre_ids[g] for g in genre_names[i]}) for i in last]
+    items_of = np.bincount([g for gs in genre_lists for g in gs], minlength=len(genre_ids) + 1)
+    rarest = np.asarray([min(gs, key=lambda g: (items_of[g], g)) for gs in genre_lists], np.int64)
     year_bucket = np.asarray([_YEAR_MISSING if y is None else min(max(y - _YEAR_BASE, 1), _YEAR_MAX) for y in years],
                              np.int64)
-    return _Items(ids, genres.take(pa.array(last)), year_bucket[last])
+    return _Items(ids, pa.array(genre_lists, type=pa.list_(pa.int64())), rarest, year_bucket[last])
 
 
 def _is_id(text: str) -> bool:
@@ -272,9 +278,11 @@ def _rows_of(ids: np.ndarray, known: np.ndarray, name: str, path: Path) -> np.nd
     return rows
 
 
-def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, pa.ListArray, np.ndarray]:
-    """Per rating: the user's strictly earlier items (most recent last, truncated), their
-    timestamps (aligned with them) and their full count.
+def _history(inter: _Inter, history_len: int, fields: dict[str, np.ndarray]) -> tuple[dict[str, pa.ListArray],
+                                                                                      np.ndarray]:
+    """Per rating: each of `fields` (a value per rating: its item, its time, its stars...) over the
+    user's strictly earlier ratings (most recent last, truncated), aligned lists by name, and the
+    full count of those ratings.
 
     Within a user's time-sorted ratings, the history of a row is a contiguous slice ending where its
     timestamp run starts, so it can be gathered without a Python loop.
@@ -291,19 +299,21 @@ def _history(inter: _Inter, history_len: int) -> tuple[pa.ListArray, pa.ListArra
     lengths = run_start - start
     offsets = np.r_[0, np.cumsum(lengths)]
     gather = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])
-    hist_sorted = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(inter.item[order][gather]))
-    times_sorted = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(ts[gather]))
-    inverse = np.empty(n, np.int64)
-    inverse[order] = pos
+    inverse = pa.array(np.argsort(order))
+    lists = {name: pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values[order][gather]))
+             for name, values in fields.items()}
     full = np.empty(n, np.float64)
     full[order] = run_start - user_start
-    return hist_sorted.take(pa.array(inverse)), times_sorted.take(pa.array(inverse)), full
+    return {name: values.take(inverse) for name, values in lists.items()}, full
 
 
 def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndarray, item_rows: np.ndarray,
                  history_len: int) -> pa.Table:
     """All output columns, in input row order; `user_rows` and `item_rows` are each rating's feature rows."""
-    hist_items, hist_timestamps, hist_len = _history(inter, history_len)
+    # each past rating with its time, its stars (whole, as ids: 0-5) and its item's genre
+    hist, hist_len = _history(inter, history_len, {
+        "hist_items": inter.item, "hist_timestamps": inter.ts,
+        "hist_ratings": np.rint(inter.rating).astype(np.int64), "hist_genres": items.genre[item_rows]})
     days, seconds = np.divmod(inter.ts, 86_400)
     columns = {
         "user_id": inter.user,
@@ -313,11 +323,11 @@ def _build_table(inter: _Inter, users: _Users, items: _Items, user_rows: np.ndar
         "user_zip": users.zip[user_rows],
         "item_id": inter.item,
         "item_genres": items.genres.take(pa.array(item_rows)),
+        "item_genre": items.genre[item_rows],
         "item_year": items.year[item_rows],
         "hour": seconds // 3_600,
         "weekday": (days + 3) % 7,  # 1970-01-01 was a Thursday
-        "hist_items": hist_items,
-        "hist_timestamps": hist_timestamps,
+        **hist,
         "hist_len": hist_len,
         "rating": inter.rating,
         "timestamp": inter.ts,

@@ -213,6 +213,8 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
     lengths = torch.stack([torch.ones(rows, dtype=torch.int64) if f.kind == "id" else
                            torch.randint(0, 4, (rows,), generator=g) for f in model.sparse]) \
         if model.sparse else torch.zeros(0, rows, dtype=torch.int64)
+    for side, seq in model.sides:  # a value per behaviour
+        lengths[side] = lengths[seq]
     ids = [torch.randint(0, f.num_embeddings, (int(n.sum()),), generator=g) for f, n in zip(model.sparse, lengths)]
     numeric = torch.rand(rows, len(model.numeric), generator=g, dtype=torch.float64)
     for i, f in enumerate(model.numeric):  # within every transform's domain, nulls where they are filled

@@ -12,6 +12,7 @@ from embeddings.features import FeatureSpec
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder, raw_numeric
 from trainer.data.ids import encode_ids
+from trainer.data.side_fields import check_aligned
 from trainer.data.timestamps import TimeGaps
 from trainer.serving.export import load
 
@@ -48,6 +49,7 @@ def raw_inputs(table: pa.Table, features: list[FeatureSpec], where: str,
     float64 with NaN for nulls), checked as the training pipeline checks them; then, where an
     attended sequence has timestamps, (timestamps [T] int64, now [B] int64) from `time_column`."""
     rows = table.num_rows
+    check_aligned(table, features, where)
     ids, lengths = [], []
     for f in features:
         if f.kind == "numeric":

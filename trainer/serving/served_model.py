@@ -62,6 +62,14 @@ class ServingModel(nn.Module):
         self.sequences = sequences  # dense/sequence.py SequenceInputs, or None: no attended sequence
         self.attended = [(s, f) for s, f in enumerate(self.sparse) if attended(f)]
         self.timed = [(s, f) for s, f in self.attended if f.timestamps]
+        index = {f.name: s for s, f in enumerate(self.sparse)}
+        self.sides = [(s, index[f.side_of]) for s, f in enumerate(self.sparse) if f.side_of]  # (side, its sequence)
+        # the sparse features padded for the sequence modules: the attended sequences and their side fields
+        self.padded = self.attended + [(s, self.sparse[s]) for s, seq in self.sides if attended(self.sparse[seq])]
+        # each sparse feature's block of `timestamps`: its own, or its sequence's for a side field (-1: none)
+        block = {index[f.name]: k for k, (_, f) in enumerate(self.timed)}
+        block |= {s: block[seq] for s, seq in self.sides if seq in block}
+        self.stamp_block = [block.get(s, -1) for s in range(len(self.sparse))]
         self.time_buckets = time_buckets
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
@@ -73,6 +81,9 @@ class ServingModel(nn.Module):
         ids, lengths, numeric = ids.long(), lengths.long(), numeric.double()
         dense = self.transform_numeric(numeric)
         pooled = {}
+        for side, seq in self.sides:
+            _require((lengths[side] == lengths[seq]).all(), f"sparse feature {self.sparse[side].name!r} must hold one "
+                     f"value per id of sequence {self.sparse[seq].name!r} in each row (its side field)")
         if timestamps is not None:
             ids, lengths, timestamps = self.drop_future(ids, lengths, timestamps.long(), now.long())
         if self.sparse:
@@ -80,7 +91,7 @@ class ServingModel(nn.Module):
             kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=cut.flatten())
             pooled = self.ebc(kjt).to_dict()
             if self.sequences is not None:
-                padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.attended}
+                padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.padded}
                 gaps = {} if timestamps is None else self.gaps(timestamps, now.long(), lengths, cut)
                 pooled.update(self.sequences.attend({}, pooled, padded, gaps))  # the candidates are bags here
         e_input = self.layout.assemble(pooled, dense)
@@ -108,8 +119,8 @@ class ServingModel(nn.Module):
     def drop_future(self, ids: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor,
                     now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, lengths, timestamps) without the timed sequences' behaviours after their row's
-        request time, as the reader leaves them out (trainer/data/timestamps.py); every time
-        checked 0 <= t < 2^62, so that no gap overflows."""
+        request time, and their side fields' values there, as the reader leaves them out
+        (trainer/data/timestamps.py); every time checked 0 <= t < 2^62, so that no gap overflows."""
         _require(((timestamps >= 0) & (timestamps < TIME_LIMIT)).all() & ((now >= 0) & (now < TIME_LIMIT)).all(),
                  "timestamps and now must be 0 <= t < 2^62")
         _require(torch.stack([lengths[s].sum() for s, _ in self.timed]).sum() == timestamps.shape[0],
@@ -117,18 +128,28 @@ class ServingModel(nn.Module):
         flat = lengths.flatten()
         n = ids.shape[0]
         per_feature = lengths.sum(dim=1)
-        timed = {s for s, _ in self.timed}
-        flag = torch.repeat_interleave(torch.tensor([int(s in timed) for s in range(len(self.sparse))],
-                                                    device=ids.device), per_feature, output_size=n)
-        # Timed ids and timestamps come in the same order (feature after feature, row after row),
-        # so a timed id's timestamp is the one at its count of timed ids before it.
-        positions = torch.where(flag == 1, torch.cumsum(flag, 0) - flag, timestamps.shape[0])
+
+        def per_id(values: torch.Tensor) -> torch.Tensor:  # one value per feature -> one per id
+            return torch.repeat_interleave(values, per_feature, output_size=n)
+
+        # Ids and timestamps come in the same order (feature after feature, row after row), and a
+        # side field's values as its sequence's ids: an id's timestamp is at its place in its
+        # feature plus where its block starts.
+        block = per_id(torch.tensor(self.stamp_block, device=ids.device))
+        counts = torch.stack([per_feature[s] for s, _ in self.timed])
+        block_start = torch.cat([torch.cumsum(counts, 0) - counts, counts.new_zeros(1)])  # [T + 1]
+        within = torch.arange(n, device=ids.device) - per_id(torch.cumsum(per_feature, 0) - per_feature)
+        timed = block >= 0
+        positions = torch.where(timed, block_start[torch.where(timed, block, len(self.timed))] + within,
+                                timestamps.shape[0])
         stamp = torch.cat([timestamps, timestamps.new_zeros(1)])[positions]
-        keep = (flag == 0) | (stamp <= torch.repeat_interleave(torch.cat([now] * len(self.sparse)), flat,
+        keep = ~timed | (stamp <= torch.repeat_interleave(torch.cat([now] * len(self.sparse)), flat,
                                                                output_size=n))
         kept = torch.cat([flat.new_zeros(1), torch.cumsum(keep.long(), 0)])
         ends = torch.cumsum(flat, 0)
-        return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), stamp[keep & (flag == 1)]
+        own = per_id(torch.tensor([int(s in {t for t, _ in self.timed}) for s in range(len(self.sparse))],
+                                  device=ids.device)) == 1
+        return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), stamp[keep & own]
 
     def gaps(self, timestamps: torch.Tensor, now: torch.Tensor, lengths: torch.Tensor,
              cut: torch.Tensor) -> dict[str, torch.Tensor]:
