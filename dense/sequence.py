@@ -219,7 +219,8 @@ class SelfAttentionBlock(nn.Module):
         keys = mask.unsqueeze(1).unsqueeze(1)  # [B, 1, 1, L]
         if self.time_bias is not None:
             relative = buckets.unsqueeze(2) - buckets.unsqueeze(1) + (self.time_bias.shape[1] - 1) // 2  # [B, L, L]
-            bias = self.time_bias[:, relative].permute(1, 0, 2, 3)  # [B, H, L, L]
+            # a lookup, not time_bias[:, relative]: that index op's None is outside the pt2 allow list
+            bias = nn.functional.embedding(relative, self.time_bias.t()).permute(0, 3, 1, 2)  # [B, H, L, L]
             keys = bias.to(q.dtype).masked_fill(~keys, float("-inf"))  # autocast's q: the mask's type must match
         attended_values = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys)
         x = x + self.proj(attended_values.transpose(1, 2).flatten(-2))  # [B, L, W]
@@ -265,7 +266,8 @@ class SequenceTransformer(nn.Module):
         h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
         keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
         # the candidate is now: the bucket of a gap of 0 (trainer/data/feature_ops.py)
-        buckets = torch.cat([torch.ones_like(gaps[:, :1]), gaps], dim=1) if self.relative_time else None
+        now = torch.ones([mask.shape[0], 1], dtype=torch.int64, device=mask.device)  # ones, not ones_like: PT2_OPS
+        buckets = torch.cat([now, gaps], dim=1) if self.relative_time else None
         for block in self.blocks:
             h = block(h, keys, buckets)
         return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)

@@ -156,15 +156,17 @@ MODULES = {
         "_name_hash")),
     # the sequence module, its config and schema rules, and the timestamps at the data boundary
     "sequence": Target("dense/sequence.py", (
-        "tests/test_sequence.py", "tests/test_sequence_reference.py",
+        "tests/test_sequence.py", "tests/test_sequence_reference.py", "tests/test_side_fields.py",
         "tests/test_sequence_modules.py::test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_"
         "table")),
     "sequence_modules": Target("dense/sequence_modules.py", ("tests/test_sequence_modules.py",
                                                              "tests/test_sequence.py")),
     "sequence_registry": Target("dense/sequence_registry.py", ("tests/test_sequence_modules.py",
                                                                "tests/test_sequence.py")),
-    "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py")),
-    "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py",)),
+    "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py",
+                                                  "tests/test_side_fields.py")),
+    "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py", "tests/test_side_fields.py")),
+    "side_fields": Target("trainer/data/side_fields.py", ("tests/test_side_fields.py",)),
     # data.split=time's cut and files, on logs written in-process (not the runs that train on it)
     "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
     # where a log is cut in time (data.split=time's cuts, the MovieLens converter's validation cut)
@@ -213,7 +215,7 @@ MODULES = {
 # runs only the tests that call its function. A module in none runs alone.
 RUNS: tuple[tuple[str, ...], ...] = (
     ("assignment", "reader", "identity", "elastic"),
-    ("encode", "ids", "feature_ops", "stable_hash", "timestamps"),
+    ("encode", "ids", "feature_ops", "stable_hash", "timestamps", "side_fields"),
     ("safe_pt2", "safe_pt2_program", "pt2_bounds"),
     ("sequence", "sequence_modules", "sequence_registry", "features"),
     ("tokenizer", "rankmixer"),

@@ -257,8 +257,12 @@ def export_and_score(run: Path, valid: Path, out: Path, fmt: str = "pt2", compar
         return manifest, {}
     proc = rankmix("score", "--checkpoint", str(run), "--data", str(valid), "--out", str(out / "a"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    np.testing.assert_allclose(pq.read_table(out / "b").column("pred_click").to_numpy(),
-                               pq.read_table(out / "a").column("pred_click").to_numpy(), atol=1e-5, rtol=0)
+    served_rows, checkpoint_rows = pq.read_table(out / "b"), pq.read_table(out / "a")
+    predictions = [name for name in checkpoint_rows.column_names if name.startswith("pred_")]
+    assert predictions and served_rows.column_names == checkpoint_rows.column_names
+    for name in predictions:
+        np.testing.assert_allclose(served_rows.column(name).to_numpy(), checkpoint_rows.column(name).to_numpy(),
+                                   atol=1e-5, rtol=0)
     return manifest, json.loads(proc.stdout.splitlines()[-1])
 
 

@@ -126,14 +126,16 @@ def test_int8_tables_serve_attended_sequences_near_fp32(fmt):
     assert 0 < (probs - expected).abs().max().item() < 2e-3
 
 
-@pytest.mark.parametrize("module,tables", [("target_attention", "int8"), ("transformer", "fp32")])
-def test_an_attended_sequences_export_is_within_the_pt2_allow_lists(module, tables):
-    """Every op of the padding, the time buckets and both modules is in PT2_OPS, so that
-    `rankmix score --model` loads the artifact (trainer/serving/safe_pt2.py)."""
+@pytest.mark.parametrize("module,tables,options", [
+    ("target_attention", "int8", ()), ("transformer", "fp32", ()),
+    ("transformer", "fp32", ("--model.sequence.transformer.time_bias=true",))])
+def test_an_attended_sequences_export_is_within_the_pt2_allow_lists(module, tables, options):
+    """Every op of the padding, the time buckets and both modules (the relative time bias too) is
+    in PT2_OPS, so that `rankmix score --model` loads the artifact (trainer/serving/safe_pt2.py)."""
     import fbgemm_gpu  # noqa: F401  registers the ops of TorchRec's quantized tables
 
     from test_trust_pt2 import check_export
 
-    cfg, model = reference(module, "rankmixer", True)
+    cfg, model = reference(module, "rankmixer", True, options)
     with torch.no_grad():
         check_export(cfg, serving_model(cfg, model.state_dict(), step=7, tables=tables), tables)

@@ -1,0 +1,292 @@
+"""Side fields per behaviour (`features.<name>.side_of`) and a query of several candidate features
+(`candidate_fields`): the reader keeps a side field aligned with its sequence (the same drops after
+the request time, the same newest max_len), every module reads the behaviour as its id's vector
+plus its side fields' and the query as the candidate's plus its fields', and the artifact does the
+same from raw rows. Each against an independent reference: per-row Python for the reader, the
+tables' weights summed by hand for the modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from dense.heads import build_dense
+from dense.model_config import TaskSpec
+from dense.sequence import build_sequences, pad
+from embeddings.features import FeatureSpec, validate_features
+from embeddings.tables import sequence_table_configs, table_configs
+from test_sequence_serving import timed_table
+from test_serving_model import ROWS, features
+from trainer.config_loader import load_config
+from trainer.data.encode import RowEncoder
+from trainer.ranking_model import RankingModel
+from trainer.serving.export import FORMATS, example_inputs, serving_model, trace_model
+from trainer.serving.predict import raw_inputs
+
+RATINGS = 6  # the stars' table: ids 0-5
+REPO = Path(__file__).resolve().parents[1]
+
+
+def side_features(module: str, timestamps: bool) -> list[FeatureSpec]:
+    """test_serving_model's schema, its history with two side fields (the stars, hashing none, on a
+    table of their own; the genre, hashed, on the table of the candidate's genre) and the
+    candidate's genre in the query."""
+    attended = module != "pool"
+    spec = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2 if attended else 1,
+                                timestamps="history_ts" if timestamps else "",
+                                candidate_fields=["item_genre"] if attended else [])
+            if f.name == "history" else f for f in features()]
+    side = {"kind": "sequence", "side_of": "history", "embedding_dim": 8, "max_len": 4, "group": "context"}
+    spec += [FeatureSpec(name="item_genre", table="genre", num_embeddings=7, embedding_dim=8, group="item"),
+             FeatureSpec(name="history_stars", num_embeddings=RATINGS, hashing="none", **side),
+             FeatureSpec(name="history_genre", table="genre", num_embeddings=7, **side)]
+    validate_features(spec)
+    return spec
+
+
+def side_table(seed: int = 0) -> pa.Table:
+    """test_sequence_serving's timed rows with the history's stars and genres, one per behaviour
+    (a null list where the history is null or empty), and the candidate's genre."""
+    rows = timed_table(seed)
+    rng = np.random.default_rng(seed + 2)
+    lengths = [len(h or []) for h in rows.column("history").to_pylist()]
+    stars = [list(rng.integers(0, RATINGS, n)) if n else None for n in lengths]
+    genres = [list(rng.integers(0, 1000, n)) for n in lengths]
+    return rows.append_column("history_stars", pa.array(stars, pa.list_(pa.int64()))) \
+        .append_column("history_genre", pa.array(genres, pa.list_(pa.int64()))) \
+        .append_column("item_genre", pa.array(rng.integers(0, 1000, ROWS)))
+
+
+def reference(module: str, tower: str, timestamps: bool):
+    sizes = (["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer"
+             else ["--model.mlp.hidden=[16, 8]"])
+    cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
+    cfg.features = side_features(module, timestamps)
+    cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
+    torch.manual_seed(0)
+    layout, tower_module, heads = build_dense(cfg.model, cfg.features)
+    attended = module != "pool"
+    model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, tower_module, heads,
+                         sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features))
+                         if attended else None,
+                         sequences=build_sequences(cfg.features, cfg.model.sequence))
+    for name, weights in model.named_parameters():  # the time values start at zero: here they count
+        if "time_value" in name:
+            torch.nn.init.normal_(weights)
+    return cfg, model.eval()
+
+
+def encoder(cfg) -> RowEncoder:
+    return RowEncoder(cfg.features, cfg.model.tasks, "", cfg.data.time_column, cfg.model.sequence.time_buckets)
+
+
+def kept(rows: pa.Table, column: str, timestamps: bool) -> list[list[int]]:
+    """Per row, `column`'s values at the behaviours the reader keeps: those not after the request
+    time (with timestamps), then the last 4 (max_len)."""
+    values = [v or [] for v in rows.column(column).to_pylist()]
+    stamps = rows.column("history_ts").to_pylist()
+    now = rows.column("now").to_pylist()
+    return [[v for v, t in zip(vs, ts) if not timestamps or t <= n][-4:] for vs, ts, n in zip(values, stamps, now)]
+
+
+@pytest.mark.parametrize("timestamps", [True, False])
+def test_the_reader_keeps_each_side_value_with_its_behaviour(timestamps):
+    cfg, _ = reference("target_attention", "mlp", timestamps)
+    rows = side_table()
+    batch = encoder(cfg).encode(rows, "test").to_batch()
+    looked = batch.sequence_ids.to_dict()
+    genre_rows = [[g % 7 for g in gs] for gs in kept(rows, "history_genre", timestamps)]
+    for name, expected in (("history", kept(rows, "history", timestamps)),
+                           ("history_stars", kept(rows, "history_stars", timestamps)), ("history_genre", genre_rows)):
+        assert [v.tolist() for v in looked[name].to_dense()] == expected, name
+    if timestamps:  # the drops are the sequence's: some rows lost behaviours to them
+        assert sum(map(len, kept(rows, "history", True))) < sum(map(len, kept(rows, "history", False)))
+
+
+def test_each_module_reads_the_behaviour_and_the_query_as_sums_of_their_fields():
+    """SequenceInputs against the module called by hand on the tables' rows summed."""
+    cfg, model = reference("target_attention", "mlp", True)
+    batch = encoder(cfg).encode(side_table(), "test").to_batch()
+    weights = {name: t.weight for name, t in model.sequence_tables.embeddings.items()}
+    looked = batch.sequence_ids.to_dict()
+    with torch.no_grad():
+        out = model.sequences({}, model.sequence_tables(batch.sequence_ids), batch.sequence_max, batch.sequence_gaps)
+        x, mask = pad(weights["item_rows"][looked["history"].values()], looked["history"].offsets(), 4)
+        for name, table in (("history_stars", "history_stars"), ("history_genre", "genre")):
+            x = x + pad(weights[table][looked[name].values()], looked[name].offsets(), 4)[0]
+        query = weights["item_rows"][looked["item"].values()] + weights["genre"][looked["item_genre"].values()]
+        gaps = pad(batch.sequence_gaps[0], looked["history"].offsets(), 4)[0]
+        expected = model.sequences.attention["history"](x, mask, query, gaps)
+    torch.testing.assert_close(torch.stack([out["history.0"], out["history.1"]], 1), expected, rtol=0, atol=1e-6)
+
+
+def test_a_pooled_sequence_adds_its_side_fields_pooled_vectors_to_its_own():
+    cfg, model = reference("pool", "mlp", False)
+    batch = encoder(cfg).encode(side_table(), "test").to_batch()
+    with torch.no_grad():
+        pooled = model.ebc(batch.sparse).to_dict()
+        e_input = model.layout.assemble(pooled, batch.dense)
+    slot = [s.name for s in model.layout.slots]
+    assert "history_stars" not in slot and "history_genre" not in slot
+    start = sum(s.width for s in model.layout.slots[:slot.index("history")])
+    torch.testing.assert_close(e_input[:, start:start + 8],
+                               pooled["history"] + pooled["history_stars"] + pooled["history_genre"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("module,tower,timestamps", [
+    ("target_attention", "rankmixer", True), ("transformer", "mlp", True), ("transformer", "dcnv2", False),
+    ("pool", "rankmixer", False)])
+def test_the_artifact_reads_side_fields_from_raw_rows_as_training_evaluates_them(module, tower, timestamps, fmt):
+    cfg, model = reference(module, tower, timestamps)
+    rows = side_table()
+    with torch.no_grad():
+        expected = torch.sigmoid(model(encoder(cfg).encode(rows, "test").to_batch()))
+        served = serving_model(cfg, model.state_dict(), step=7)
+        program = trace_model(served, example_inputs(served), fmt)
+        artifact = program if fmt == "torchscript" else program.module()
+        probs = artifact(*raw_inputs(rows, cfg.features, "test", cfg.data.time_column))
+        one_row = artifact(*raw_inputs(rows.slice(5, 1), cfg.features, "test", cfg.data.time_column))
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(one_row, expected[5:6], atol=1e-6, rtol=0)
+
+
+def misaligned(rows: pa.Table) -> tuple[pa.Table, int]:
+    """`rows` with one behaviour's genre missing in the first row that has a behaviour."""
+    genres = rows.column("history_genre").to_pylist()
+    row = next(i for i, g in enumerate(genres) if g)
+    genres[row] = genres[row][1:]
+    return rows.set_column(rows.schema.get_field_index("history_genre"), "history_genre",
+                           pa.array(genres, pa.list_(pa.int64()))), row
+
+
+def test_a_side_list_not_as_long_as_its_sequence_is_refused_by_the_reader_and_by_raw_inputs():
+    cfg, _ = reference("target_attention", "mlp", True)
+    rows, row = misaligned(side_table())
+    n = len(rows.column("history").to_pylist()[row])
+    message = (f"part-0.parquet, row group 0, column 'history_genre': row {row} has {n - 1} values for {n} ids in "
+               "column 'history' (features.history_genre.side_of='history': one value per behaviour)")
+    with pytest.raises(ValueError) as e:
+        encoder(cfg).encode(rows, "part-0.parquet, row group 0")
+    assert str(e.value) == message
+    with pytest.raises(ValueError) as e:
+        raw_inputs(rows, cfg.features, "part-0.parquet, row group 0", cfg.data.time_column)
+    assert str(e.value) == message
+
+
+def test_the_artifact_refuses_a_side_field_not_aligned_with_its_sequence():
+    cfg, model = reference("transformer", "mlp", False)
+    ids, lengths, numeric = raw_inputs(side_table(), cfg.features, "test")
+    stars = [f.name for f in cfg.features if f.kind != "numeric"].index("history_stars")
+    lengths[stars, 0] += 1  # one more star than behaviours in row 0
+    extra = int(lengths[:stars].sum() + lengths[stars, 0]) - 1
+    ids = torch.cat([ids[:extra], torch.tensor([1]), ids[extra:]])
+    served = serving_model(cfg, model.state_dict(), step=7)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="sparse feature 'history_stars' must hold one value per "
+                                                           "id of sequence 'history' in each row \\(its side field\\)"):
+        served(ids, lengths, numeric)
+
+
+def test_a_side_fields_export_is_within_the_pt2_allow_lists():
+    """The side fields' drops and padding add no op outside PT2_OPS (trainer/serving/safe_pt2.py)."""
+    from test_trust_pt2 import check_export
+
+    cfg, model = reference("target_attention", "rankmixer", True)
+    with torch.no_grad():
+        check_export(cfg, serving_model(cfg, model.state_dict(), step=7), "fp32")
+
+
+def spec(**kw) -> FeatureSpec:
+    return FeatureSpec(**kw)
+
+
+BASE = [spec(name="item", num_embeddings=10, embedding_dim=8),
+        spec(name="genre", num_embeddings=5, embedding_dim=8),
+        spec(name="wide", num_embeddings=5, embedding_dim=4),
+        spec(name="hist", kind="sequence", table="item", num_embeddings=10, embedding_dim=8, max_len=5,
+             sequence_module="target_attention"),
+        spec(name="bag", kind="sequence", num_embeddings=10, embedding_dim=8, pooling="mean")]
+
+
+@pytest.mark.parametrize("feature,message", [
+    (spec(name="s", kind="id_list", side_of="hist", embedding_dim=8, num_embeddings=3, max_len=5),
+     "features.s.side_of needs kind='sequence' (a list per row, one value per behaviour), got kind='id_list'"),
+    (spec(name="s", kind="sequence", side_of="item", embedding_dim=8, num_embeddings=3, max_len=5),
+     "features.s.side_of='item' is not a sequence feature (a side field's own side_of must name the sequence "
+     "itself)"),
+    (spec(name="s", kind="sequence", side_of="nothing", embedding_dim=8, num_embeddings=3, max_len=5),
+     "features.s.side_of='nothing' is not a sequence feature (a side field's own side_of must name the sequence "
+     "itself)"),
+    (spec(name="s", kind="sequence", side_of="hist", embedding_dim=4, num_embeddings=3, max_len=5),
+     "features.s.embedding_dim=4 differs from features.hist.embedding_dim=8: a side field is aligned with its "
+     "sequence, its vector added to each behaviour's"),
+    (spec(name="s", kind="sequence", side_of="hist", embedding_dim=8, num_embeddings=3, max_len=4),
+     "features.s.max_len=4 differs from features.hist.max_len=5: a side field is aligned with its sequence, its "
+     "vector added to each behaviour's"),
+    (spec(name="s", kind="sequence", side_of="bag", embedding_dim=8, num_embeddings=3),
+     "features.s.pooling='sum' differs from features.bag.pooling='mean': a pooled sequence's side field is pooled "
+     "as it is"),
+])
+def test_a_side_field_is_refused_where_it_cannot_align(feature, message):
+    with pytest.raises(ValueError) as e:
+        validate_features([*BASE, feature])
+    assert str(e.value) == message
+
+
+def test_a_side_of_a_side_field_is_refused():
+    first = spec(name="s", kind="sequence", side_of="hist", embedding_dim=8, num_embeddings=3, max_len=5)
+    second = spec(name="t", kind="sequence", side_of="s", embedding_dim=8, num_embeddings=3, max_len=5)
+    with pytest.raises(ValueError) as e:
+        validate_features([*BASE, first, second])
+    assert str(e.value) == ("features.t.side_of='s' is not a sequence feature (a side field's own side_of must name "
+                            "the sequence itself)")
+
+
+@pytest.mark.parametrize("fields,message", [
+    (["bag"], "features.hist.candidate_fields: 'bag' is not an id or id_list feature"),
+    (["nothing"], "features.hist.candidate_fields: 'nothing' is not an id or id_list feature"),
+    (["genre", "wide"], "features.hist.candidate_fields: 'wide' has embedding_dim 4, the sequence 8: they must "
+                        "match (its vector is added to the query)"),
+])
+def test_a_query_field_is_refused_unless_an_id_feature_as_wide_as_the_sequence(fields, message):
+    features = [dataclasses.replace(f, candidate_fields=fields) if f.name == "hist" else f for f in BASE]
+    with pytest.raises(ValueError) as e:
+        validate_features(features)
+    assert str(e.value) == message
+
+
+ML_ARGS = ["--config", "configs/movielens.toml", "--train.steps=30", "--metrics.progress=false",
+           "--metrics.tensorboard=false", "--checkpoint.keep=0"]
+MANAGED_GENRES = [f"--features.{f}.hashing=managed" for f in ("item_genre", "hist_genres")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,args,fmt", [
+    ("pool", [], "pt2"), ("target_attention", [], "torchscript"), ("target_attention", MANAGED_GENRES, "pt2"),
+    ("transformer", ["--model.sequence.transformer.time_bias=true"], "pt2")])
+def test_movielens_with_side_fields_trains_on_two_ranks_and_its_artifact_scores_as_its_checkpoint(
+        module, args, fmt, made_once, tmp_path):
+    """configs/movielens.toml's past ratings with their stars and genres, queried by the item and
+    its genre: on 2 ranks, exported, `score --model` as the run's evaluation and as `score
+    --checkpoint`, row by row (managed tables load only on the ranks that trained them: the
+    evaluation alone)."""
+    from cli import rankmix_ranks
+    from test_managed import export_and_score
+
+    if not (REPO / "../shared/data/movielens-100k/ml-100k.inter").is_file():
+        pytest.skip("MovieLens-100K is not in ../shared/data")
+    cache = made_once("movielens-cache", lambda folder: None)
+    run = tmp_path / "run"
+    proc = rankmix_ranks(2, *ML_ARGS, f"--train.run_dir={run}", f"--data.cache_dir={cache}",
+                         f"--features.hist_items.sequence_module={module}", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest, _ = export_and_score(run, cache / "movielens-100k-v3" / "valid", tmp_path, fmt,
+                                   compare=not args)
+    if args == MANAGED_GENRES:
+        assert manifest["managed"]["genre"]["ranks"] == 2
