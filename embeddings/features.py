@@ -82,6 +82,11 @@ class FeatureSpec:
     side_of: str = ""
     ("""sequence: makes this list a side field of that sequence, one value per behaviour aligned with its ids """
      """(a past rating's stars, its genre); its vector is added to the behaviour's.""")
+    search_field: str = ""
+    ("""sequence, not pool: SIM's hard search: keep only the behaviours whose value of this side field equals """
+     """the candidate's search_query, then the newest max_len of them.""")
+    search_query: str = ""
+    """sequence, search_field set: the candidate's id feature whose raw value a behaviour's search_field must equal."""
     candidate_fields: list[str] = field(default_factory=list)
     ("""sequence, not pool: more id features of the candidate added to its vector into the query (its genre, """
      """on the table of the behaviours' genre side field).""")
@@ -141,7 +146,8 @@ def unpooled_features(features: list[FeatureSpec]) -> list[FeatureSpec]:
 
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
 """FeatureSpec fields that only id, id_list and sequence features read."""
-SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps", "side_of", "candidate_fields")
+SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps", "side_of", "candidate_fields",
+                   "search_field", "search_query")
 """FeatureSpec fields that only sequence features read (all but sequence_module only when not pooled)."""
 NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
 """FeatureSpec fields that only numeric features read."""
@@ -164,7 +170,8 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
                                      "whose settings it follows"))
         elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
             unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens",
-                                                                     "candidate_fields")),
+                                                                     "candidate_fields", "search_field",
+                                                                     "search_query")),
                                     (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
@@ -266,6 +273,7 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
             if other.embedding_dim != f.embedding_dim:
                 raise ValueError(f"{where}.candidate_fields: {extra!r} has embedding_dim {other.embedding_dim}, the "
                                  f"sequence {f.embedding_dim}: they must match (its vector is added to the query)")
+        _validate_search(f, by_name)
         if width is not None and width != f.embedding_dim:
             raise ValueError(f"{where}.embedding_dim={f.embedding_dim}: every attended sequence's table needs the same "
                              f"width (TorchRec's EmbeddingCollection), another has {width}")
@@ -275,6 +283,22 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
         if f.kind in ("id_list", "sequence") and f.table in unpooled and f.max_len <= 0:
             raise ValueError(f"features.{f.name}.max_len must be > 0: its table {f.table!r} holds an attended "
                              "sequence, so it is looked up unpooled and padded (to max_len in a served model)")
+
+
+def _validate_search(f: FeatureSpec, by_name: dict[str, FeatureSpec]) -> None:
+    """A hard search names one of the sequence's side fields and an id feature of the candidate."""
+    where = f"features.{f.name}"
+    if bool(f.search_field) != bool(f.search_query):
+        raise ValueError(f"{where}: search_field and search_query go together (the behaviours' field and the "
+                         f"candidate's id it must equal), got search_field={f.search_field!r}, "
+                         f"search_query={f.search_query!r}")
+    if not f.search_field:
+        return
+    field_spec, query = by_name.get(f.search_field), by_name.get(f.search_query)
+    if field_spec is None or field_spec.side_of != f.name:
+        raise ValueError(f"{where}.search_field={f.search_field!r} is not a side field of features.{f.name}")
+    if query is None or query.kind != "id":
+        raise ValueError(f"{where}.search_query={f.search_query!r} is not an id feature")
 
 
 @functools.cache

@@ -245,3 +245,20 @@ def test_sequence_bench_prints_a_row_per_module_and_the_goals_ratio():
     ratio = re.fullmatch(r"target_attention / pool step at M=200, 3 rounds in turns: (\d+\.\d\d) "
                          r"\(rounds (\d+\.\d\d)-(\d+\.\d\d); goal <= 1\.5\)", lines[4])
     assert ratio and float(ratio[2]) <= float(ratio[1]) <= float(ratio[3]), lines[4]
+
+
+@pytest.mark.bench
+def test_long_sequence_bench_prints_a_row_per_length_and_the_goals_ratio():
+    """bench/long_sequence.py small: the hard search keeps at most K of each length, and the goal's ratio."""
+    proc = subprocess.run([sys.executable, "bench/long_sequence.py", "--rows", "32", "--lengths", "100,1000",
+                           "--k", "16", "--steps", "1"], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["M", "K", "kept", "encode", "ms", "step", "ms", "input", "MB", "peak", "RSS", "MB"]
+    rows = [line.split() for line in lines[1:3]]
+    assert [(r[0], r[1]) for r in rows] == [("100", "16"), ("1000", "16")]
+    assert all(0 < float(r[2]) <= 16 for r in rows) and float(rows[1][2]) == 16  # 1,000 of 4 genres: 16 match
+    assert float(rows[1][5]) > 5 * float(rows[0][5])  # the input grows with M
+    assert re.fullmatch(r"encode \+ step at M=1000 over M=100, K=16: \d+\.\d\d \(step alone \d+\.\d\d; goal <= 2\)",
+                        lines[3]), lines[3]

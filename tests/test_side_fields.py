@@ -33,14 +33,15 @@ RATINGS = 6  # the stars' table: ids 0-5
 REPO = Path(__file__).resolve().parents[1]
 
 
-def side_features(module: str, timestamps: bool) -> list[FeatureSpec]:
+def side_features(module: str, timestamps: bool, search: bool = False) -> list[FeatureSpec]:
     """test_serving_model's schema, its history with two side fields (the stars, hashing none, on a
     table of their own; the genre, hashed, on the table of the candidate's genre) and the
-    candidate's genre in the query."""
+    candidate's genre in the query; with `search`, only the behaviours of the candidate's genre."""
     attended = module != "pool"
+    search_keys = {"search_field": "history_genre", "search_query": "item_genre"} if search else {}
     spec = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2 if attended else 1,
                                 timestamps="history_ts" if timestamps else "",
-                                candidate_fields=["item_genre"] if attended else [])
+                                candidate_fields=["item_genre"] if attended else [], **search_keys)
             if f.name == "history" else f for f in features()]
     side = {"kind": "sequence", "side_of": "history", "embedding_dim": 8, "max_len": 4, "group": "context"}
     spec += [FeatureSpec(name="item_genre", table="genre", num_embeddings=7, embedding_dim=8, group="item"),
@@ -52,22 +53,23 @@ def side_features(module: str, timestamps: bool) -> list[FeatureSpec]:
 
 def side_table(seed: int = 0) -> pa.Table:
     """test_sequence_serving's timed rows with the history's stars and genres, one per behaviour
-    (a null list where the history is null or empty), and the candidate's genre."""
+    (a null list where the history is null or empty), and the candidate's genre (null in a few
+    rows), genres drawn from 4 so that a quarter of the behaviours match the candidate's."""
     rows = timed_table(seed)
     rng = np.random.default_rng(seed + 2)
     lengths = [len(h or []) for h in rows.column("history").to_pylist()]
     stars = [list(rng.integers(0, RATINGS, n)) if n else None for n in lengths]
-    genres = [list(rng.integers(0, 1000, n)) for n in lengths]
+    genres = [list(rng.integers(0, 4, n)) for n in lengths]
     return rows.append_column("history_stars", pa.array(stars, pa.list_(pa.int64()))) \
         .append_column("history_genre", pa.array(genres, pa.list_(pa.int64()))) \
-        .append_column("item_genre", pa.array(rng.integers(0, 1000, ROWS)))
+        .append_column("item_genre", pa.array(rng.integers(0, 4, ROWS), mask=np.arange(ROWS) % 13 == 6))
 
 
-def reference(module: str, tower: str, timestamps: bool):
+def reference(module: str, tower: str, timestamps: bool, search: bool = False):
     sizes = (["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer"
              else ["--model.mlp.hidden=[16, 8]"])
     cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
-    cfg.features = side_features(module, timestamps)
+    cfg.features = side_features(module, timestamps, search)
     cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
     torch.manual_seed(0)
     layout, tower_module, heads = build_dense(cfg.model, cfg.features)
@@ -86,27 +88,38 @@ def encoder(cfg) -> RowEncoder:
     return RowEncoder(cfg.features, cfg.model.tasks, "", cfg.data.time_column, cfg.model.sequence.time_buckets)
 
 
-def kept(rows: pa.Table, column: str, timestamps: bool) -> list[list[int]]:
-    """Per row, `column`'s values at the behaviours the reader keeps: those not after the request
-    time (with timestamps), then the last 4 (max_len)."""
+def kept(rows: pa.Table, column: str, timestamps: bool, search: bool = False) -> list[list[int]]:
+    """Per row, `column`'s values at the behaviours the reader keeps: those of the candidate's
+    genre (with `search`; none where it is null), not after the request time (with timestamps),
+    then the last 4 (max_len)."""
     values = [v or [] for v in rows.column(column).to_pylist()]
+    genres = [g or [] for g in rows.column("history_genre").to_pylist()]
+    wanted = rows.column("item_genre").to_pylist()
     stamps = rows.column("history_ts").to_pylist()
     now = rows.column("now").to_pylist()
-    return [[v for v, t in zip(vs, ts) if not timestamps or t <= n][-4:] for vs, ts, n in zip(values, stamps, now)]
+    return [[v for v, g, t in zip(vs, gs, ts) if (not timestamps or t <= n) and (not search or g == w)][-4:]
+            for vs, gs, w, ts, n in zip(values, genres, wanted, stamps, now)]
 
 
-@pytest.mark.parametrize("timestamps", [True, False])
-def test_the_reader_keeps_each_side_value_with_its_behaviour(timestamps):
-    cfg, _ = reference("target_attention", "mlp", timestamps)
+@pytest.mark.parametrize("timestamps,search", [(True, False), (False, False), (True, True), (False, True)])
+def test_the_reader_keeps_each_side_value_with_its_behaviour(timestamps, search):
+    cfg, _ = reference("target_attention", "mlp", timestamps, search)
     rows = side_table()
     batch = encoder(cfg).encode(rows, "test").to_batch()
     looked = batch.sequence_ids.to_dict()
-    genre_rows = [[g % 7 for g in gs] for gs in kept(rows, "history_genre", timestamps)]
-    for name, expected in (("history", kept(rows, "history", timestamps)),
-                           ("history_stars", kept(rows, "history_stars", timestamps)), ("history_genre", genre_rows)):
+    genre_rows = [[g % 7 for g in gs] for gs in kept(rows, "history_genre", timestamps, search)]
+    for name, expected in (("history", kept(rows, "history", timestamps, search)),
+                           ("history_stars", kept(rows, "history_stars", timestamps, search)),
+                           ("history_genre", genre_rows)):
         assert [v.tolist() for v in looked[name].to_dense()] == expected, name
     if timestamps:  # the drops are the sequence's: some rows lost behaviours to them
-        assert sum(map(len, kept(rows, "history", True))) < sum(map(len, kept(rows, "history", False)))
+        assert sum(map(len, kept(rows, "history", True, search))) < sum(map(len, kept(rows, "history", False, search)))
+        gaps = batch.sequence_gaps[0].tolist()  # the kept behaviours' own gaps, in order
+        now, stamps = rows.column("now").to_pylist(), kept(rows, "history_ts", True, search)
+        assert gaps == [min(1 + int(n - t + 1).bit_length() - 1, cfg.model.sequence.time_buckets - 1)
+                        for n, ts in zip(now, stamps) for t in ts]
+    if search:  # the search kept fewer than max_len cuts to: it ran before the cut
+        assert sum(map(len, kept(rows, "history", timestamps, True))) < sum(map(len, kept(rows, "history", timestamps)))
 
 
 def test_each_module_reads_the_behaviour_and_the_query_as_sums_of_their_fields():
@@ -120,7 +133,9 @@ def test_each_module_reads_the_behaviour_and_the_query_as_sums_of_their_fields()
         x, mask = pad(weights["item_rows"][looked["history"].values()], looked["history"].offsets(), 4)
         for name, table in (("history_stars", "history_stars"), ("history_genre", "genre")):
             x = x + pad(weights[table][looked[name].values()], looked[name].offsets(), 4)[0]
-        query = weights["item_rows"][looked["item"].values()] + weights["genre"][looked["item_genre"].values()]
+        genre = looked["item_genre"]  # null in a few rows: an empty bag, a zero vector
+        query = weights["item_rows"][looked["item"].values()] + \
+            pad(weights["genre"][genre.values()], genre.offsets(), 1)[0].squeeze(1)
         gaps = pad(batch.sequence_gaps[0], looked["history"].offsets(), 4)[0]
         expected = model.sequences.attention["history"](x, mask, query, gaps)
     torch.testing.assert_close(torch.stack([out["history.0"], out["history.1"]], 1), expected, rtol=0, atol=1e-6)
@@ -140,11 +155,13 @@ def test_a_pooled_sequence_adds_its_side_fields_pooled_vectors_to_its_own():
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("module,tower,timestamps", [
-    ("target_attention", "rankmixer", True), ("transformer", "mlp", True), ("transformer", "dcnv2", False),
-    ("pool", "rankmixer", False)])
-def test_the_artifact_reads_side_fields_from_raw_rows_as_training_evaluates_them(module, tower, timestamps, fmt):
-    cfg, model = reference(module, tower, timestamps)
+@pytest.mark.parametrize("module,tower,timestamps,search", [
+    ("target_attention", "rankmixer", True, False), ("transformer", "mlp", True, False),
+    ("transformer", "dcnv2", False, False), ("pool", "rankmixer", False, False),
+    ("target_attention", "mlp", True, True), ("transformer", "rankmixer", False, True)])
+def test_the_artifact_reads_side_fields_from_raw_rows_as_training_evaluates_them(module, tower, timestamps, search,
+                                                                                 fmt):
+    cfg, model = reference(module, tower, timestamps, search)
     rows = side_table()
     with torch.no_grad():
         expected = torch.sigmoid(model(encoder(cfg).encode(rows, "test").to_batch()))
@@ -193,11 +210,12 @@ def test_the_artifact_refuses_a_side_field_not_aligned_with_its_sequence():
         served(ids, lengths, numeric)
 
 
-def test_a_side_fields_export_is_within_the_pt2_allow_lists():
-    """The side fields' drops and padding add no op outside PT2_OPS (trainer/serving/safe_pt2.py)."""
+@pytest.mark.parametrize("search", [False, True])
+def test_a_side_fields_export_is_within_the_pt2_allow_lists(search):
+    """The side fields' drops, search and padding add no op outside PT2_OPS (trainer/serving/safe_pt2.py)."""
     from test_trust_pt2 import check_export
 
-    cfg, model = reference("target_attention", "rankmixer", True)
+    cfg, model = reference("target_attention", "rankmixer", True, search)
     with torch.no_grad():
         check_export(cfg, serving_model(cfg, model.state_dict(), step=7), "fp32")
 
@@ -246,6 +264,23 @@ def test_a_side_of_a_side_field_is_refused():
         validate_features([*BASE, first, second])
     assert str(e.value) == ("features.t.side_of='s' is not a sequence feature (a side field's own side_of must name "
                             "the sequence itself)")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"search_field": "s"}, "features.hist: search_field and search_query go together (the behaviours' field and "
+                            "the candidate's id it must equal), got search_field='s', search_query=''"),
+    ({"search_query": "genre"}, "features.hist: search_field and search_query go together (the behaviours' field "
+                                "and the candidate's id it must equal), got search_field='', search_query='genre'"),
+    ({"search_field": "bag", "search_query": "genre"}, "features.hist.search_field='bag' is not a side field of "
+                                                       "features.hist"),
+    ({"search_field": "s", "search_query": "bag"}, "features.hist.search_query='bag' is not an id feature"),
+])
+def test_a_hard_search_is_refused_unless_on_a_side_field_and_an_id_of_the_candidate(change, message):
+    side = spec(name="s", kind="sequence", side_of="hist", embedding_dim=8, num_embeddings=3, max_len=5)
+    features = [dataclasses.replace(f, **change) if f.name == "hist" else f for f in BASE]
+    with pytest.raises(ValueError) as e:
+        validate_features([*features, side])
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -14,7 +14,7 @@ from embeddings.features import FeatureSpec, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.ids import encode_ids
-from trainer.data.side_fields import check_aligned
+from trainer.data.side_fields import HardSearch, check_aligned
 from trainer.data.timestamps import TimeGaps
 
 
@@ -35,6 +35,7 @@ class RowEncoder:
         self.num_sequence = len(unpooled) - self.num_managed_sequence
         self.num_managed = len(managed)
         self.gaps = TimeGaps(features, time_column, time_buckets)  # model.sequence.time_buckets
+        self.search = HardSearch(features)
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
         self.user_column = user_column
@@ -82,14 +83,14 @@ class RowEncoder:
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
         and labels, int64 users (uint64 ones by their bit pattern); computed a whole column at a time."""
-        # First the side fields' alignment, then the timed sequences' behaviours after their request
-        # time, so that ids, side fields and gaps leave out the same ones before max_len keeps the
-        # last (trainer/data/timestamps.py).
+        # First the side fields' alignment, the hard searches' matches, then the timed sequences'
+        # behaviours after their request time, so that ids, side fields and gaps leave out the same
+        # ones before max_len keeps the last (trainer/data/side_fields.py, timestamps.py).
         check_aligned(table, self.sparse, where)
-        timed_ids, gaps = self.gaps.encode(table, where)
+        lists, gaps = self.gaps.encode(table, where, self.search.apply(table, where))
         ids, lengths = [], []
         for f in self.sparse:
-            v, n = encode_ids(timed_ids.get(f.name, table.column(f.column)), f, where)
+            v, n = encode_ids(lists.get(f.name, table.column(f.column)), f, where)
             ids.append(v)
             lengths.append(n)
         rows = table.num_rows

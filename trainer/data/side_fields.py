@@ -5,7 +5,12 @@ A row whose side list is not as long as its sequence's is an error naming the fi
 columns: a value of one behaviour read as another's would pass every other check. The reader
 drops a side field's values where it drops its sequence's behaviours (after the request time,
 trainer/data/timestamps.py) and `max_len`, the sequence's, keeps the same newest ones.
-docs/data.md, "Sequences".
+
+`HardSearch` is SIM's hard search (`features.<name>.search_field`): of a row's behaviours, only
+those whose side field equals the candidate's `search_query` are kept, with their side values and
+timestamps, before anything else; `max_len` then keeps the newest of them. A log may hold
+thousands of behaviours a row: the search runs here, on the host, so the step looks up and
+attends to at most max_len. docs/data.md, "Sequences".
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embeddings.features import FeatureSpec
-from trainer.data.ids import _one_array
+from embeddings.features import FeatureSpec, attended, side_fields
+from trainer.data.ids import _one_array, _row_of
 
 
 def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -48,3 +53,36 @@ def without(column: pa.ChunkedArray | pa.Array, dropped: np.ndarray, kept: np.nd
     values = pc.list_flatten(lists).filter(pa.array(~dropped))
     cls = pa.LargeListArray if pa.types.is_large_list(lists.type) else pa.ListArray
     return cls.from_arrays(pa.array(offsets), values)
+
+
+class HardSearch:
+    """The searched sequences' lists, one row group at a time."""
+
+    def __init__(self, features: list[FeatureSpec]):
+        by_name = {f.name: f for f in features}
+        self.searched = [(f, by_name[f.search_field], by_name[f.search_query], side_fields(f, features))
+                         for f in features if attended(f) and f.search_field]
+
+    def apply(self, table: pa.Table, where: str) -> dict[str, pa.Array]:
+        """By feature name, the lists of each searched sequence and of its side fields, and by
+        "<name>@timestamps" its timestamps', holding only the behaviours that match the row's query
+        (a null query matches none). Side fields must be aligned (`check_aligned`)."""
+        out: dict[str, pa.Array] = {}
+        for f, field, query, sides in self.searched:
+            lengths = list_lengths(table.column(field.column))
+            values = pc.list_flatten(_one_array(table.column(field.column)))
+            if values.null_count:
+                row = _row_of(int(np.flatnonzero(np.asarray(values.is_null()))[0]), lengths)
+                raise ValueError(f"{where}, column {field.column!r}: null id inside the list at row {row}")
+            asked = _one_array(table.column(query.column))
+            present = ~np.asarray(asked.is_null()) if asked.null_count else np.ones(len(asked), bool)
+            wanted = pc.fill_null(asked, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            # as int64 bit patterns, both sides alike: a uint64 id past 2^63 matches itself
+            match = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) == np.repeat(wanted, lengths)
+            match &= np.repeat(present, lengths)
+            kept = np.bincount(np.repeat(np.arange(lengths.size), lengths)[match], minlength=lengths.size)
+            for g in (f, *sides):
+                out[g.name] = without(table.column(g.column), ~match, kept)
+            if f.timestamps:
+                out[f"{f.name}@timestamps"] = without(table.column(f.timestamps), ~match, kept)
+        return out

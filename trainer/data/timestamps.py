@@ -66,21 +66,24 @@ class TimeGaps:
             for f in self.features:
                 _timestamps(table, f, where)
 
-    def encode(self, table: pa.Table, where: str) -> tuple[dict[str, pa.Array], list[np.ndarray]]:
+    def encode(self, table: pa.Table, where: str,
+               lists: dict[str, pa.Array] | None = None) -> tuple[dict[str, pa.Array], list[np.ndarray]]:
         """Per feature with timestamps: the buckets [N_f] int64 of the ids it keeps (the last
         max_len of those not after the request time), and, by feature name, its id column and its
         side fields' with those after the request time left out, where it has any (the ids to
-        encode in their place)."""
+        encode in their place). `lists`: lists to read in place of the table's, by feature name
+        and "<name>@timestamps" (a hard search's, `HardSearch`); returned with the rest."""
+        lists = dict(lists or {})
         if not self.features:
-            return {}, []
+            return lists, []
         now = request_times(table.column(self.time_column), where, self.time_column)
-        ids, out = {}, []
+        ids, out = lists, []
         for f in self.features:
-            stamps, lengths = _timestamps(table, f, where)
+            stamps, lengths = _timestamps(table, f, where, lists)
             gaps = np.repeat(now, lengths) - stamps  # within (-2^62, 2^62): both are in [0, 2^62)
             future = gaps < 0
             if future.any():
-                dropped, lengths = self._drop(table, f, future, lengths, where)
+                dropped, lengths = self._drop(table, f, future, lengths, where, lists)
                 ids.update(dropped)
                 gaps = gaps[~future]
             if f.max_len and lengths.size and lengths.max() > f.max_len:
@@ -89,7 +92,7 @@ class TimeGaps:
         return ids, out
 
     def _drop(self, table: pa.Table, f: FeatureSpec, future: np.ndarray, lengths: np.ndarray,
-              where: str) -> tuple[dict[str, pa.Array], np.ndarray]:
+              where: str, lists: dict[str, pa.Array]) -> tuple[dict[str, pa.Array], np.ndarray]:
         """By feature name, the lists of `f` and of its side fields (checked aligned) without the
         behaviours flagged `future` (flat, [sum(lengths)]), and the lists' new lengths; counted,
         and the first of a file named once."""
@@ -103,14 +106,17 @@ class TimeGaps:
             print(f"rankmix: warning: {where}, column {f.timestamps!r}: {at.size} behaviour(s) after the request "
                   f"time ({self.time_column!r}) dropped from their sequence, the first at row {int(rows[0])}; "
                   "counted, each file named once", file=sys.stderr, flush=True)
-        return {g.name: without(table.column(g.column), future, kept) for g in [f, *self.sides[f.name]]}, kept
+        return {g.name: without(lists.get(g.name, table.column(g.column)), future, kept)
+                for g in [f, *self.sides[f.name]]}, kept
 
 
-def _timestamps(table: pa.Table, f: FeatureSpec, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _timestamps(table: pa.Table, f: FeatureSpec, where: str,
+                lists: dict[str, pa.Array] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Feature `f`'s timestamps, flat int64 [sum(lengths)], and their lists' lengths [rows],
-    checked: one per id, no null, each within the range."""
-    stamps = _one_array(table.column(f.timestamps))
-    ids = _one_array(table.column(f.column))
+    checked: one per id, no null, each within the range; `lists` as `TimeGaps.encode`'s."""
+    lists = lists or {}
+    stamps = _one_array(lists.get(f"{f.name}@timestamps", table.column(f.timestamps)))
+    ids = _one_array(lists.get(f.name, table.column(f.column)))
     n_stamps = pc.fill_null(pc.list_value_length(stamps), 0).to_numpy().astype(np.int64)
     n_ids = pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64)
     if not np.array_equal(n_stamps, n_ids):

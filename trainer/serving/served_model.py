@@ -70,6 +70,9 @@ class ServingModel(nn.Module):
         block = {index[f.name]: k for k, (_, f) in enumerate(self.timed)}
         block |= {s: block[seq] for s, seq in self.sides if seq in block}
         self.stamp_block = [block.get(s, -1) for s in range(len(self.sparse))]
+        # hard searches: (the sequence and its side fields, the searched field, the query), by index
+        self.searched = [([s] + [side for side, seq in self.sides if seq == s], index[f.search_field],
+                          index[f.search_query]) for s, f in self.attended if f.search_field]
         self.time_buckets = time_buckets
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
@@ -85,14 +88,17 @@ class ServingModel(nn.Module):
             _require((lengths[side] == lengths[seq]).all(), f"sparse feature {self.sparse[side].name!r} must hold one "
                      f"value per id of sequence {self.sparse[seq].name!r} in each row (its side field)")
         if timestamps is not None:
-            ids, lengths, timestamps = self.drop_future(ids, lengths, timestamps.long(), now.long())
+            timestamps, now = timestamps.long(), now.long()
+            self.check_times(lengths, timestamps, now)
+        if timestamps is not None or self.searched:
+            ids, lengths, timestamps = self.keep_behaviours(ids, lengths, timestamps, now)
         if self.sparse:
             values, cut = self.hash_ids(ids, lengths)
             kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=cut.flatten())
             pooled = self.ebc(kjt).to_dict()
             if self.sequences is not None:
                 padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.padded}
-                gaps = {} if timestamps is None else self.gaps(timestamps, now.long(), lengths, cut)
+                gaps = {} if timestamps is None else self.gaps(timestamps, now, lengths, cut)
                 pooled.update(self.sequences.attend({}, pooled, padded, gaps))  # the candidates are bags here
         e_input = self.layout.assemble(pooled, dense)
         return torch.sigmoid(self.heads(self.tower(e_input)))
@@ -116,45 +122,64 @@ class ServingModel(nn.Module):
         x = self.ebc(kjt)[f.name].view(-1, length, f.embedding_dim)
         return x * mask.unsqueeze(-1).to(x.dtype), mask
 
-    def drop_future(self, ids: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor,
-                    now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids, lengths, timestamps) without the timed sequences' behaviours after their row's
-        request time, and their side fields' values there, as the reader leaves them out
-        (trainer/data/timestamps.py); every time checked 0 <= t < 2^62, so that no gap overflows."""
+    def check_times(self, lengths: torch.Tensor, timestamps: torch.Tensor, now: torch.Tensor) -> None:
+        """Every time 0 <= t < 2^62, so that no gap overflows, and one timestamp per timed id."""
         _require(((timestamps >= 0) & (timestamps < TIME_LIMIT)).all() & ((now >= 0) & (now < TIME_LIMIT)).all(),
                  "timestamps and now must be 0 <= t < 2^62")
         _require(torch.stack([lengths[s].sum() for s, _ in self.timed]).sum() == timestamps.shape[0],
                  "timestamps must hold one value per id of each sequence with timestamps")
-        flat = lengths.flatten()
-        n = ids.shape[0]
-        per_feature = lengths.sum(dim=1)
 
-        def per_id(values: torch.Tensor) -> torch.Tensor:  # one value per feature -> one per id
-            return torch.repeat_interleave(values, per_feature, output_size=n)
+    def keep_behaviours(self, ids: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor | None,
+                        now: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(ids, lengths, timestamps) of only the behaviours the reader keeps: each hard search's
+        matches, those whose searched field's raw id equals the row's query id (none where the
+        query is null; trainer/data/side_fields.py `HardSearch`), and none after its row's request
+        time (trainer/data/timestamps.py); a side field's values go with its sequence's ids."""
+        n, rows = ids.shape[0], lengths.shape[1]
+        flat, per_feature = lengths.flatten(), lengths.sum(dim=1)
 
-        # Ids and timestamps come in the same order (feature after feature, row after row), and a
-        # side field's values as its sequence's ids: an id's timestamp is at its place in its
-        # feature plus where its block starts.
-        block = per_id(torch.tensor(self.stamp_block, device=ids.device))
-        counts = torch.stack([per_feature[s] for s, _ in self.timed])
-        block_start = torch.cat([torch.cumsum(counts, 0) - counts, counts.new_zeros(1)])  # [T + 1]
-        within = torch.arange(n, device=ids.device) - per_id(torch.cumsum(per_feature, 0) - per_feature)
-        timed = block >= 0
-        positions = torch.where(timed, block_start[torch.where(timed, block, len(self.timed))] + within,
-                                timestamps.shape[0])
-        stamp = torch.cat([timestamps, timestamps.new_zeros(1)])[positions]
-        keep = ~timed | (stamp <= torch.repeat_interleave(torch.cat([now] * len(self.sparse)), flat,
-                                                               output_size=n))
+        def per_id(values: list[int]) -> torch.Tensor:  # one constant per feature -> one per id
+            return torch.repeat_interleave(torch.tensor(values, device=ids.device), per_feature, output_size=n)
+
+        starts = torch.cumsum(per_feature, 0) - per_feature  # each feature's first id
+        # an id's place in its feature
+        within = torch.arange(n, device=ids.device) - torch.repeat_interleave(starts, per_feature, output_size=n)
+        keep = torch.ones(n, dtype=torch.bool, device=ids.device)
+        padded = torch.cat([ids, ids.new_zeros(1)])  # index n: read where an id is not searched
+        if self.searched:
+            each_row = torch.arange(rows, device=ids.device)
+            row = torch.repeat_interleave(each_row.unsqueeze(0).expand_as(lengths).flatten(), flat, output_size=n)
+            bag_starts = torch.cumsum(flat, 0) - flat
+            for members, field, query in self.searched:
+                member = per_id([int(s in members) for s in range(len(self.sparse))]) == 1
+                value = padded[torch.where(member, starts[field] + within, n)]  # the searched field's, aligned
+                present = lengths[query] > 0  # an id feature: one id a row, or none
+                asked = padded[torch.where(present, bag_starts[query * rows + each_row], n)]
+                keep = keep & (~member | ((value == asked[row]) & present[row]))
+        kept_stamps = None
+        if timestamps is not None:
+            # Ids and timestamps come in the same order (feature after feature, row after row), and a
+            # side field's values as its sequence's ids: an id's timestamp is at its place in its
+            # feature plus where its block starts.
+            block = per_id(self.stamp_block)
+            counts = torch.stack([per_feature[s] for s, _ in self.timed])
+            block_start = torch.cat([torch.cumsum(counts, 0) - counts, counts.new_zeros(1)])  # [T + 1]
+            timed = block >= 0
+            positions = torch.where(timed, block_start[torch.where(timed, block, len(self.timed))] + within,
+                                    timestamps.shape[0])
+            stamp = torch.cat([timestamps, timestamps.new_zeros(1)])[positions]
+            keep = keep & (~timed | (stamp <= torch.repeat_interleave(torch.cat([now] * len(self.sparse)), flat,
+                                                                       output_size=n)))
+            own = per_id([int(s in {t for t, _ in self.timed}) for s in range(len(self.sparse))]) == 1
+            kept_stamps = stamp[keep & own]
         kept = torch.cat([flat.new_zeros(1), torch.cumsum(keep.long(), 0)])
         ends = torch.cumsum(flat, 0)
-        own = per_id(torch.tensor([int(s in {t for t, _ in self.timed}) for s in range(len(self.sparse))],
-                                  device=ids.device)) == 1
-        return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), stamp[keep & own]
+        return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), kept_stamps
 
     def gaps(self, timestamps: torch.Tensor, now: torch.Tensor, lengths: torch.Tensor,
              cut: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each timed sequence's gap buckets [B, L] (0 past a row's end): its timestamps (none after
-        the request time: `drop_future`) cut to the last max_len as its ids are, the gap to `now`
+        the request time: `keep_behaviours`) cut to the last max_len as its ids are, the gap to `now`
         bucketed."""
         counts = [lengths[s] for s, _ in self.timed]
         out = {}
