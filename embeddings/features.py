@@ -83,8 +83,8 @@ class FeatureSpec:
     ("""sequence: makes this list a side field of that sequence, one value per behaviour aligned with its ids """
      """(a past rating's stars, its genre); its vector is added to the behaviour's.""")
     search_field: str = ""
-    ("""sequence, not pool: SIM's hard search: keep only the behaviours whose value of this side field equals """
-     """the candidate's search_query, then the newest max_len of them.""")
+    ("""sequence: SIM's hard search: keep only the behaviours whose value of this side field equals the """
+     """candidate's search_query, then the newest max_len of them.""")
     search_query: str = ""
     """sequence, search_field set: the candidate's id feature whose raw value a behaviour's search_field must equal."""
     candidate_fields: list[str] = field(default_factory=list)
@@ -170,8 +170,7 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
                                      "whose settings it follows"))
         elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
             unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens",
-                                                                     "candidate_fields", "search_field",
-                                                                     "search_query")),
+                                                                     "candidate_fields")),
                                     (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
@@ -217,6 +216,10 @@ def validate_features(features: list[FeatureSpec]) -> None:
             raise ValueError(f"{where}: shares table {f.table!r} with features.{other.name}, so both must be "
                              "managed with the same eviction_policy and eviction_interval, or neither")
     _validate_sides(features)
+    by_name = {f.name: f for f in features}
+    for f in features:
+        if f.kind == "sequence" and not f.side_of:
+            _validate_search(f, by_name)
     _validate_sequences(features)
 
 
@@ -273,7 +276,6 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
             if other.embedding_dim != f.embedding_dim:
                 raise ValueError(f"{where}.candidate_fields: {extra!r} has embedding_dim {other.embedding_dim}, the "
                                  f"sequence {f.embedding_dim}: they must match (its vector is added to the query)")
-        _validate_search(f, by_name)
         if width is not None and width != f.embedding_dim:
             raise ValueError(f"{where}.embedding_dim={f.embedding_dim}: every attended sequence's table needs the same "
                              f"width (TorchRec's EmbeddingCollection), another has {width}")

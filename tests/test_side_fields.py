@@ -38,7 +38,7 @@ def side_features(module: str, timestamps: bool, search: bool = False) -> list[F
     table of their own; the genre, hashed, on the table of the candidate's genre) and the
     candidate's genre in the query; with `search`, only the behaviours of the candidate's genre."""
     attended = module != "pool"
-    search_keys = {"search_field": "history_genre", "search_query": "item_genre"} if search else {}
+    search_keys = {"search_field": "history_genre", "search_query": "item_genre"} if search else {}  # any module
     spec = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2 if attended else 1,
                                 timestamps="history_ts" if timestamps else "",
                                 candidate_fields=["item_genre"] if attended else [], **search_keys)
@@ -122,6 +122,14 @@ def test_the_reader_keeps_each_side_value_with_its_behaviour(timestamps, search)
         assert sum(map(len, kept(rows, "history", timestamps, True))) < sum(map(len, kept(rows, "history", timestamps)))
 
 
+def test_a_pooled_sequence_pools_only_what_its_hard_search_keeps():
+    cfg, _ = reference("pool", "mlp", True, search=True)
+    rows = side_table()
+    bags = encoder(cfg).encode(rows, "test").to_batch().sparse.to_dict()
+    for name in ("history", "history_stars"):  # pooled sequences keep every behaviour not after the request
+        assert [v.tolist() for v in bags[name].to_dense()] == kept(rows, name, False, True), name
+
+
 def test_each_module_reads_the_behaviour_and_the_query_as_sums_of_their_fields():
     """SequenceInputs against the module called by hand on the tables' rows summed."""
     cfg, model = reference("target_attention", "mlp", True)
@@ -158,7 +166,7 @@ def test_a_pooled_sequence_adds_its_side_fields_pooled_vectors_to_its_own():
 @pytest.mark.parametrize("module,tower,timestamps,search", [
     ("target_attention", "rankmixer", True, False), ("transformer", "mlp", True, False),
     ("transformer", "dcnv2", False, False), ("pool", "rankmixer", False, False),
-    ("target_attention", "mlp", True, True), ("transformer", "rankmixer", False, True)])
+    ("target_attention", "mlp", True, True), ("transformer", "rankmixer", False, True), ("pool", "dcnv2", True, True)])
 def test_the_artifact_reads_side_fields_from_raw_rows_as_training_evaluates_them(module, tower, timestamps, search,
                                                                                  fmt):
     cfg, model = reference(module, tower, timestamps, search)

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embeddings.features import FeatureSpec, attended, side_fields
+from embeddings.features import FeatureSpec, side_fields
 from trainer.data.ids import _one_array, _row_of
 
 
@@ -61,7 +61,7 @@ class HardSearch:
     def __init__(self, features: list[FeatureSpec]):
         by_name = {f.name: f for f in features}
         self.searched = [(f, by_name[f.search_field], by_name[f.search_query], side_fields(f, features))
-                         for f in features if attended(f) and f.search_field]
+                         for f in features if f.kind == "sequence" and f.search_field]
 
     def apply(self, table: pa.Table, where: str) -> dict[str, pa.Array]:
         """By feature name, the lists of each searched sequence and of its side fields, and by

@@ -72,7 +72,7 @@ class ServingModel(nn.Module):
         self.stamp_block = [block.get(s, -1) for s in range(len(self.sparse))]
         # hard searches: (the sequence and its side fields, the searched field, the query), by index
         self.searched = [([s] + [side for side, seq in self.sides if seq == s], index[f.search_field],
-                          index[f.search_query]) for s, f in self.attended if f.search_field]
+                          index[f.search_query]) for s, f in enumerate(self.sparse) if f.search_field]
         self.time_buckets = time_buckets
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
