@@ -1,6 +1,8 @@
 """Long behaviour sequences through SIM's hard search (`features.<name>.search_field`): rows of
 M = 1,000 and 10,000 behaviours, each with a genre (one of 4) and a time, of which the reader
 keeps those of the candidate's genre, then the newest K = max_len = 256, for target attention.
+With --search soft, SIM's soft search (`search_k`): every behaviour is looked up (max_len = M)
+and the module reads the K most similar to the query.
 
 Each M runs in a process of its own (peak RSS is per process): B rows as one Parquet row group
 in memory, the reader's encoding of it (the check of every time, the search, the cut: on the host,
@@ -10,6 +12,7 @@ last line is the goal: the step plus the encoding at 10,000 over 1,000 (goal <= 
 with M only in the row group and the reader's flat arrays (`input MB`: ids, genres, times).
 
     .venv/bin/python bench/long_sequence.py                     # B 512, M 1000,10000, K 256
+    .venv/bin/python bench/long_sequence.py --search soft       # the model's top K of every behaviour
     .venv/bin/python bench/long_sequence.py --rows 128 --lengths 1000,10000 --steps 3
 """
 
@@ -28,8 +31,9 @@ from bench.sequence import timed, training_step  # noqa: E402  (the path above)
 GENRES = 4
 
 
-def build(length: int, rows: int, k: int, tower: str):
-    """(model, the row group, its encoder): B rows of `length` behaviours, searched to `k`."""
+def build(length: int, rows: int, k: int, tower: str, search: str):
+    """(model, the row group, its encoder): B rows of `length` behaviours, searched to `k` by the
+    reader (`hard`) or by the model (`soft`: every behaviour looked up, the k nearest attended)."""
     import numpy as np
     import pyarrow as pa
     import torch
@@ -54,10 +58,12 @@ def build(length: int, rows: int, k: int, tower: str):
                     f(name="item_genre", table="genre", num_embeddings=GENRES, embedding_dim=16, hashing="none",
                       group="item"),
                     f(name="hist", kind="sequence", table="catalog", num_embeddings=items, embedding_dim=16,
-                      max_len=k, sequence_module="target_attention", timestamps="ts", group="behaviour",
-                      candidate_fields=["item_genre"], search_field="hist_genre", search_query="item_genre"),
+                      max_len=k if search == "hard" else length, sequence_module="target_attention",
+                      timestamps="ts", group="behaviour", candidate_fields=["item_genre"],
+                      **({"search_field": "hist_genre", "search_query": "item_genre"} if search == "hard" else
+                         {"search_k": k})),
                     f(name="hist_genre", kind="sequence", side_of="hist", table="genre", num_embeddings=GENRES,
-                      embedding_dim=16, hashing="none", max_len=k, group="behaviour")]
+                      embedding_dim=16, hashing="none", max_len=k if search == "hard" else length, group="behaviour")]
     layout, dense, heads = build_dense(cfg.model, cfg.features)
     model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, dense, heads,
                          sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features)),
@@ -77,14 +83,14 @@ def build(length: int, rows: int, k: int, tower: str):
     return model, table, encoder
 
 
-def child(length: int, rows: int, k: int, steps: int, tower: str) -> dict:
+def child(length: int, rows: int, k: int, steps: int, tower: str, search: str) -> dict:
     import resource
 
-    model, table, encoder = build(length, rows, k, tower)
+    model, table, encoder = build(length, rows, k, tower, search)
     encode_s = timed(lambda: encoder.encode(table, "bench"), steps)
     batch = encoder.encode(table, "bench").to_batch()
     step_s = timed(training_step(model, batch), steps)
-    kept = batch.sequence_ids["hist"].lengths().double().mean().item()
+    kept = min(batch.sequence_ids["hist"].lengths().double().mean().item(), k)  # soft: what the module reads
     return {"M": length, "K": k, "kept": kept, "encode_ms": encode_s * 1e3, "step_ms": step_s * 1e3,
             "input_mb": table.nbytes / 2**20, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -96,16 +102,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=256, help="behaviours kept after the search (max_len)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tower", default="rankmixer")
+    parser.add_argument("--search", choices=("hard", "soft"), default="hard",
+                        help="hard: by genre, in the reader; soft: the k nearest the query, in the model")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.rows, args.k, args.steps, args.tower)))
+        print(json.dumps(child(args.child, args.rows, args.k, args.steps, args.tower, args.search)))
         return
     results = []
     print(f"{'M':>6} {'K':>4} {'kept':>6} {'encode ms':>10} {'step ms':>8} {'input MB':>9} {'peak RSS MB':>12}")
     for length in (int(x) for x in args.lengths.split(",")):
         proc = subprocess.run([sys.executable, __file__, "--child", str(length), "--rows", str(args.rows), "--k",
-                               str(args.k), "--steps", str(args.steps), "--tower", args.tower],
+                               str(args.k), "--steps", str(args.steps), "--tower", args.tower, "--search", args.search],
                               capture_output=True, text=True, check=True)
         r = json.loads(proc.stdout.splitlines()[-1])
         results.append(r)
@@ -113,8 +121,8 @@ def main() -> None:
               f"{r['input_mb']:>9.1f} {r['peak_rss_mb']:>12.0f}", flush=True)
     first, last = results[0], results[-1]
     ratio = (last["encode_ms"] + last["step_ms"]) / (first["encode_ms"] + first["step_ms"])
-    print(f"encode + step at M={last['M']} over M={first['M']}, K={args.k}: {ratio:.2f} (step alone "
-          f"{last['step_ms'] / first['step_ms']:.2f}; goal <= 2)")
+    print(f"{args.search} search: encode + step at M={last['M']} over M={first['M']}, K={args.k}: {ratio:.2f} "
+          f"(step alone {last['step_ms'] / first['step_ms']:.2f}; goal <= 2)")
 
 
 if __name__ == "__main__":

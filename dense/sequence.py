@@ -273,6 +273,19 @@ class SequenceTransformer(nn.Module):
         return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)
 
 
+def soft_search(x: torch.Tensor, mask: torch.Tensor, query: torch.Tensor, gaps: torch.Tensor | None,
+                k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """SIM's soft search: behaviours x [B, L, D], mask [B, L], query [B, D], gap buckets [B, L] ->
+    the k real behaviours most similar to the query (inner product; fewer where a row has fewer,
+    padding masked), in their order in time: ([B, k, D], [B, k], [B, k]). The choice takes no
+    gradient; what it keeps does."""
+    with torch.no_grad():
+        scores = torch.where(mask, torch.matmul(x, query.unsqueeze(-1)).squeeze(-1).float(), _MIN)
+        chosen = torch.sort(torch.topk(scores, k, dim=1).indices, dim=1).values  # [B, k], oldest first
+    picked = x.gather(1, chosen.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return picked, mask.gather(1, chosen), None if gaps is None else gaps.gather(1, chosen)
+
+
 class SequenceInputs(nn.Module):
     """The features on attended sequences' tables, looked up unpooled -> their entries of the
     dict that dense/layout.py assembles into e_input:
@@ -300,6 +313,8 @@ class SequenceInputs(nn.Module):
         self.candidates = {f.name: [default_candidate(f, features), *f.candidate_fields] for f in on if attended(f)}
         self.sides = {f.name: [g.name for g in side_fields(f, features)] for f in on if attended(f)}
         self.read_padded = set(self.attention) | {name for names in self.sides.values() for name in names}
+        self.search_k = {f.name: f.search_k for f in on if attended(f) and f.search_k}
+        self.max_len = {f.name: f.max_len for f in on if attended(f)}  # a served model's padded length
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
         self.timed = [f.name for f in features if attended(f) and f.timestamps]  # schema order, as the gaps
 
@@ -317,23 +332,27 @@ class SequenceInputs(nn.Module):
                 continue
             total = x.sum(dim=1)
             out[name] = total / rows.lengths().clamp(min=1).unsqueeze(1).to(total.dtype) if name in self.mean else total
-        out.update(self.attend(out, pooled, padded, padded_gaps))
+        out.update(self.attend(out, pooled, padded, padded_gaps, dict(zip(self.keys, longest))))
         return out
 
     def attend(self, own: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor],
                padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
-               gaps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+               gaps: dict[str, torch.Tensor], lengths: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
         """Each attended sequence's token slots [B, D] from its and its side fields' padded rows
         (x [B, L, D], mask [B, L]: a side field's mask is its sequence's, their lengths checked
         equal) and gap buckets [B, L]; the query's vectors from `own` (the features on these
-        tables) or else `pooled` (the bags). A served model pads by its own means and calls this."""
+        tables) or else `pooled` (the bags). A served model pads by its own means (to max_len,
+        the L of `lengths`' default: a Python int, also while traced) and calls this."""
         out = {}
         for name, module in self.attention.items():
             candidate, *fields = [own[q] if q in own else pooled[q] for q in self.candidates[name]]
             v = sum(fields, candidate)
             x, mask = padded[name]
             x = sum((padded[side][0] for side in self.sides[name]), x)
-            vectors = module(x, mask, v, gaps.get(name))  # [B, k, D]
+            gap = gaps.get(name)
+            if name in self.search_k and (lengths or self.max_len)[name] > self.search_k[name]:
+                x, mask, gap = soft_search(x, mask, v, gap, self.search_k[name])
+            vectors = module(x, mask, v, gap)  # [B, k, D]
             for j, slot in enumerate(self.slots[name]):  # narrow: a slice of CUDA needs the CUDA build
                 out[slot] = vectors.narrow(1, j, 1).squeeze(1)
         return out

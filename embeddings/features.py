@@ -87,6 +87,9 @@ class FeatureSpec:
      """candidate's search_query, then the newest max_len of them.""")
     search_query: str = ""
     """sequence, search_field set: the candidate's id feature whose raw value a behaviour's search_field must equal."""
+    search_k: int = 0
+    ("""sequence, not pool: SIM's soft search: of the max_len kept, the module reads only the search_k whose vectors """
+     """are most similar to the query's (inner product; 0 reads all).""")
     candidate_fields: list[str] = field(default_factory=list)
     ("""sequence, not pool: more id features of the candidate added to its vector into the query (its genre, """
      """on the table of the behaviours' genre side field).""")
@@ -147,7 +150,7 @@ def unpooled_features(features: list[FeatureSpec]) -> list[FeatureSpec]:
 ID_FIELDS = ("table", "num_embeddings", "embedding_dim", "hashing", "pooling", "max_len")
 """FeatureSpec fields that only id, id_list and sequence features read."""
 SEQUENCE_FIELDS = ("sequence_module", "candidate", "sequence_tokens", "timestamps", "side_of", "candidate_fields",
-                   "search_field", "search_query")
+                   "search_field", "search_query", "search_k")
 """FeatureSpec fields that only sequence features read (all but sequence_module only when not pooled)."""
 NUMERIC_FIELDS = ("transform", "clip_min", "clip_max", "mean", "std", "fill_null")
 """FeatureSpec fields that only numeric features read."""
@@ -170,7 +173,7 @@ def unused_feature_fields(features: list[FeatureSpec]) -> dict[str, tuple[str, s
                                      "whose settings it follows"))
         elif not attended(f):  # timestamps stay: a schema names its columns whichever module reads them
             unused |= dict.fromkeys((f"{where}.{name}" for name in ("candidate", "sequence_tokens",
-                                                                     "candidate_fields")),
+                                                                     "candidate_fields", "search_k")),
                                     (f"{where}.sequence_module", f"{where}.sequence_module='pool' does not read it"))
         if numeric or f.hashing != "managed":
             unused |= dict.fromkeys((f"{where}.eviction_policy", f"{where}.eviction_interval"), cause if numeric else
@@ -262,6 +265,8 @@ def _validate_sequences(features: list[FeatureSpec]) -> None:
                              "most recent last), got 0")
         if f.sequence_tokens < 1:
             raise ValueError(f"{where}.sequence_tokens must be at least 1, got {f.sequence_tokens}")
+        if f.search_k < 0:
+            raise ValueError(f"{where}.search_k must be >= 0 (0 reads every behaviour kept), got {f.search_k}")
         name = default_candidate(f, features)
         cand = by_name.get(name)
         if cand is None or cand.kind != "id":

@@ -87,7 +87,7 @@ def test_each_field_a_feature_does_not_read_is_named_with_the_reason():
         expected |= {f"features.{name}.eviction_policy": hashing, f"features.{name}.eviction_interval": hashing}
     pool = ("features.s.sequence_module", "features.s.sequence_module='pool' does not read it")
     expected |= {"features.s.candidate": pool, "features.s.sequence_tokens": pool,  # timestamps: the schema's column
-                 "features.s.candidate_fields": pool}
+                 "features.s.candidate_fields": pool, "features.s.search_k": pool}
     side = ("features.r.side_of", "features.r is a side field of features.a, whose settings it follows")
     expected |= {f"features.r.{x}": side for x in SEQUENCE_FIELDS if x != "side_of"}
     assert unused_feature_fields(features) == expected

@@ -18,7 +18,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from dense.heads import build_dense
 from dense.model_config import TaskSpec
-from dense.sequence import build_sequences, pad
+from dense.sequence import build_sequences, pad, soft_search
 from embeddings.features import FeatureSpec, validate_features
 from embeddings.tables import sequence_table_configs, table_configs
 from test_sequence_serving import timed_table
@@ -33,12 +33,13 @@ RATINGS = 6  # the stars' table: ids 0-5
 REPO = Path(__file__).resolve().parents[1]
 
 
-def side_features(module: str, timestamps: bool, search: bool = False) -> list[FeatureSpec]:
+def side_features(module: str, timestamps: bool, search: bool = False, soft: int = 0) -> list[FeatureSpec]:
     """test_serving_model's schema, its history with two side fields (the stars, hashing none, on a
     table of their own; the genre, hashed, on the table of the candidate's genre) and the
     candidate's genre in the query; with `search`, only the behaviours of the candidate's genre."""
     attended = module != "pool"
     search_keys = {"search_field": "history_genre", "search_query": "item_genre"} if search else {}  # any module
+    search_keys |= {"search_k": soft} if soft else {}
     spec = [dataclasses.replace(f, sequence_module=module, sequence_tokens=2 if attended else 1,
                                 timestamps="history_ts" if timestamps else "",
                                 candidate_fields=["item_genre"] if attended else [], **search_keys)
@@ -65,11 +66,11 @@ def side_table(seed: int = 0) -> pa.Table:
         .append_column("item_genre", pa.array(rng.integers(0, 4, ROWS), mask=np.arange(ROWS) % 13 == 6))
 
 
-def reference(module: str, tower: str, timestamps: bool, search: bool = False):
+def reference(module: str, tower: str, timestamps: bool, search: bool = False, soft: int = 0):
     sizes = (["--model.hidden_dim=16", "--model.num_tokens=4"] if tower == "rankmixer"
              else ["--model.mlp.hidden=[16, 8]"])
     cfg = load_config(None, [f"--model.tower={tower}", *sizes, f"--data.time_column={'now' if timestamps else ''}"])
-    cfg.features = side_features(module, timestamps, search)
+    cfg.features = side_features(module, timestamps, search, soft)
     cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
     torch.manual_seed(0)
     layout, tower_module, heads = build_dense(cfg.model, cfg.features)
@@ -125,7 +126,8 @@ def test_the_reader_keeps_each_side_value_with_its_behaviour(timestamps, search)
 def test_a_pooled_sequence_pools_only_what_its_hard_search_keeps():
     cfg, _ = reference("pool", "mlp", True, search=True)
     rows = side_table()
-    bags = encoder(cfg).encode(rows, "test").to_batch().sparse.to_dict()
+    unread = rows.drop_columns(["history_ts"])  # a pooled sequence's timestamps are not read, searched or not
+    bags = encoder(cfg).encode(unread, "test").to_batch().sparse.to_dict()
     for name in ("history", "history_stars"):  # pooled sequences keep every behaviour not after the request
         assert [v.tolist() for v in bags[name].to_dense()] == kept(rows, name, False, True), name
 
@@ -149,6 +151,41 @@ def test_each_module_reads_the_behaviour_and_the_query_as_sums_of_their_fields()
     torch.testing.assert_close(torch.stack([out["history.0"], out["history.1"]], 1), expected, rtol=0, atol=1e-6)
 
 
+def test_the_soft_search_keeps_the_k_behaviours_nearest_the_query_in_time_order_and_their_gradient():
+    torch.manual_seed(3)
+    x = torch.randn(6, 9, 4, requires_grad=True)
+    lengths = torch.tensor([9, 5, 2, 0, 3, 7])
+    mask = torch.arange(9) < lengths.unsqueeze(1)
+    query, gaps = torch.randn(6, 4), torch.randint(1, 30, (6, 9))
+    picked, kept_mask, kept_gaps = soft_search(x, mask, query, gaps, 3)
+    for r in range(6):
+        real = range(int(lengths[r]))
+        nearest = sorted(sorted(real, key=lambda i: -float(x[r, i] @ query[r]))[:3])
+        n = len(nearest)
+        assert kept_mask[r].tolist() == [True] * n + [False] * (3 - n)  # a short row: its real ones first
+        torch.testing.assert_close(picked[r, :n], x[r, nearest], rtol=0, atol=0)
+        assert kept_gaps[r, :n].tolist() == gaps[r, nearest].tolist()
+    (picked * kept_mask.unsqueeze(-1)).sum().backward()
+    chosen = (x.grad != 0).any(-1)
+    assert chosen.sum(1).tolist() == [min(3, int(n)) for n in lengths]
+
+
+def test_a_soft_searched_sequence_attends_to_its_k_nearest_behaviours():
+    cfg, model = reference("target_attention", "mlp", True, soft=2)
+    batch = encoder(cfg).encode(side_table(), "test").to_batch()
+    with torch.no_grad():
+        looked = model.sequence_tables(batch.sequence_ids)
+        out = model.sequences({}, looked, batch.sequence_max, batch.sequence_gaps)
+        full = dataclasses.replace(cfg.model.sequence)  # the same module reading every behaviour
+        inputs = build_sequences([dataclasses.replace(f, search_k=0) for f in cfg.features], full)
+        inputs.load_state_dict(model.sequences.state_dict())
+        x, mask = pad(looked["history"].values(), looked["history"].offsets(), batch.sequence_max[-1])
+        assert (mask.sum(1) > 2).any()  # some rows hold more than the search keeps
+        seen = inputs({}, looked, batch.sequence_max, batch.sequence_gaps)
+    differ = (out["history.0"] != seen["history.0"]).any(1)
+    assert differ.tolist() == (mask.sum(1) > 2).tolist()  # only rows of more than k behaviours read fewer
+
+
 def test_a_pooled_sequence_adds_its_side_fields_pooled_vectors_to_its_own():
     cfg, model = reference("pool", "mlp", False)
     batch = encoder(cfg).encode(side_table(), "test").to_batch()
@@ -163,13 +200,15 @@ def test_a_pooled_sequence_adds_its_side_fields_pooled_vectors_to_its_own():
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("module,tower,timestamps,search", [
-    ("target_attention", "rankmixer", True, False), ("transformer", "mlp", True, False),
-    ("transformer", "dcnv2", False, False), ("pool", "rankmixer", False, False),
-    ("target_attention", "mlp", True, True), ("transformer", "rankmixer", False, True), ("pool", "dcnv2", True, True)])
+@pytest.mark.parametrize("module,tower,timestamps,search,soft", [
+    ("target_attention", "rankmixer", True, False, 0), ("transformer", "mlp", True, False, 0),
+    ("transformer", "dcnv2", False, False, 0), ("pool", "rankmixer", False, False, 0),
+    ("target_attention", "mlp", True, True, 0), ("transformer", "rankmixer", False, True, 0),
+    ("pool", "dcnv2", True, True, 0), ("target_attention", "rankmixer", True, False, 2),
+    ("transformer", "mlp", True, True, 2)])
 def test_the_artifact_reads_side_fields_from_raw_rows_as_training_evaluates_them(module, tower, timestamps, search,
-                                                                                 fmt):
-    cfg, model = reference(module, tower, timestamps, search)
+                                                                                 soft, fmt):
+    cfg, model = reference(module, tower, timestamps, search, soft)
     rows = side_table()
     with torch.no_grad():
         expected = torch.sigmoid(model(encoder(cfg).encode(rows, "test").to_batch()))
@@ -218,12 +257,12 @@ def test_the_artifact_refuses_a_side_field_not_aligned_with_its_sequence():
         served(ids, lengths, numeric)
 
 
-@pytest.mark.parametrize("search", [False, True])
-def test_a_side_fields_export_is_within_the_pt2_allow_lists(search):
-    """The side fields' drops, search and padding add no op outside PT2_OPS (trainer/serving/safe_pt2.py)."""
+@pytest.mark.parametrize("search,soft", [(False, 0), (True, 0), (False, 2)])
+def test_a_side_fields_export_is_within_the_pt2_allow_lists(search, soft):
+    """The side fields' drops, the searches and padding add no op outside PT2_OPS (trainer/serving/safe_pt2.py)."""
     from test_trust_pt2 import check_export
 
-    cfg, model = reference("target_attention", "rankmixer", True, search)
+    cfg, model = reference("target_attention", "rankmixer", True, search, soft)
     with torch.no_grad():
         check_export(cfg, serving_model(cfg, model.state_dict(), step=7), "fp32")
 
@@ -333,3 +372,10 @@ def test_movielens_with_side_fields_trains_on_two_ranks_and_its_artifact_scores_
                                    compare=not args)
     if args == MANAGED_GENRES:
         assert manifest["managed"]["genre"]["ranks"] == 2
+
+
+def test_a_negative_soft_search_is_refused():
+    features = [dataclasses.replace(f, search_k=-1) if f.name == "hist" else f for f in BASE]
+    with pytest.raises(ValueError) as e:
+        validate_features(features)
+    assert str(e.value) == "features.hist.search_k must be >= 0 (0 reads every behaviour kept), got -1"

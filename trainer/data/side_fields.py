@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embeddings.features import FeatureSpec, side_fields
+from embeddings.features import FeatureSpec, attended, side_fields
 from trainer.data.ids import _one_array, _row_of
 
 
@@ -83,6 +83,6 @@ class HardSearch:
             kept = np.bincount(np.repeat(np.arange(lengths.size), lengths)[match], minlength=lengths.size)
             for g in (f, *sides):
                 out[g.name] = without(table.column(g.column), ~match, kept)
-            if f.timestamps:
+            if f.timestamps and attended(f):  # a pooled sequence's are not read
                 out[f"{f.name}@timestamps"] = without(table.column(f.timestamps), ~match, kept)
         return out

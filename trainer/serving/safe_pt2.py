@@ -71,7 +71,9 @@ PT2_OPS = frozenset({
         # sequence modules (dense/sequence.py) and their padding in the artifact
         "baddbmm_.default", "einsum.default", "embedding.default", "expand_as.default", "lt.Tensor",
         "masked_fill.Scalar", "matmul.default", "ones.default", "relu_.default", "softmax.int", "t.default",
-        "unflatten.int", "where.ScalarOther", "zeros.default")),
+        "unflatten.int", "where.ScalarOther", "zeros.default",
+        # the soft search's top k (dense/sequence.py soft_search)
+        "expand.default", "gather.default", "sort.default", "topk.default")),
     # TorchRec's quantized tables (--tables fp16|int8|int4)
     *(f"torch.ops.fbgemm.{op}" for op in (
         "asynchronous_complete_cumsum.default", "bounds_check_indices.default",
