@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.sequence import timed, training_step  # noqa: E402  (the path above)
+from bench.sequence import ITEMS, base_config, timed, training_step  # noqa: E402  (the path above)
 
 GENRES = 4
 
@@ -36,34 +36,27 @@ def build(length: int, rows: int, k: int, tower: str, search: str):
     reader (`hard`) or by the model (`soft`: every behaviour looked up, the k nearest attended)."""
     import numpy as np
     import pyarrow as pa
-    import torch
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
     from dense.heads import build_dense
     from dense.sequence import build_sequences
     from embeddings.features import FeatureSpec
     from embeddings.tables import sequence_table_configs, table_configs
-    from trainer.config_loader import load_config
     from trainer.data.encode import RowEncoder
-    from trainer.dist import tune_malloc
     from trainer.ranking_model import RankingModel
 
-    tune_malloc()
-    torch.manual_seed(0)
-    items = 10_000
-    cfg = load_config(None, [f"--model.tower={tower}", "--data.time_column=now"])
+    cfg = base_config(tower)
+    items = ITEMS
     f = FeatureSpec
-    cfg.features = [f(name="user", num_embeddings=1000, embedding_dim=16, group="user"),
-                    f(name="item", table="catalog", num_embeddings=items, embedding_dim=16, group="item"),
-                    f(name="item_genre", table="genre", num_embeddings=GENRES, embedding_dim=16, hashing="none",
-                      group="item"),
-                    f(name="hist", kind="sequence", table="catalog", num_embeddings=items, embedding_dim=16,
-                      max_len=k if search == "hard" else length, sequence_module="target_attention",
-                      timestamps="ts", group="behaviour", candidate_fields=["item_genre"],
-                      **({"search_field": "hist_genre", "search_query": "item_genre"} if search == "hard" else
-                         {"search_k": k})),
-                    f(name="hist_genre", kind="sequence", side_of="hist", table="genre", num_embeddings=GENRES,
-                      embedding_dim=16, hashing="none", max_len=k if search == "hard" else length, group="behaviour")]
+    searched = {"search_field": "hist_genre", "search_query": "item_genre"} if search == "hard" else {"search_k": k}
+    kept = k if search == "hard" else length  # max_len
+    cfg.features += [f(name="item_genre", table="genre", num_embeddings=GENRES, embedding_dim=16, hashing="none",
+                       group="item"),
+                     f(name="hist", kind="sequence", table="catalog", num_embeddings=items, embedding_dim=16,
+                       max_len=kept, sequence_module="target_attention", timestamps="ts", group="behaviour",
+                       candidate_fields=["item_genre"], **searched),
+                     f(name="hist_genre", kind="sequence", side_of="hist", table="genre", num_embeddings=GENRES,
+                       embedding_dim=16, hashing="none", max_len=kept, group="behaviour")]
     layout, dense, heads = build_dense(cfg.model, cfg.features)
     model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, dense, heads,
                          sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features)),

@@ -39,33 +39,46 @@ sys.path.insert(0, str(REPO))
 MODULES = ("pool", "target_attention", "transformer")
 
 
+ITEMS = 10_000  # rows of the catalog table, the candidate's and the behaviours'
+
+
+def base_config(tower: str):
+    """The benches' config, the seed set and malloc tuned as training's: `tower` at its defaults,
+    a user table and the candidate `item` on the `catalog` table; the caller adds the history."""
+    import torch
+
+    from embeddings.features import FeatureSpec
+    from trainer.config_loader import load_config
+    from trainer.dist import tune_malloc
+
+    tune_malloc()  # as training does (docs/performance.md): no page faults per large activation
+    torch.manual_seed(0)
+    cfg = load_config(None, [f"--model.tower={tower}", "--data.time_column=now"])
+    cfg.features = [FeatureSpec(name="user", num_embeddings=1000, embedding_dim=16, group="user"),
+                    FeatureSpec(name="item", table="catalog", num_embeddings=ITEMS, embedding_dim=16, group="item")]
+    return cfg
+
+
 def build(module: str, length: int, rows: int, tower: str, ragged: bool = False):
     """(model, batch, sequences) of one (module, M): the same seed, tables and data for every module;
     each row holds M ids, or with `ragged` 1 to M (uniform), padded to the longest."""
     # on use: the parent process only starts children and prints
     import numpy as np
     import pyarrow as pa
-    import torch
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
     from dense.heads import build_dense
     from dense.sequence import build_sequences
     from embeddings.features import FeatureSpec
     from embeddings.tables import sequence_table_configs, table_configs
-    from trainer.config_loader import load_config
     from trainer.data.encode import RowEncoder
-    from trainer.dist import tune_malloc
     from trainer.ranking_model import RankingModel
 
-    tune_malloc()  # as training does (docs/performance.md): no page faults per large activation
-    torch.manual_seed(0)
-    items = 10_000
-    cfg = load_config(None, [f"--model.tower={tower}", "--data.time_column=now"])
-    f = FeatureSpec
-    cfg.features = [f(name="user", num_embeddings=1000, embedding_dim=16, group="user"),
-                    f(name="item", table="catalog", num_embeddings=items, embedding_dim=16, group="item"),
-                    f(name="hist", kind="sequence", table="catalog", num_embeddings=items, embedding_dim=16,
-                      pooling="mean", max_len=length, sequence_module=module, timestamps="ts", group="behaviour")]
+    cfg = base_config(tower)
+    cfg.features.append(FeatureSpec(name="hist", kind="sequence", table="catalog", num_embeddings=ITEMS,
+                                    embedding_dim=16, pooling="mean", max_len=length, sequence_module=module,
+                                    timestamps="ts", group="behaviour"))
+    items = ITEMS
     layout, dense, heads = build_dense(cfg.model, cfg.features)
     sequences = build_sequences(cfg.features, cfg.model.sequence)
     unpooled = sequence_table_configs(cfg.features)

@@ -370,6 +370,8 @@ def test_movielens_with_side_fields_trains_on_two_ranks_and_its_artifact_scores_
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest, _ = export_and_score(run, cache / "movielens-100k-v3" / "valid", tmp_path, fmt,
                                    compare=not args)
+    readme = (tmp_path / "model" / "README.md").read_text()  # the input contract names the side fields
+    assert "| hist_ratings | hist_ratings | sequence | 6 | none | 50 | side of hist_items | - |" in readme
     if args == MANAGED_GENRES:
         assert manifest["managed"]["genre"]["ranks"] == 2
 

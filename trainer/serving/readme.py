@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from embeddings.features import attended
+from embeddings.features import FeatureSpec, attended
 from trainer.config import Config
 
 # What loading each format means for trust (README.md, Trust).
@@ -81,6 +81,12 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
            "A sequence read by a sequence module (`sequence module` below) keeps its last `max_len` ids (the most "
            "recent: lists are most recent last), looks each one up, and attends over them against its "
            "candidate; send the whole history, the model truncates it."] if any_attended else []),
+        *(["",
+           "A side field (`side of <sequence>` below) holds one value per id of its sequence in each row, in the "
+           "same order: each behaviour's stars, genre...; a row whose counts differ is refused. A search "
+           "(`search <field> = <query>`) keeps only the behaviours whose field equals the row's query id, "
+           "before `max_len`; `top <k>`, the k nearest the query; both inside the model."]
+          if any(f.side_of for f in sparse) else []),
         "",
         "A value the model refuses (an id out of range, a null that is not filled, a value outside a "
         "transform's domain) stops the call with an error that names it (RuntimeError; "
@@ -93,8 +99,7 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         "| # | sparse feature | column | kind | table rows | hashing | max_len | sequence module | timestamps |",
         "|---|---|---|---|---|---|---|---|---|",
         *(f"| {i} | {f.name} | {f.column} | {f.kind} | {f.num_embeddings} | {f.hashing} | {f.max_len or '-'} | "
-          f"{f.sequence_module if f.kind == 'sequence' else '-'} | {(attended(f) and f.timestamps) or '-'} |"
-          for i, f in enumerate(sparse)),
+          f"{_module(f)} | {(attended(f) and f.timestamps) or '-'} |" for i, f in enumerate(sparse)),
         "",
         "| # | numeric feature | column | null | transforms |",
         "|---|---|---|---|---|",
@@ -126,3 +131,13 @@ def _transforms(f) -> str:
 
 def _num(x: float) -> str:
     return ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
+
+
+def _module(f: FeatureSpec) -> str:
+    """The README's `sequence module` cell: the module and its searches, a side field's sequence, or -."""
+    if f.kind != "sequence":
+        return "-"
+    if f.side_of:
+        return f"side of {f.side_of}"
+    search = f", search {f.search_field} = {f.search_query}" if f.search_field else ""
+    return f.sequence_module + search + (f", top {f.search_k}" if attended(f) and f.search_k else "")
