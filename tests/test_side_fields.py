@@ -8,6 +8,7 @@ tables' weights summed by hand for the modules."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -381,3 +382,34 @@ def test_a_negative_soft_search_is_refused():
     with pytest.raises(ValueError) as e:
         validate_features(features)
     assert str(e.value) == "features.hist.search_k must be >= 0 (0 reads every behaviour kept), got -1"
+
+
+@pytest.mark.slow
+def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_artifact(made_once, tmp_path):
+    """Continuous training's publishing carries the side fields' tables: step 14's delta applied
+    to step 7's artifact predicts as step 14's full artifact, the side fields' rows among those
+    it changed."""
+    import pyarrow.parquet as pq
+
+    from cli import rankmix, rankmix_ranks
+    from trainer.serving.export import load
+
+    if not (REPO / "../shared/data/movielens-100k/ml-100k.inter").is_file():
+        pytest.skip("MovieLens-100K is not in ../shared/data")
+    cache = made_once("movielens-cache", lambda folder: None)
+    run = tmp_path / "run"
+    proc = rankmix_ranks(1, *ML_ARGS, "--train.steps=14", "--publish.every_steps=7", f"--train.run_dir={run}",
+                         f"--data.cache_dir={cache}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = run / "publish" / "step-14"
+    rows = json.loads((full / "manifest.json").read_text())["publish"]["delta"]["rows"]
+    assert rows["hist_ratings"] > 0 and rows["genre"] > 0
+    applied = rankmix("publish", "apply", "--base", str(run / "publish" / "step-7"), "--delta", str(full),
+                      "--out", str(tmp_path / "applied"))
+    assert applied.returncode == 0, applied.stderr[-3000:]
+    table = pq.read_table(cache / "movielens-100k-v3" / "valid").slice(0, 2000)
+    features = load_config(str(full / "config.toml"), [], allow_redacted=True).features
+    inputs = raw_inputs(table, features, "valid", "timestamp")
+    with torch.no_grad():
+        served = [load(folder)[0](*inputs) for folder in (full, tmp_path / "applied")]
+    assert torch.equal(served[0], served[1])
