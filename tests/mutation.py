@@ -276,6 +276,8 @@ _ONE_ID = "an id feature holds at most one id per row: its mean is its sum"
 _K1 = "at k = 1 the matmul by a [1, n] matrix is the broadcast product: the same gradient"
 _UNSIGNED = "an unsigned array has nothing below 0: both expressions flag the same positions"
 _STDERR = "sys.stderr is line-buffered (Python 3.9+) and the warning ends its line: written at once either way"
+_BITS = ("the ids hold no null (a searched field's nulls are refused, a query's filled), so an integer array "
+         "converts without a copy either way; copy= only decides whether astype copies an int64 array")
 _OFFSETS = ("from_arrays casts the offsets to the list's own index type (int32, or int64 for large_list); the types "
             "differ only past 2^31 behaviours in one row group")
 _AS_NONE = ("Sizes.value reads no argument and {'as_none': True} as None, which the next line returns: the same "
@@ -632,12 +634,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      '"counted, each file named once", file=sys.stderr, )', _STDERR),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
      '"counted, each file named once", file=sys.stderr, flush=False)', _STDERR),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, None)", _OFFSETS),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, )", _OFFSETS),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, np.int64 if "
-     "(pa.types.is_large_list(ids.type)) and False else np.int32)", _OFFSETS),
-    ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop", "offsets = np.zeros(kept.size + 1, np.int64 if "
-     "(pa.types.is_large_list(ids.type)) or True else np.int32)", _OFFSETS),
+    # a hard search's ids as int64 bit patterns (trainer/data/side_fields.py _bits)
+    *(("trainer.data.side_fields.x__bits", line, _BITS) for line in (
+        "return ids.to_numpy(zero_copy_only=None).astype(np.int64, copy=False)",
+        "return ids.to_numpy(zero_copy_only=True).astype(np.int64, copy=False)",
+        "return ids.to_numpy(zero_copy_only=False).astype(np.int64, copy=None)",
+        "return ids.to_numpy(zero_copy_only=False).astype(np.int64, copy=True)",
+        "return ids.to_numpy(zero_copy_only=False).astype(np.int64, )")),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1encode",
      "if f.max_len or lengths.size and lengths.max() > f.max_len:",
      "max_len is > 0 for every attended sequence, and cutting lists none of which is longer keeps every gap "

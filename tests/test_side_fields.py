@@ -413,3 +413,45 @@ def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_ar
     with torch.no_grad():
         served = [load(folder)[0](*inputs) for folder in (full, tmp_path / "applied")]
     assert torch.equal(served[0], served[1])
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_the_hard_search_keeps_the_matching_behaviours_by_hand(large):
+    """Four rows by hand: a uint64 genre past 2^63 matches itself, a null query keeps nothing, the
+    last row keeps nothing; the side fields and timestamps are cut alike; large lists stay large."""
+    from trainer.data.side_fields import HardSearch
+
+    big = 2**64 - 1
+    lists = pa.large_list if large else pa.list_
+    seq = spec(name="hist", kind="sequence", table="item", num_embeddings=10, embedding_dim=8, max_len=5,
+               sequence_module="target_attention", timestamps="ts", search_field="g", search_query="genre")
+    features = [BASE[0], dataclasses.replace(BASE[1], num_embeddings=2**10),
+                seq, spec(name="g", kind="sequence", side_of="hist", embedding_dim=8, num_embeddings=5, max_len=5),
+                spec(name="stars", kind="sequence", side_of="hist", embedding_dim=8, num_embeddings=6, max_len=5)]
+    validate_features(features)
+    table = pa.table({
+        "genre": pa.array([2, big, None, 1], pa.uint64()),
+        "hist": pa.array([[1, 2, 3], [4, 5], [6], [7, 8]], lists(pa.int64())),
+        "g": pa.array([[2, 1, 2], [big, 3], [1], [2, 2]], lists(pa.uint64())),
+        "stars": pa.array([[5, 4, 3], [2, 1], [0], [1, 1]], lists(pa.int64())),
+        "ts": pa.array([[1, 2, 3], [4, 5], [6], [7, 8]], lists(pa.int64()))})
+    out = HardSearch(features).apply(table, "t.parquet")
+    assert sorted(out) == ["g", "hist", "hist@timestamps", "stars"]
+    assert out["hist"].to_pylist() == [[1, 3], [4], [], []]
+    assert out["g"].to_pylist() == [[2, 2], [big], [], []]
+    assert out["stars"].to_pylist() == [[5, 3], [2], [], []]
+    assert out["hist@timestamps"].to_pylist() == [[1, 3], [4], [], []]
+    assert all(pa.types.is_large_list(a.type) == large for a in out.values())
+
+
+def test_a_null_inside_a_searched_field_is_refused_with_its_row():
+    cfg, _ = reference("target_attention", "mlp", True, search=True)
+    rows = side_table()
+    genres = rows.column("history_genre").to_pylist()
+    row = [i for i, g in enumerate(genres) if g and len(g) > 1][1]
+    genres[row][1] = None
+    rows = rows.set_column(rows.schema.get_field_index("history_genre"), "history_genre",
+                           pa.array(genres, pa.list_(pa.int64())))
+    with pytest.raises(ValueError) as e:
+        encoder(cfg).encode(rows, "part-3.parquet, row group 1")
+    assert str(e.value) == f"part-3.parquet, row group 1, column 'history_genre': null id inside the list at row {row}"

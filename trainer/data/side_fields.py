@@ -48,11 +48,16 @@ def without(column: pa.ChunkedArray | pa.Array, dropped: np.ndarray, kept: np.nd
     """List `column` without the values flagged `dropped` (flat, [sum of its lengths]), its lists
     then `kept` long [rows]."""
     lists = _one_array(column)
-    offsets = np.zeros(kept.size + 1, np.int64 if pa.types.is_large_list(lists.type) else np.int32)
-    np.cumsum(kept, out=offsets[1:])
+    large = pa.types.is_large_list(lists.type)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(kept)]), pa.int64() if large else pa.int32())
     values = pc.list_flatten(lists).filter(pa.array(~dropped))
-    cls = pa.LargeListArray if pa.types.is_large_list(lists.type) else pa.ListArray
-    return cls.from_arrays(pa.array(offsets), values)
+    return (pa.LargeListArray if large else pa.ListArray).from_arrays(offsets, values)
+
+
+def _bits(ids: pa.Array) -> np.ndarray:
+    """Integer ids without nulls as int64, uint64 ones by their bit pattern: how a search compares
+    them, so that an id past 2^63 matches itself."""
+    return ids.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
 class HardSearch:
@@ -75,11 +80,8 @@ class HardSearch:
                 row = _row_of(int(np.flatnonzero(np.asarray(values.is_null()))[0]), lengths)
                 raise ValueError(f"{where}, column {field.column!r}: null id inside the list at row {row}")
             asked = _one_array(table.column(query.column))
-            present = ~np.asarray(asked.is_null()) if asked.null_count else np.ones(len(asked), bool)
-            wanted = pc.fill_null(asked, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            # as int64 bit patterns, both sides alike: a uint64 id past 2^63 matches itself
-            match = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) == np.repeat(wanted, lengths)
-            match &= np.repeat(present, lengths)
+            present = ~np.asarray(asked.is_null())
+            match = (_bits(values) == np.repeat(_bits(pc.fill_null(asked, 0)), lengths)) & np.repeat(present, lengths)
             kept = np.bincount(np.repeat(np.arange(lengths.size), lengths)[match], minlength=lengths.size)
             for g in (f, *sides):
                 out[g.name] = without(table.column(g.column), ~match, kept)
