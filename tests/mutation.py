@@ -634,6 +634,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      '"counted, each file named once", file=sys.stderr, )', _STDERR),
     ("trainer.data.timestamps.x\u01c1TimeGaps\u01c1_drop",
      '"counted, each file named once", file=sys.stderr, flush=False)', _STDERR),
+    ("trainer.data.side_fields.x\u01c1HardSearch\u01c1apply", "match = (_bits(values) == np.repeat(_bits(pc.fill_null("
+     "asked, 1)), lengths)) & np.repeat(present, lengths)", "a null query's row is masked out by `present`: what its "
+     "filled value matches never counts"),
     # a hard search's ids as int64 bit patterns (trainer/data/side_fields.py _bits)
     *(("trainer.data.side_fields.x__bits", line, _BITS) for line in (
         "return ids.to_numpy(zero_copy_only=None).astype(np.int64, copy=False)",

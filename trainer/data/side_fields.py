@@ -48,10 +48,9 @@ def without(column: pa.ChunkedArray | pa.Array, dropped: np.ndarray, kept: np.nd
     """List `column` without the values flagged `dropped` (flat, [sum of its lengths]), its lists
     then `kept` long [rows]."""
     lists = _one_array(column)
-    large = pa.types.is_large_list(lists.type)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(kept)]), pa.int64() if large else pa.int32())
+    offsets = pa.array(np.concatenate([[0], np.cumsum(kept)]))  # int64: from_arrays casts to the list's own type
     values = pc.list_flatten(lists).filter(pa.array(~dropped))
-    return (pa.LargeListArray if large else pa.ListArray).from_arrays(offsets, values)
+    return (pa.LargeListArray if pa.types.is_large_list(lists.type) else pa.ListArray).from_arrays(offsets, values)
 
 
 def _bits(ids: pa.Array) -> np.ndarray:
