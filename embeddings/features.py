@@ -221,8 +221,7 @@ def validate_features(features: list[FeatureSpec]) -> None:
     _validate_sides(features)
     by_name = {f.name: f for f in features}
     for f in features:
-        if f.kind == "sequence" and not f.side_of:
-            _validate_search(f, by_name)
+        _validate_search(f, by_name)
     _validate_sequences(features)
 
 

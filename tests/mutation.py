@@ -89,7 +89,7 @@ _READER_TESTS = ("tests/test_reader.py", "tests/test_reader_balance.py", "tests/
 MODULES = {
     "ids": Target("trainer/data/ids.py", ("tests/test_ids_pinned.py", "tests/test_reader_rows.py")),
     "feature_ops": Target("trainer/data/feature_ops.py", ("tests/test_ids_pinned.py", "tests/test_config_choices.py",
-                                                          "tests/test_sequence_time.py")),
+                                                          "tests/test_sequence_time.py", "tests/test_side_fields.py")),
     "stable_hash": Target("trainer/offline/csvlog.py", ("tests/test_ids_pinned.py",),
                           ("stable_hash", "hashed_column")),
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
@@ -637,6 +637,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.data.side_fields.x\u01c1HardSearch\u01c1apply", "match = (_bits(values) == np.repeat(_bits(pc.fill_null("
      "asked, 1)), lengths)) & np.repeat(present, lengths)", "a null query's row is masked out by `present`: what its "
      "filled value matches never counts"),
+    *(("dense.sequence.x_soft_search", line, "the indices are [B, k]: topk's and sort's default dim, -1, is 1")
+      for line in ("chosen = torch.sort(torch.topk(scores, k, dim=1).indices, ).values  # [B, k], oldest first",
+                   "chosen = torch.sort(torch.topk(scores, k, ).indices, dim=1).values  # [B, k], oldest first")),
+    ("dense.sequence.x\u01c1SequenceInputs\u01c1attend",
+     "if name in self.search_k and (lengths or self.max_len)[name] >= self.search_k[name]:",
+     "at L = k the search keeps every position, sorted back into order: the rows it was given"),
     # a hard search's ids as int64 bit patterns (trainer/data/side_fields.py _bits)
     *(("trainer.data.side_fields.x__bits", line, _BITS) for line in (
         "return ids.to_numpy(zero_copy_only=None).astype(np.int64, copy=False)",

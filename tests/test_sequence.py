@@ -214,12 +214,19 @@ def test_a_forward_on_fake_cuda_stays_on_the_device_and_reads_nothing_back(modul
             out["hist.0"].sum().item()
 
 
-@pytest.mark.parametrize("module", ["target_attention", "transformer"])
-def test_a_training_step_on_meta_reads_nothing_back(module):
+@pytest.mark.parametrize("module,time_bias,search_k", [
+    ("target_attention", False, 0), ("transformer", False, 0), ("transformer", True, 0),
+    ("target_attention", False, 3)])
+def test_a_training_step_on_meta_reads_nothing_back(module, time_bias, search_k):
     """Padding, attention and backward on the meta device, which raises on every read back, copy to
     the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py): the
-    backward, which fake CUDA cannot run on this CPU build (test_fake_cuda's docstring)."""
-    inputs = SequenceInputs(schema(module, timestamps="ts"), SequenceConfig()).to(META)
+    backward, which fake CUDA cannot run on this CPU build (test_fake_cuda's docstring). With the
+    transformer's time bias (its `~` is beyond fake CUDA) and the soft search too."""
+    cfg = SequenceConfig()
+    cfg.transformer.time_bias = time_bias
+    features = [dataclasses.replace(f, search_k=search_k) if f.name == "hist" else f
+                for f in schema(module, timestamps="ts")]
+    inputs = SequenceInputs(features, cfg).to(META)
     looked = {k: JaggedTensor(v.values().to(META).requires_grad_(v.values().is_floating_point()),
                               lengths=v.lengths().to(META), offsets=v.offsets().to(META))
               for k, v in lookups([3, 0, 5, 2]).items()}

@@ -169,6 +169,25 @@ def test_the_soft_search_keeps_the_k_behaviours_nearest_the_query_in_time_order_
     (picked * kept_mask.unsqueeze(-1)).sum().backward()
     chosen = (x.grad != 0).any(-1)
     assert chosen.sum(1).tolist() == [min(3, int(n)) for n in lengths]
+    untimed = soft_search(x.detach(), mask, query, None, 3)  # a sequence without timestamps
+    assert untimed[2] is None and torch.equal(untimed[0], picked.detach())
+
+
+def test_a_batch_shorter_than_the_soft_searchs_k_is_read_whole():
+    """The soft search reads k of the batch's padded length, not of max_len: a batch of histories
+    of at most 2 under k = 3 < max_len = 4 reads them all, as without the search."""
+    cfg, model = reference("target_attention", "mlp", True, soft=3)
+    rows = side_table()
+    short = rows.filter(pa.array([len(h or []) <= 2 for h in rows.column("history").to_pylist()]))
+    batch = encoder(cfg).encode(short, "test").to_batch()
+    assert batch.sequence_max[-1] == 2
+    with torch.no_grad():
+        looked = model.sequence_tables(batch.sequence_ids)
+        searched = model.sequences({}, looked, batch.sequence_max, batch.sequence_gaps)
+        whole = build_sequences([dataclasses.replace(f, search_k=0) for f in cfg.features], cfg.model.sequence)
+        whole.load_state_dict(model.sequences.state_dict())
+        expected = whole({}, looked, batch.sequence_max, batch.sequence_gaps)
+    torch.testing.assert_close(searched["history.0"], expected["history.0"], rtol=0, atol=0)
 
 
 def test_a_soft_searched_sequence_attends_to_its_k_nearest_behaviours():
@@ -338,6 +357,8 @@ def test_a_hard_search_is_refused_unless_on_a_side_field_and_an_id_of_the_candid
                         "match (its vector is added to the query)"),
 ])
 def test_a_query_field_is_refused_unless_an_id_feature_as_wide_as_the_sequence(fields, message):
+    ok = [dataclasses.replace(f, candidate_fields=["genre", "tags"]) if f.name == "hist" else f for f in BASE]
+    validate_features([*ok, spec(name="tags", kind="id_list", num_embeddings=9, embedding_dim=8)])  # id and id_list
     features = [dataclasses.replace(f, candidate_fields=fields) if f.name == "hist" else f for f in BASE]
     with pytest.raises(ValueError) as e:
         validate_features(features)
@@ -417,8 +438,9 @@ def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_ar
 
 @pytest.mark.parametrize("large", [False, True])
 def test_the_hard_search_keeps_the_matching_behaviours_by_hand(large):
-    """Four rows by hand: a uint64 genre past 2^63 matches itself, a null query keeps nothing, the
-    last row keeps nothing; the side fields and timestamps are cut alike; large lists stay large."""
+    """Four rows by hand: a uint64 genre past 2^63 matches itself and not its neighbour (equal as
+    floats), a null query keeps nothing, the last row keeps nothing; the side fields and timestamps
+    are cut alike; large lists stay large."""
     from trainer.data.side_fields import HardSearch
 
     big = 2**64 - 1
@@ -432,7 +454,7 @@ def test_the_hard_search_keeps_the_matching_behaviours_by_hand(large):
     table = pa.table({
         "genre": pa.array([2, big, None, 1], pa.uint64()),
         "hist": pa.array([[1, 2, 3], [4, 5], [6], [7, 8]], lists(pa.int64())),
-        "g": pa.array([[2, 1, 2], [big, 3], [1], [2, 2]], lists(pa.uint64())),
+        "g": pa.array([[2, 1, 2], [big, big - 1], [1], [2, 2]], lists(pa.uint64())),  # one float64 apart: none
         "stars": pa.array([[5, 4, 3], [2, 1], [0], [1, 1]], lists(pa.int64())),
         "ts": pa.array([[1, 2, 3], [4, 5], [6], [7, 8]], lists(pa.int64()))})
     out = HardSearch(features).apply(table, "t.parquet")
