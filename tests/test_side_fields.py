@@ -372,11 +372,10 @@ MANAGED_GENRES = [f"--features.{f}.hashing=managed" for f in ("item_genre", "his
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module,args,fmt", [
-    ("pool", [], "pt2"), ("target_attention", [], "torchscript"), ("target_attention", MANAGED_GENRES, "pt2"),
-    ("transformer", ["--model.sequence.transformer.time_bias=true"], "pt2"),
+    ("pool", [], "pt2"), ("target_attention", MANAGED_GENRES, "pt2"),
     ("target_attention", ["--features.hist_items.search_field=hist_genres",
                           "--features.hist_items.search_query=item_genre"], "torchscript"),
-    ("transformer", ["--features.hist_items.search_k=16"], "pt2")])
+    ("transformer", ["--model.sequence.transformer.time_bias=true", "--features.hist_items.search_k=16"], "pt2")])
 def test_movielens_with_side_fields_trains_on_two_ranks_and_its_artifact_scores_as_its_checkpoint(
         module, args, fmt, made_once, tmp_path):
     """configs/movielens.toml's past ratings with their stars and genres, queried by the item and
