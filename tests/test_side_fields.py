@@ -365,7 +365,7 @@ def test_a_query_field_is_refused_unless_an_id_feature_as_wide_as_the_sequence(f
     assert str(e.value) == message
 
 
-ML_ARGS = ["--config", "configs/movielens.toml", "--train.steps=30", "--metrics.progress=false",
+ML_ARGS = ["--config", "configs/movielens.toml", "--train.steps=12", "--metrics.progress=false",
            "--metrics.tensorboard=false", "--checkpoint.keep=0"]
 MANAGED_GENRES = [f"--features.{f}.hashing=managed" for f in ("item_genre", "hist_genres")]
 
@@ -409,8 +409,8 @@ def test_a_negative_soft_search_is_refused():
 
 @pytest.mark.slow
 def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_artifact(made_once, tmp_path):
-    """Continuous training's publishing carries the side fields' tables: step 14's delta applied
-    to step 7's artifact predicts as step 14's full artifact, the side fields' rows among those
+    """Continuous training's publishing carries the side fields' tables: step 8's delta applied
+    to step 4's artifact predicts as step 8's full artifact, the side fields' rows among those
     it changed."""
     import pyarrow.parquet as pq
 
@@ -421,13 +421,13 @@ def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_ar
         pytest.skip("MovieLens-100K is not in ../shared/data")
     cache = made_once("movielens-cache", lambda folder: None)
     run = tmp_path / "run"
-    proc = rankmix_ranks(1, *ML_ARGS, "--train.steps=14", "--publish.every_steps=7", f"--train.run_dir={run}",
+    proc = rankmix_ranks(1, *ML_ARGS, "--train.steps=8", "--publish.every_steps=4", f"--train.run_dir={run}",
                          f"--data.cache_dir={cache}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    full = run / "publish" / "step-14"
+    full = run / "publish" / "step-8"
     rows = json.loads((full / "manifest.json").read_text())["publish"]["delta"]["rows"]
     assert rows["hist_ratings"] > 0 and rows["genre"] > 0
-    applied = rankmix("publish", "apply", "--base", str(run / "publish" / "step-7"), "--delta", str(full),
+    applied = rankmix("publish", "apply", "--base", str(run / "publish" / "step-4"), "--delta", str(full),
                       "--out", str(tmp_path / "applied"))
     assert applied.returncode == 0, applied.stderr[-3000:]
     table = pq.read_table(cache / "movielens-100k-v3" / "valid").slice(0, 2000)
