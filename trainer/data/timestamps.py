@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from embeddings.features import FeatureSpec, attended, side_fields
 from trainer.data.feature_ops import gap_buckets_numpy
 from trainer.data.ids import _keep_last, _one_array, _row_of
-from trainer.data.side_fields import without
+from trainer.data.side_fields import list_lengths, without
 
 TIME_LIMIT = 2 ** 62  # times are 0 <= t < TIME_LIMIT
 assert 2 * TIME_LIMIT - 1 <= np.iinfo(np.int64).max  # so any gap between two of them fits int64
@@ -116,9 +116,7 @@ def _timestamps(table: pa.Table, f: FeatureSpec, where: str,
     checked: one per id, no null, each within the range; `lists` as `TimeGaps.encode`'s."""
     lists = lists or {}
     stamps = _one_array(lists.get(f"{f.name}@timestamps", table.column(f.timestamps)))
-    ids = _one_array(lists.get(f.name, table.column(f.column)))
-    n_stamps = pc.fill_null(pc.list_value_length(stamps), 0).to_numpy().astype(np.int64)
-    n_ids = pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64)
+    n_stamps, n_ids = list_lengths(stamps), list_lengths(lists.get(f.name, table.column(f.column)))
     if not np.array_equal(n_stamps, n_ids):
         row = int(np.flatnonzero(n_stamps != n_ids)[0])
         raise ValueError(f"{where}, column {f.timestamps!r}: row {row} has {n_stamps[row]} timestamps for "
