@@ -25,6 +25,7 @@ from embeddings.features import (
     attended,
     attended_tables,
     default_candidate,
+    shared_sequences,
     side_fields,
     unpooled_features,
 )
@@ -62,6 +63,21 @@ def pad(values: torch.Tensor, offsets: torch.Tensor, length: int) -> tuple[torch
     flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))  # the op's values are 2-D (-1: not at N = 0)
     padded = _JaggedToPadded.apply(flat, offsets, length)
     return padded.reshape(rows, length, *values.shape[1:]), mask
+
+
+def held_offsets(offsets: torch.Tensor, holders: torch.Tensor) -> torch.Tensor:
+    """Offsets [B + 1] of a batch whose lists are at the rows `holders` [R] (ascending) only, every
+    other row empty (data.request_column) -> the offsets [R + 1] of those R lists: a holder's list
+    ends where the next one starts."""
+    return torch.cat([offsets.index_select(0, holders), offsets.narrow(0, offsets.shape[0] - 1, 1)])
+
+
+def per_row(request: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each of `tensors` [R, ...] (one a request; None passes) -> [B, ...], row b its request
+    `request[b]`'s; as they are where `request` is None."""
+    if request is None:
+        return tensors
+    return tuple(None if t is None else t.index_select(0, request) for t in tensors)
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
@@ -156,7 +172,10 @@ class TargetAttention(nn.Module):
         return self.rest(self.first(x))
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
-                gaps: torch.Tensor | None = None) -> torch.Tensor:
+                gaps: torch.Tensor | None = None, request: torch.Tensor | None = None) -> torch.Tensor:
+        """`request` [B]: behaviours, mask and gaps are [R, L, ...], one a request, row b's its
+        request's (data.request_column); each row's candidate reads its request's history."""
+        behaviours, mask, gaps = per_row(request, behaviours, mask, gaps)
         x = torch.relu_(self.first_layer(behaviours, candidate, gaps))  # [B, L, H], in place: ours
         for layer in list(self.rest)[1:-1]:  # further hidden layers, if any
             x = layer(x)
@@ -236,12 +255,17 @@ class SequenceTransformer(nn.Module):
 
     The position, time and candidate embeddings start at `init_std`, the scale of the sequence's
     table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn).
-    `time_bias` (with gaps) adds each block's relative time bias to its attention scores."""
+    `time_bias` (with gaps) adds each block's relative time bias to its attention scores.
+
+    `in_sequence` False: the candidate is not a token of the blocks, only the query of the target
+    attention after them (the query of the last block): the blocks then read the history alone,
+    and run once per request where rows share one (data.request_column)."""
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
                  hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
-                 time_value: bool, time_bias: bool):
+                 time_value: bool, time_bias: bool, in_sequence: bool = True):
         super().__init__()
+        self.in_sequence = in_sequence
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
         self.position = nn.Embedding(max_len, width)
         self.time = nn.Embedding(time[0], width) if time else None
@@ -256,21 +280,32 @@ class SequenceTransformer(nn.Module):
         self.max_len = max_len
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,
-                gaps: torch.Tensor | None = None) -> torch.Tensor:
+                gaps: torch.Tensor | None = None, request: torch.Tensor | None = None) -> torch.Tensor:
+        """`request` [B]: behaviours, mask and gaps are [R, L, ...], one a request (TargetAttention's)."""
+        if self.in_sequence:  # the blocks read the candidate: one history per row
+            behaviours, mask, gaps = per_row(request, behaviours, mask, gaps)
+            request = None
         steps = torch.arange(mask.shape[1], device=mask.device)
         recency = (mask.sum(dim=1, keepdim=True) - 1 - steps).clamp(0, self.max_len - 1)  # padding: masked anyway
         h = self.inp(behaviours) + self.position(recency)
         if self.time is not None:
             h = h + self.time(gaps)
-        first = (self.inp(candidate) + self.candidate).unsqueeze(1)  # [B, 1, W]
-        h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
-        keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
-        # the candidate is now: the bucket of a gap of 0 (trainer/data/feature_ops.py)
-        now = torch.ones([mask.shape[0], 1], dtype=torch.int64, device=mask.device)  # ones, not ones_like: PT2_OPS
-        buckets = torch.cat([now, gaps], dim=1) if self.relative_time else None
+        if self.in_sequence:
+            first = (self.inp(candidate) + self.candidate).unsqueeze(1)  # [B, 1, W]
+            h = torch.cat([first, h], dim=1)  # [B, 1 + L, W]
+            keys = torch.cat([torch.ones([mask.shape[0], 1], dtype=torch.bool, device=mask.device), mask], dim=1)
+            # the candidate is now: the bucket of a gap of 0 (trainer/data/feature_ops.py)
+            now = torch.ones([mask.shape[0], 1], dtype=torch.int64, device=mask.device)  # ones, not ones_like: PT2_OPS
+            buckets = torch.cat([now, gaps], dim=1) if self.relative_time else None
+        else:
+            # an empty history's rows attend to their first (padding) position, which nothing reads
+            # after: a row with no key at all would give NaN
+            keys = mask | ((steps == 0) & (mask.sum(dim=1, keepdim=True) == 0))
+            buckets = gaps if self.relative_time else None
         for block in self.blocks:
             h = block(h, keys, buckets)
-        return self.target(self.out(h.narrow(1, 1, mask.shape[1])), mask, candidate, gaps)
+        outputs = self.out(h.narrow(1, 1, mask.shape[1]) if self.in_sequence else h)
+        return self.target(outputs, mask, candidate, gaps, request)
 
 
 def soft_search(x: torch.Tensor, mask: torch.Tensor, query: torch.Tensor, gaps: torch.Tensor | None,
@@ -301,6 +336,10 @@ class SequenceInputs(nn.Module):
     A behaviour's vector is its id's plus those of its side fields (`features.<name>.side_of`,
     aligned with it), and the query the candidate's plus its `candidate_fields`': the modules
     read one [B, L, D] and one [B, D] whatever the fields.
+
+        request    (holders [R], index [B]) where rows share their request's sequences
+                   (data.request_column, trainer/data/requests.py): a shared sequence's lists are
+                   at the holder rows only; it is padded and encoded [R, L, D], once a request
     """
 
     def __init__(self, features: list[FeatureSpec], cfg):
@@ -317,32 +356,43 @@ class SequenceInputs(nn.Module):
         self.max_len = {f.name: f.max_len for f in on if attended(f)}  # a served model's padded length
         self.slots = {f.name: [slot for slot, _ in token_slots(f)] for f in on if attended(f)}
         self.timed = [f.name for f in features if attended(f) and f.timestamps]  # schema order, as the gaps
+        self.shared = {f.name for f in shared_sequences(features)} & set(self.keys)  # one a request, with requests
 
     def forward(self, pooled: dict[str, torch.Tensor], looked_up: dict, longest: tuple[int, ...] | list[int],
-                gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+                gaps: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+                request: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         padded, padded_gaps = {}, {}
         for i, name in enumerate(self.keys):
             rows = looked_up[name]
-            x, mask = pad(rows.values(), rows.offsets(), longest[i])
+            offsets = rows.offsets()
+            held = request is not None and name in self.shared
+            if held:
+                offsets = held_offsets(offsets, request[0])
+            x, mask = pad(rows.values(), offsets, longest[i])
             if name in self.read_padded:
                 padded[name] = (x, mask)
                 if name in self.timed:
-                    padded_gaps[name] = pad(gaps[self.timed.index(name)], rows.offsets(), longest[i])[0]
+                    padded_gaps[name] = pad(gaps[self.timed.index(name)], offsets, longest[i])[0]
                 continue
             total = x.sum(dim=1)
-            out[name] = total / rows.lengths().clamp(min=1).unsqueeze(1).to(total.dtype) if name in self.mean else total
-        out.update(self.attend(out, pooled, padded, padded_gaps, dict(zip(self.keys, longest))))
+            if name in self.mean:
+                total = total / mask.sum(dim=1, keepdim=True).clamp(min=1).to(total.dtype)
+            out[name] = per_row(request[1] if held else None, total)[0]
+        out.update(self.attend(out, pooled, padded, padded_gaps, dict(zip(self.keys, longest)),
+                               None if request is None else request[1]))
         return out
 
     def attend(self, own: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor],
                padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
-               gaps: dict[str, torch.Tensor], lengths: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+               gaps: dict[str, torch.Tensor], lengths: dict[str, int] | None = None,
+               request: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Each attended sequence's token slots [B, D] from its and its side fields' padded rows
         (x [B, L, D], mask [B, L]: a side field's mask is its sequence's, their lengths checked
         equal) and gap buckets [B, L]; the query's vectors from `own` (the features on these
-        tables) or else `pooled` (the bags). A served model pads by its own means (to max_len,
-        the L of `lengths`' default: a Python int, also while traced) and calls this."""
+        tables) or else `pooled` (the bags). With `request` [B], a shared sequence's rows are
+        [R, L, ...], one a request, which each of its rows reads. A served model pads by its own
+        means (to max_len, the L of `lengths`' default: a Python int, also while traced) and calls this."""
         out = {}
         for name, module in self.attention.items():
             candidate, *fields = [own[q] if q in own else pooled[q] for q in self.candidates[name]]
@@ -350,9 +400,11 @@ class SequenceInputs(nn.Module):
             x, mask = padded[name]
             x = sum((padded[side][0] for side in self.sides[name]), x)
             gap = gaps.get(name)
+            rows = request if name in self.shared else None
             if name in self.search_k and (lengths or self.max_len)[name] > self.search_k[name]:
-                x, mask, gap = soft_search(x, mask, v, gap, self.search_k[name])
-            vectors = module(x, mask, v, gap)  # [B, k, D]
+                x, mask, gap = soft_search(*per_row(rows, x, mask), v, *per_row(rows, gap), self.search_k[name])
+                rows = None  # a search per candidate
+            vectors = module(x, mask, v, gap, rows)  # [B, k, D]
             for j, slot in enumerate(self.slots[name]):  # narrow: a slice of CUDA needs the CUDA build
                 out[slot] = vectors.narrow(1, j, 1).squeeze(1)
         return out

@@ -67,6 +67,9 @@ class TransformerConfig:
     time_bias: bool = False
     ("""With timestamps: a learned bias per head on each pair's attention by the difference of their gap """
      """buckets (relative time); an [B, H, L, L] mask, memory O(L^2).""")
+    candidate: Literal["in_sequence", "query"] = "in_sequence"
+    ("""in_sequence (the candidate is the first token of every block: BST) | query (the blocks read the history """
+     """alone and the candidate queries their output: a request's rows share the blocks, data.request_column).""")
 
     def validate(self) -> None:
         _positive(self, self.key, "layers", "heads", "ffn_ratio")
@@ -97,7 +100,8 @@ def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
                                t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
                                (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
-                               weights=target.weights, time_value=target.time_value, time_bias=t.time_bias)
+                               weights=target.weights, time_value=target.time_value, time_bias=t.time_bias,
+                               in_sequence=t.candidate == "in_sequence")
 
 
 @dataclass

@@ -116,6 +116,13 @@ def read_with_attended(features: list[FeatureSpec]) -> list[FeatureSpec]:
     return [f for f in features if attended(f) or (f.kind == "sequence" and f.side_of in names)]
 
 
+def shared_sequences(features: list[FeatureSpec]) -> list[FeatureSpec]:
+    """The sequences a request's rows share (`data.request_column`): every sequence and side field but
+    those of a hard search (`search_field`), whose behaviours depend on each row's candidate."""
+    searched = {f.name for f in features if f.kind == "sequence" and f.search_field}
+    return [f for f in features if f.kind == "sequence" and f.name not in searched and f.side_of not in searched]
+
+
 def attended_tables(features: list[FeatureSpec]) -> list[str]:
     """The tables of attended sequences and of their side fields, sorted by name: looked up unpooled
     (an EmbeddingCollection), with every feature that names them."""

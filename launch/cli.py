@@ -270,7 +270,7 @@ def score(argv: list[str]) -> int:
     try:
         if args.model:
             from trainer.serving.predict import ArtifactModel  # on use: torch and TorchRec
-            model = ArtifactModel(args.model, cfg.features, cfg.data.time_column)
+            model = ArtifactModel(args.model, cfg.features, cfg.data.time_column, cfg.data.request_column)
         else:
             model = CheckpointModel(cfg, args.checkpoint)
         summary = Scorer(cfg, model).score(args.data, args.out, args.batch_size, keep)

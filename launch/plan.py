@@ -218,7 +218,8 @@ def host_memory(cfg: Config, memory: list[RankMemory], dense: int, dense_params:
     # PREFETCH_BATCHES pinned ones on a GPU rank), a read buffer per column
     window = cfg.data.shuffle_buffer + SLICE_ROWS
     batches = 1 + (PREFETCH_BATCHES if device == "cuda" else 0)
-    columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column).columns
+    columns = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column,
+                         request_column=cfg.data.request_column).columns
     reader = (3 * window + (1 + DECODE_AHEAD) * SLICE_ROWS + batches * batch) * row + READ_BUFFER * len(columns)
     evaluation = evaluation_bytes(cfg, batch, row)
     out = []

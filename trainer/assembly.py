@@ -72,7 +72,7 @@ def build_parts(cfg: Config, env: DistEnv, run_dir: Path, run_lock: RunLocks | N
     task_names = [t.name for t in cfg.model.tasks]
     task_weights = torch.tensor([t.weight for t in cfg.model.tasks], device=env.device)
     encoder = RowEncoder(cfg.features, cfg.model.tasks, cfg.data.user_column, cfg.data.time_column,
-                         cfg.model.sequence.time_buckets)
+                         cfg.model.sequence.time_buckets, cfg.data.request_column)
     batch_size = per_rank_batch_size(cfg, env.world_size)
     retries = {"retry_seconds": cfg.data.retry_seconds, "retry_attempts": cfg.data.retry_attempts}
     time_order = cfg.data.order == "time"

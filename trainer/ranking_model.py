@@ -16,6 +16,7 @@ from dense.heads import TaskHeads, build_dense
 from dense.layout import InputLayout
 from dense.sequence import SequenceInputs, build_sequences
 from embeddings.decay import decay_lookups
+from embeddings.features import shared_sequences, unpooled_features
 from embeddings.init import init_embeddings
 from embeddings.managed import build_managed_bags, build_managed_sequences
 from embeddings.sharding import shard_model
@@ -39,14 +40,17 @@ class RankingModel(nn.Module):
     `autocast_dtype` runs the tower and heads under autocast (weights stay fp32) for
     `autocast_device`, the type of the device the model runs on. `embedding_decay`
     (embeddings.weight_decay) puts an L2 penalty on the pooled lookups' gradient (embeddings/decay.py).
+    `shared_bags`: the pooled sequences a request's rows share (data.request_column), read from
+    its holder row (`Batch.request_holders`).
     """
 
     def __init__(self, ebc: EmbeddingBagCollection | None, layout: InputLayout, tower: nn.Module, heads: TaskHeads,
                  autocast_dtype: torch.dtype | None = None, autocast_device: str = "cpu",
                  managed_tables: nn.Module | None = None, sequence_tables: nn.Module | None = None,
                  sequences: SequenceInputs | None = None, managed_sequence_tables: nn.Module | None = None,
-                 embedding_decay: float = 0.0):
+                 embedding_decay: float = 0.0, shared_bags: tuple[str, ...] = ()):
         super().__init__()
+        self.shared_bags = shared_bags
         self.embedding_decay = embedding_decay
         self.ebc = ebc
         self.managed_tables = managed_tables
@@ -71,8 +75,13 @@ class RankingModel(nn.Module):
     def e_input(self, pooled: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
         """[B, E]: the bags' vectors, the sequence modules' (under autocast, where they run) and
         the numeric features."""
+        request = None if batch.request_holders is None else (batch.request_holders, batch.request_index)
+        if request is not None and self.shared_bags:  # the bags of a request's sequences: at its holder row
+            rows = request[0].index_select(0, request[1])
+            pooled.update({name: pooled[name].index_select(0, rows) for name in self.shared_bags})  # traced: in place
         if self.sequences is not None:
-            pooled.update(self.sequences(pooled, self.unpooled(batch), batch.sequence_max, batch.sequence_gaps))
+            pooled.update(self.sequences(pooled, self.unpooled(batch), batch.sequence_max, batch.sequence_gaps,
+                                         request))
         return self.layout.assemble(pooled, batch.dense)
 
     def unpooled(self, batch: Batch) -> dict:
@@ -101,6 +110,12 @@ class RankingModel(nn.Module):
         return pooled
 
 
+def shared_bags(features: list) -> tuple[str, ...]:
+    """The pooled sequences (bags of the EmbeddingBagCollection, managed or not) a request's rows share."""
+    unpooled = {f.name for f in unpooled_features(features)}
+    return tuple(f.name for f in shared_sequences(features) if f.name not in unpooled)
+
+
 def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> RankingModel:
     """The unsharded model of `cfg`: embedding tables on the meta device, tower, heads; it
     will run on a device of `device_type` (autocast's)."""
@@ -112,7 +127,8 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
                         sequence_tables=build_sequence_tables(cfg.features, cfg.embeddings),
                         sequences=build_sequences(cfg.features, cfg.model.sequence),
                         managed_sequence_tables=build_managed_sequences(cfg.features, cfg.embeddings, buckets=world),
-                        embedding_decay=cfg.embeddings.weight_decay)
+                        embedding_decay=cfg.embeddings.weight_decay,
+                        shared_bags=shared_bags(cfg.features) if cfg.data.request_column else ())
 
 
 def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,

@@ -103,7 +103,8 @@ class Scorer:
         labelled = all(t.label in names for t in self.cfg.model.tasks)  # else predictions only
         user = self.cfg.data.user_column if self.cfg.data.user_column in names else ""
         encoder = RowEncoder(self.cfg.features, self.cfg.model.tasks if labelled else [], user,
-                             self.cfg.data.time_column, self.cfg.model.sequence.time_buckets)
+                             self.cfg.data.time_column, self.cfg.model.sequence.time_buckets,
+                             self.cfg.data.request_column)
         spill = Path(out) if labelled and user else None  # UAUC's rows wait there, in a hidden folder
         rows = sum(footer.num_rows for footer in footers) if spill else 0  # buckets
         scored = 0

@@ -11,6 +11,9 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from trainer.data.ids import bag_positions
+from trainer.data.requests import holders
+
 
 @dataclass
 class Batch(Pipelineable):
@@ -33,6 +36,10 @@ class Batch(Pipelineable):
     sequence_gaps: per attended sequence with timestamps (schema order), [N_f] int64 time-gap
             buckets aligned with its ids in `sequence_ids` or `managed_sequence_ids`
             (trainer/data/timestamps.py).
+    request_holders: with data.request_column, [R] int64: the row that holds each of the batch's R
+            requests' shared sequences (their other rows' lists are empty; trainer/data/requests.py),
+            or None.
+    request_index: [B] int64, each row's request in 0..R-1, or None.
     """
 
     sparse: KeyedJaggedTensor
@@ -45,6 +52,8 @@ class Batch(Pipelineable):
     sequence_max: tuple[int, ...] = ()
     sequence_gaps: tuple[torch.Tensor, ...] = ()
     managed_sequence_ids: KeyedJaggedTensor | None = None
+    request_holders: torch.Tensor | None = None
+    request_index: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -64,6 +73,10 @@ class Batch(Pipelineable):
             sequence_gaps=tuple(g.to(device=device, non_blocking=non_blocking) for g in self.sequence_gaps),
             managed_sequence_ids=None if self.managed_sequence_ids is None else self.managed_sequence_ids.to(
                 device=device, non_blocking=non_blocking),
+            request_holders=None if self.request_holders is None else self.request_holders.to(
+                device=device, non_blocking=non_blocking),
+            request_index=None if self.request_index is None else self.request_index.to(
+                device=device, non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -73,6 +86,9 @@ class Batch(Pipelineable):
                 kjt.record_stream(stream)
         for t in (self.dense, self.labels, self.users, self.weights, *self.sequence_gaps):
             t.record_stream(stream)
+        for t in (self.request_holders, self.request_index):
+            if t is not None:
+                t.record_stream(stream)
 
     def pin_memory(self) -> Batch:
         return Batch(self.sparse.pin_memory(), self.dense.pin_memory(), self.labels.pin_memory(),
@@ -80,7 +96,8 @@ class Batch(Pipelineable):
                      None if self.managed_ids is None else self.managed_ids.pin_memory(),
                      None if self.sequence_ids is None else self.sequence_ids.pin_memory(), self.sequence_max,
                      tuple(g.pin_memory() for g in self.sequence_gaps),
-                     None if self.managed_sequence_ids is None else self.managed_sequence_ids.pin_memory())
+                     None if self.managed_sequence_ids is None else self.managed_sequence_ids.pin_memory(),
+                     *(None if t is None else t.pin_memory() for t in (self.request_holders, self.request_index)))
 
 
 @dataclass
@@ -103,6 +120,8 @@ class Rows:
     offsets: S arrays of N + 1 int64, or None for one id per row.
     values:  S arrays of int64 ids.
     dense:   [N, F] float32.   labels: [N, K] float32.   users: [N] int64, or None.
+    requests: [N] int64 request numbers (data.request_column, trainer/data/requests.py), or None.
+    shared:  the sparse keys (indices) a request's rows share: a batch looks them up for its first row only.
     """
 
     keys: list[str]
@@ -115,6 +134,8 @@ class Rows:
     num_sequence: int = 0
     num_gaps: int = 0
     num_managed_sequence: int = 0
+    requests: np.ndarray | None = None
+    shared: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray | None],
@@ -139,7 +160,8 @@ class Rows:
         values = [v[start:stop] if o is None else v for v, o in zip(self.values, self.offsets)]
         offsets = [None if o is None else o[start:stop + 1] for o in self.offsets]
         return Rows(self.keys, offsets, values, self.dense[start:stop], self.labels[start:stop],
-                    None if self.users is None else self.users[start:stop], *self.counts())
+                    None if self.users is None else self.users[start:stop], *self.counts(),
+                    None if self.requests is None else self.requests[start:stop], self.shared)
 
     def take(self, index: np.ndarray) -> Rows:
         """Rows `index` (any order, repeats allowed), copied."""
@@ -150,11 +172,12 @@ class Rows:
                 values.append(v[index])
                 offsets.append(None)
             else:
-                flat, lengths = _bag_positions(o, index)
+                flat, lengths = bag_positions(o, index)
                 values.append(v[flat])
                 offsets.append(_offsets(lengths))
         return Rows(self.keys, offsets, values, self.dense[index], self.labels[index],
-                    None if self.users is None else self.users[index], *self.counts())
+                    None if self.users is None else self.users[index], *self.counts(),
+                    None if self.requests is None else self.requests[index], self.shared)
 
     @staticmethod
     def concat(parts: list[Rows]) -> Rows:
@@ -170,7 +193,8 @@ class Rows:
                            if jagged else None)
         return Rows(first.keys, offsets, values, np.concatenate([p.dense for p in parts]),
                     np.concatenate([p.labels for p in parts]),
-                    None if first.users is None else np.concatenate([p.users for p in parts]), *first.counts())
+                    None if first.users is None else np.concatenate([p.users for p in parts]), *first.counts(),
+                    None if first.requests is None else np.concatenate([p.requests for p in parts]), first.shared)
 
     def own_values(self, s: int) -> np.ndarray:
         """The ids of sparse feature `s` in these rows (a view)."""
@@ -220,7 +244,7 @@ class Part:
         if self.index is None:
             np.subtract(o[1:], o[:-1], out=lengths)
             return values[o[0]:o[-1]]
-        flat, lengths[...] = _bag_positions(o, self.index)
+        flat, lengths[...] = bag_positions(o, self.index)
         return values[flat]
 
 
@@ -229,25 +253,32 @@ def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
     copied, or gathered, from the parts' rows once (a batch gathered from one part is not copied again)."""
     first = parts[0].rows
     n = sum(p.num_rows for p in parts)
+    holding = None
+    if first.requests is not None:
+        is_holder, holder_rows, index = holders(np.concatenate([p.pick(p.rows.requests) for p in parts]))
+        holding = (is_holder, set(first.shared))
     gaps = len(first.keys) - first.num_gaps
     managed = gaps - first.num_managed
     managed_sequence = managed - first.num_managed_sequence
     plain = managed_sequence - first.num_sequence
     unpooled, sequence_max = [], ()
     for features in (range(plain, managed_sequence), range(managed_sequence, managed)):
-        kjt, lengths = _jagged(parts, features) if len(features) else (None, None)
+        kjt, lengths = _jagged(parts, features, holding) if len(features) else (None, None)
         unpooled.append(kjt)
         if kjt is not None:
             sequence_max += tuple(int(m) for m in lengths.max(axis=1)) if n else (0,) * len(features)
     return Batch(
-        sparse=_jagged(parts, range(plain))[0],
+        sparse=_jagged(parts, range(plain), holding)[0],
         managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
         sequence_ids=unpooled[0], managed_sequence_ids=unpooled[1], sequence_max=sequence_max,
-        sequence_gaps=tuple(_jagged(parts, range(s, s + 1))[0].values() for s in range(gaps, len(first.keys))),
+        sequence_gaps=tuple(_jagged(parts, range(s, s + 1), holding)[0].values()
+                            for s in range(gaps, len(first.keys))),
         dense=_column(parts, lambda r: r.dense) if first.dense.shape[1] else torch.zeros(n, 0),
         labels=_column(parts, lambda r: r.labels) if first.labels.shape[1] else torch.zeros(n, 0),
         users=_column(parts, lambda r: r.users) if first.users is not None else torch.zeros(n, dtype=torch.int64),
         weights=torch.from_numpy(weights) if weights is not None else torch.ones(n),
+        request_holders=None if holding is None else torch.from_numpy(holder_rows),
+        request_index=None if holding is None else torch.from_numpy(index),
     )
 
 
@@ -264,9 +295,11 @@ def _owned(pieces: list[np.ndarray], parts: list[Part]) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.ndarray]:
+def _jagged(parts: list[Part], features: range,
+            holding: tuple[np.ndarray, set[int]] | None = None) -> tuple[KeyedJaggedTensor, np.ndarray]:
     """Sparse features `features` of `parts`' rows as one KeyedJaggedTensor (copies), and its
-    lengths as [features, rows]."""
+    lengths as [features, rows]. `holding`: (is_holder [rows], the shared features): a shared
+    feature's lists are kept at the holder rows only, the others' left empty."""
     bounds = list(itertools.accumulate((p.num_rows for p in parts), initial=0))  # each part's first row
     lengths = np.ones((len(features), bounds[-1]), np.int64)
     ids = []  # feature after feature, part after part: the order of the values
@@ -276,6 +309,9 @@ def _jagged(parts: list[Part], features: range) -> tuple[KeyedJaggedTensor, np.n
     per_key = []
     for row, s in zip(lengths, features):
         pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
+        if holding is not None and s in holding[1]:
+            pieces = [np.concatenate(pieces)[np.repeat(holding[0], row)]]
+            row *= holding[0]
         ids += pieces
         per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values
@@ -306,15 +342,3 @@ def _concat_offsets(offsets: list[np.ndarray | None], rows: list[int]) -> np.nda
         row += n
     out[row] = base
     return out
-
-
-def _bag_positions(offsets: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Bags `index` of one jagged feature: the positions of their ids, bag after bag, and
-    their sizes. numpy's gather by these positions is faster than Arrow's list `take` for
-    a batch (1.7 against 2.7 ms per 65,536 rows of 9.5 ids from a 65,536-row window)."""
-    starts = offsets[index]
-    lengths = offsets[index + 1] - starts
-    ends = np.cumsum(lengths)
-    flat = np.repeat(starts - (ends - lengths), lengths)
-    flat += np.arange(len(flat))
-    return flat, lengths

@@ -10,10 +10,11 @@ import numpy as np
 import pyarrow as pa
 
 from dense.model_config import TaskSpec
-from embeddings.features import FeatureSpec, unpooled_features
+from embeddings.features import FeatureSpec, shared_sequences, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.ids import encode_ids
+from trainer.data.requests import RequestKeys
 from trainer.data.side_fields import HardSearch, check_aligned
 from trainer.data.timestamps import TimeGaps
 
@@ -22,7 +23,7 @@ class RowEncoder:
     """Checks schemas, encodes row groups and assembles batches for one feature schema."""
 
     def __init__(self, features: list[FeatureSpec], tasks: list[TaskSpec], user_column: str = "",
-                 time_column: str = "", time_buckets: int = 32):
+                 time_column: str = "", time_buckets: int = 32, request_column: str = ""):
         # Attended sequences' tables' features (unmanaged, then managed), then the managed bags'
         # features last: the batch carries each kind in a KeyedJaggedTensor of its own.
         sparse = [f for f in features if f.kind != "numeric"]
@@ -39,6 +40,11 @@ class RowEncoder:
         self.numeric = [f for f in features if f.kind == "numeric"]
         self.tasks = tasks
         self.user_column = user_column
+        # a request's rows share their sequences, side fields and those sequences' time gaps
+        shared = shared_sequences(features) if request_column else []
+        timed = {f.name for f in self.gaps.features}
+        self.requests = RequestKeys(request_column, [(f.name, f.column) for f in shared] + [
+            (f"{f.name}@gaps", f.timestamps) for f in shared if f.name in timed])
 
     def order_pooled(self, names: list[str]) -> None:
         """Write the pooled features (a batch's `sparse` keys) in the order of `names`, where they
@@ -55,6 +61,8 @@ class RowEncoder:
         cols = [f.column for f in self.sparse + self.numeric] + [t.label for t in self.tasks] + self.gaps.columns
         if self.user_column:
             cols.append(self.user_column)
+        if self.requests.column:
+            cols.append(self.requests.column)
         return list(dict.fromkeys(cols))
 
     def check_schema(self, schema: pa.Schema, path: str) -> None:
@@ -79,6 +87,7 @@ class RowEncoder:
         if self.user_column:
             yield self.user_column, "integer user ids (data.user_column)", pa.types.is_integer
         yield from self.gaps.expected_types()
+        yield from self.requests.expected_types()
 
     def encode(self, table: pa.Table, where: str) -> Rows:
         """Validated rows: ids and bag sizes per sparse feature, float32 numeric features
@@ -106,10 +115,13 @@ class RowEncoder:
             users = column.to_numpy().astype(np.int64, copy=False)
         keys = [f.name for f in self.sparse]
         timed = [keys.index(f.name) for f in self.gaps.features]
-        return Rows.build(keys + [f"{f.name}@gaps" for f in self.gaps.features], ids + gaps,
-                          lengths + [lengths[i] for i in timed], dense, labels, users,
-                          num_managed=self.num_managed, num_sequence=self.num_sequence, num_gaps=len(gaps),
-                          num_managed_sequence=self.num_managed_sequence)
+        keys += [f"{f.name}@gaps" for f in self.gaps.features]
+        encoded = Rows.build(keys, ids + gaps, lengths + [lengths[i] for i in timed], dense, labels, users,
+                             num_managed=self.num_managed, num_sequence=self.num_sequence, num_gaps=len(gaps),
+                             num_managed_sequence=self.num_managed_sequence)
+        encoded.requests = self.requests.number(table, where, keys, encoded.offsets, encoded.values)
+        encoded.shared = tuple(keys.index(key) for key, _ in self.requests.shared)
+        return encoded
 
 
 def _columns(columns: list[np.ndarray], rows: int) -> np.ndarray:

@@ -48,6 +48,7 @@ from trainer.data.batch import Batch, Part, Rows, assemble
 from trainer.data.encode import RowEncoder
 from trainer.data.identity import agreed_input, file_change, is_digest
 from trainer.data.options import ReaderOptions
+from trainer.data.requests import grouped_permutation
 
 log = logging.getLogger("rankmix.data")
 
@@ -184,7 +185,10 @@ class ParquetReader:
         self.peak_buffered_rows = max(self.peak_buffered_rows, rows.num_rows)
         o = self.options
         if o.shuffle and o.shuffle_buffer:
-            return Part(rows, np.random.default_rng([o.seed, epoch, o.rank, index]).permutation(rows.num_rows))
+            rng = np.random.default_rng([o.seed, epoch, o.rank, index])
+            if rows.requests is not None:  # a request's rows stay together, to share one lookup of its history
+                return Part(rows, grouped_permutation(rng, rows.requests))
+            return Part(rows, rng.permutation(rows.num_rows))
         return Part(rows)
 
     def _read(self, p: Piece) -> Rows:
@@ -215,7 +219,8 @@ class ParquetReader:
         o = self.options
         return {"seed": o.seed, "world_size": o.world_size, "rank": o.rank,
                 "batch_size": o.batch_size, "shuffle_buffer": o.shuffle_buffer, "shuffle": o.shuffle,
-                "row_groups": len(self.row_groups), "rows": self.num_rows}
+                "row_groups": len(self.row_groups), "rows": self.num_rows,
+                "request_column": self.encoder.requests.column}
 
     def state_dict(self) -> dict:
         """Exact position: epoch and batches yielded in it, plus what gives them meaning, the
@@ -242,7 +247,7 @@ class ParquetReader:
             raise ValueError(f"data reader state was saved over other files: {change}; the saved position "
                              "cannot be honoured (a run's input must not change; see docs/continuous.md)")
         for key, mine in self._identity().items():
-            if state.get(key) != mine:
+            if state.get(key, "" if key == "request_column" else None) != mine:  # older states: no requests
                 raise ValueError(f"data reader state was saved with {key}={state.get(key)} but this run has "
                                  f"{key}={mine}: the saved position cannot be honoured")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])

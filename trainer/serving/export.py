@@ -4,7 +4,7 @@
     DIR/manifest.json          format, tables, MoE inference, the checkpoint and its step
     DIR/config.toml            the run's config (features, tasks): the artifact's input contract
     DIR/README.md              that contract in words, and how to load the model
-    DIR/example_inputs.pt      a small batch: {"ids", "lengths", "numeric"}
+    DIR/example_inputs.pt      a small batch: {"ids", "lengths", "numeric", ...} (the model's INPUTS)
     DIR/example_outputs.pt     its probabilities [B, K]
 
 The checkpoint's sharded tables are read whole (`manager.model_tensors`, whatever plan and
@@ -45,13 +45,12 @@ from trainer.config_loader import dump_toml
 from trainer.run_layout import CONFIG, resolve_checkpoint
 from trainer.serving.readme import write_readme
 from trainer.serving.safe_pt2 import load_pt2
-from trainer.serving.served_model import ManagedRows, ServingModel, TimedServingModel
+from trainer.serving.served_model import ManagedRows, ServingModel, serving_class
 
 FORMATS = {"pt2": "model.pt2", "torchscript": "model.pt"}
 TABLES = {"fp32": None, "fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
 MOE = ("sparse", "dense")
 EXAMPLE_ROWS = 8
-INPUTS = ("ids", "lengths", "numeric", "timestamps", "now")  # the last two only where a sequence has timestamps
 PUBLISHED = ("tables.pt", "delta.pt")  # what a published artifact adds (trainer/serving/publish.py)
 
 
@@ -91,11 +90,12 @@ def artifact_files(cfg: Config, model: ServingModel, fmt: str, tables: str) -> t
         outputs = model(*inputs)
         program = trace_model(model, inputs, fmt)
     files = {FORMATS[fmt]: saved(lambda f: save_model(program, f, fmt)),
-             "example_inputs.pt": saved(lambda f: torch.save(dict(zip(INPUTS, inputs)), f)),
+             "example_inputs.pt": saved(lambda f: torch.save(dict(zip(model.INPUTS, inputs)), f)),
              "example_outputs.pt": saved(lambda f: torch.save(outputs, f))}
     manifest = {"format": fmt, "file": FORMATS[fmt], "tables": tables, "moe": cfg.model.moe.inference,
                 "tower": cfg.model.tower, "table_bytes": tables_size, "needs_fbgemm": needs_fbgemm(program, fmt),
-                "tasks": [t.name for t in cfg.model.tasks], "managed": managed_tables(model)}
+                "tasks": [t.name for t in cfg.model.tasks], "managed": managed_tables(model),
+                "inputs": list(model.INPUTS)}
     return files, manifest
 
 
@@ -186,7 +186,7 @@ def served_model(cfg: Config, state: dict[str, torch.Tensor], id_maps: dict[str,
     apply_trained_step(tower, step)
     managed = {t: ManagedRows(*id_map) for t, id_map in id_maps.items()}
     timed = any(attended(f) and f.timestamps for f in cfg.features)
-    model = (TimedServingModel if timed else ServingModel)(
+    model = serving_class(timed, bool(cfg.data.request_column))(
         cfg.features, ebc, layout, serving_form(tower), heads.eval(), managed,
         sequences.eval() if sequences else None, cfg.model.sequence.time_buckets)
     model = model.eval().requires_grad_(False)
@@ -208,11 +208,18 @@ def drop_state_dict_views(model: ServingModel) -> None:
 
 
 def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch.Tensor, ...]:
-    """A small valid batch of `model`'s inputs (ids, lengths, numeric), the same for every export."""
+    """A small valid batch of `model`'s inputs (its INPUTS), the same for every export: with
+    requests, two of them, of the first and the last half of the rows, whose shared lists are at
+    their first row."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.stack([torch.ones(rows, dtype=torch.int64) if f.kind == "id" else
                            torch.randint(0, 4, (rows,), generator=g) for f in model.sparse]) \
         if model.sparse else torch.zeros(0, rows, dtype=torch.int64)
+    request = (torch.arange(rows) >= rows // 2).long()
+    holders = torch.tensor([0, rows // 2])
+    if "holders" in model.INPUTS:
+        for s in model.shared:  # at least 2 a holder: 0 or 1 ids in all would be traced as a constant
+            lengths[s] = torch.where(torch.arange(rows) == holders[request], lengths[s].clamp(min=2), 0)
     for side, seq in model.sides:  # a value per behaviour
         lengths[side] = lengths[seq]
     ids = [torch.randint(0, f.num_embeddings, (int(n.sum()),), generator=g) for f, n in zip(model.sparse, lengths)]
@@ -221,12 +228,12 @@ def example_inputs(model: ServingModel, rows: int = EXAMPLE_ROWS) -> tuple[torch
         if f.fill_null is not None:
             numeric[0, i] = float("nan")
     inputs = (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64), lengths, numeric)
-    if not isinstance(model, TimedServingModel):
-        return inputs
-    now = torch.full((rows,), 10**9, dtype=torch.int64)
-    stamps = [now.repeat_interleave(lengths[s]) - torch.randint(0, 10**6, (int(lengths[s].sum()),), generator=g)
-              for s, _ in model.timed]
-    return (*inputs, torch.cat(stamps), now)
+    if "timestamps" in model.INPUTS:
+        now = torch.full((rows,), 10**9, dtype=torch.int64)
+        stamps = [now.repeat_interleave(lengths[s]) - torch.randint(0, 10**6, (int(lengths[s].sum()),), generator=g)
+                  for s, _ in model.timed]
+        inputs += (torch.cat(stamps), now)
+    return inputs + ((holders, request) if "holders" in model.INPUTS else ())
 
 
 def managed_tables(model: ServingModel) -> dict[str, dict[str, int]]:
@@ -247,9 +254,11 @@ def trace_model(model: ServingModel, inputs: tuple[torch.Tensor, ...], fmt: str)
     """The exported program (pt2, batch size and id count dynamic) or the TorchScript module."""
     if fmt == "torchscript":
         return torch.jit.script(torchrec.fx.symbolic_trace(model))
-    batch, ids = Dim("batch", min=1), Dim("ids", min=0)
-    timed = ({0: Dim("timestamps", min=0)}, {0: batch}) if len(inputs) > 3 else ()  # TimedServingModel's
-    shapes = ({0: ids}, {1: batch}, {0: batch}) + timed
+    batch = Dim("batch", min=1)
+    dims = {"ids": {0: Dim("ids", min=0)}, "lengths": {1: batch}, "numeric": {0: batch},
+            "timestamps": {0: Dim("timestamps", min=0)}, "now": {0: batch},
+            "holders": {0: Dim("requests", min=1)}, "request": {0: batch}}
+    shapes = tuple(dims[name] for name in model.INPUTS)
     return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
 
 

@@ -30,6 +30,8 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
     numeric = [f for f in cfg.features if f.kind == "numeric"]
     timed = [f for f in sparse if attended(f) and f.timestamps]
     any_attended = any(attended(f) for f in sparse)
+    inputs = manifest.get("inputs", ["ids", "lengths", "numeric", *(["timestamps", "now"] if timed else [])])
+    requests = "holders" in inputs
     fbgemm = "import fbgemm_gpu  # registers FBGEMM's operators" if manifest["needs_fbgemm"] else ""
     lines = [
         f"# rankmix serving artifact: {manifest['tower']}, step {manifest['step']}",
@@ -51,14 +53,13 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
         fbgemm or None,
         _LOAD[manifest["format"]].format(file=manifest["file"]),
         'example = torch.load("example_inputs.pt")',
-        'probs = model(example["ids"], example["lengths"], example["numeric"]' +
-        (', example["timestamps"], example["now"])' if timed else ")"),
+        "probs = model(" + ", ".join(f'example["{name}"]' for name in inputs) + ")",
         'assert torch.allclose(probs, torch.load("example_outputs.pt"), atol=1e-6)',
         "```",
         "",
         "## Inputs",
         "",
-        f"`model(ids, lengths, numeric{', timestamps, now' if timed else ''})`, all on the CPU, B rows:",
+        f"`model({', '.join(inputs)})`, all on the CPU, B rows:",
         "",
         f"- `ids`: int64 `[N]`, the raw ids of the {len(sparse)} sparse features below, feature after "
         "feature in this order, and within a feature row after row (the values of a KeyedJaggedTensor). "
@@ -77,6 +78,12 @@ def write_readme(path: Path, cfg: Config, manifest: dict) -> None:
            "of the ids it keeps.",
            f"- `now`: int64 `[B]`, each row's request time (`{cfg.data.time_column}`); a behaviour after it is "
            "left out, its id with it. Every time must be 0 <= t < 2^62."] if timed else []),
+        *([f"- `holders`: int64 `[R]`, the B rows hold R requests (`{cfg.data.request_column}`): the row holding "
+           "each request's history, ascending. The sequences a request shares (every sequence and side field "
+           "but a hard search's) are read from that row alone, looked up and encoded once for all its rows: send "
+           "them there, and empty lists in the request's other rows.",
+           "- `request`: int64 `[B]`, each row's request in 0..R-1 (`request[holders[r]] == r`)."]
+          if requests else []),
         *(["",
            "A sequence read by a sequence module (`sequence module` below) keeps its last `max_len` ids (the most "
            "recent: lists are most recent last), looks each one up, and attends over them against its "

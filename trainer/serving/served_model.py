@@ -13,7 +13,14 @@ It repeats at serving time what the data pipeline does at training time
                             schema order, each row's whole list, aligned with its ids in `ids`
     now      [B] int64      each row's request time (data.time_column); every time 0 <= t < 2^62,
                             and a behaviour after its row's is left out, as the reader does
+    and, only where the model was trained with data.request_column (`RequestServingModel`), last:
+    holders  [R] int64      the row holding each of the batch's R requests' shared sequences
+                            (embeddings/features.py `shared_sequences`), ascending; the other rows'
+                            lists of those sequences are not read (send them empty)
+    request  [B] int64      each row's request in 0..R-1 (request[holders[r]] = r)
     ->       [B, K] float32 probabilities, one column per task
+
+A request's shared sequences are then looked up and encoded once, for all its candidates.
 
 An attended sequence (features.<name>.sequence_module not pool) is cut to its last max_len ids
 like every list, then padded to max_len: its rows come from the one bag collection, one id per
@@ -30,7 +37,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec import KeyedJaggedTensor
 
 from dense.layout import InputLayout
-from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, attended, managed_tables
+from embeddings.features import MANAGED_ID_RANGE, FeatureSpec, attended, managed_tables, shared_sequences
 from trainer.data.feature_ops import HASHINGS, TRANSFORMS, gap_buckets_torch
 from trainer.data.timestamps import TIME_LIMIT
 
@@ -74,12 +81,19 @@ class ServingModel(nn.Module):
         self.searched = [([s] + [side for side, seq in self.sides if seq == s], index[f.search_field],
                           index[f.search_query]) for s, f in enumerate(self.sparse) if f.search_field]
         self.time_buckets = time_buckets
+        shared = {f.name for f in shared_sequences(features)}
+        self.shared = {s for s, f in enumerate(self.sparse) if f.name in shared}  # used in request mode only
+        self.shared_bags = [f.name for s, f in enumerate(self.sparse) if s in self.shared and (s, f) not in self.padded]
+
+    INPUTS = ("ids", "lengths", "numeric")
+    """The forward's inputs by name (trainer/serving/export.py's example_inputs.pt)."""
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
         return self.predict(ids, lengths, numeric, None, None)
 
     def predict(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor,
-                timestamps: torch.Tensor | None, now: torch.Tensor | None) -> torch.Tensor:
+                timestamps: torch.Tensor | None, now: torch.Tensor | None,
+                holders: torch.Tensor | None = None, request: torch.Tensor | None = None) -> torch.Tensor:
         # No-ops for the documented dtypes; TorchScript, which checks none, then computes as pt2 does.
         ids, lengths, numeric = ids.long(), lengths.long(), numeric.double()
         dense = self.transform_numeric(numeric)
@@ -90,29 +104,40 @@ class ServingModel(nn.Module):
         if timestamps is not None:
             timestamps, now = timestamps.long(), now.long()
             self.check_times(lengths, timestamps, now)
+        if holders is not None:
+            holders, request = holders.long(), request.long()
+            self.check_requests(holders, request, lengths.shape[1])
         if timestamps is not None or self.searched:
             ids, lengths, timestamps = self.keep_behaviours(ids, lengths, timestamps, now)
         if self.sparse:
             values, cut = self.hash_ids(ids, lengths)
             kjt = KeyedJaggedTensor(keys=[f.name for f in self.sparse], values=values, lengths=cut.flatten())
             pooled = self.ebc(kjt).to_dict()
+            if holders is not None and self.shared_bags:  # a request's bags of its sequences: at its holder row
+                at = holders.index_select(0, request)
+                pooled.update({name: pooled[name].index_select(0, at) for name in self.shared_bags})
             if self.sequences is not None:
-                padded = {f.name: self.behaviours(values, cut, s, f) for s, f in self.padded}
-                gaps = {} if timestamps is None else self.gaps(timestamps, now, lengths, cut)
-                pooled.update(self.sequences.attend({}, pooled, padded, gaps))  # the candidates are bags here
+                padded = {f.name: self.behaviours(values, cut, s, f, holders if s in self.shared else None)
+                          for s, f in self.padded}
+                gaps = {} if timestamps is None else self.gaps(timestamps, now, lengths, cut, holders)
+                # the candidates are bags here
+                pooled.update(self.sequences.attend({}, pooled, padded, gaps, request=request))
         e_input = self.layout.assemble(pooled, dense)
         return torch.sigmoid(self.heads(self.tower(e_input)))
 
-    def behaviours(self, rows: torch.Tensor, cut: torch.Tensor, s: int,
-                   f: FeatureSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attended sequence `f` (sparse feature `s`) padded to max_len: (x [B, L, D], mask [B, L]).
-        Its table rows [B, L] (0 past a row's end) go through the bag collection as B x L bags of
-        one id each, every other feature's bags empty: static shapes, one table, any table type."""
+    def behaviours(self, rows: torch.Tensor, cut: torch.Tensor, s: int, f: FeatureSpec,
+                   holders: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attended sequence `f` (sparse feature `s`) padded to max_len: (x [B, L, D], mask [B, L]),
+        or of the rows `holders` alone ([R, L, ...]). Its table rows [B, L] (0 past a row's end) go
+        through the bag collection as B x L bags of one id each, every other feature's bags empty:
+        static shapes, one table, any table type."""
         length = f.max_len
         flat = cut.flatten()
-        starts = (torch.cumsum(flat, 0) - flat).view_as(cut)[s]
+        starts, count = (torch.cumsum(flat, 0) - flat).view_as(cut)[s], cut[s]
+        if holders is not None:
+            starts, count = starts.index_select(0, holders), count.index_select(0, holders)
         steps = torch.arange(length, device=rows.device)
-        mask = steps < cut[s].unsqueeze(1)
+        mask = steps < count.unsqueeze(1)
         positions = torch.where(mask, starts.unsqueeze(1) + steps, rows.shape[0])
         table_rows = torch.cat([rows, rows.new_zeros(1)])[positions.flatten()]
         slots = table_rows.shape[0]
@@ -128,6 +153,13 @@ class ServingModel(nn.Module):
                  "timestamps and now must be 0 <= t < 2^62")
         _require(torch.stack([lengths[s].sum() for s, _ in self.timed]).sum() == timestamps.shape[0],
                  "timestamps must hold one value per id of each sequence with timestamps")
+
+    def check_requests(self, holders: torch.Tensor, request: torch.Tensor, rows: int) -> None:
+        """holders [R] rows of the batch, request [B] in 0..R-1, each holder its own request's."""
+        _require(((holders >= 0) & (holders < rows)).all(), "holders must be rows of the batch")
+        _require(((request >= 0) & (request < holders.shape[0])).all(), "request must be in 0..R-1, R the holders")
+        _require((request.index_select(0, holders) == torch.arange(holders.shape[0], device=holders.device)).all(),
+                 "each holder must be a row of its own request: request[holders[r]] == r")
 
     def keep_behaviours(self, ids: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor | None,
                         now: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -177,20 +209,22 @@ class ServingModel(nn.Module):
         return ids[keep], (kept[ends] - kept[ends - flat]).view_as(lengths), kept_stamps
 
     def gaps(self, timestamps: torch.Tensor, now: torch.Tensor, lengths: torch.Tensor,
-             cut: torch.Tensor) -> dict[str, torch.Tensor]:
+             cut: torch.Tensor, holders: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Each timed sequence's gap buckets [B, L] (0 past a row's end): its timestamps (none after
         the request time: `keep_behaviours`) cut to the last max_len as its ids are, the gap to `now`
-        bucketed."""
+        bucketed; a shared sequence's of the rows `holders` alone, where given ([R, L])."""
         counts = [lengths[s] for s, _ in self.timed]
         out = {}
         block = torch.zeros((), dtype=torch.int64, device=timestamps.device)
         extended = torch.cat([timestamps, timestamps.new_zeros(1)])
         for (s, f), count in zip(self.timed, counts):
-            ends = block + torch.cumsum(count, 0)
+            ends, kept, at = block + torch.cumsum(count, 0), cut[s], now
+            if holders is not None and s in self.shared:
+                ends, kept, at = (t.index_select(0, holders) for t in (ends, kept, now))
             steps = torch.arange(f.max_len, device=timestamps.device)
-            mask = steps < cut[s].unsqueeze(1)
-            positions = torch.where(mask, (ends - cut[s]).unsqueeze(1) + steps, timestamps.shape[0])
-            gap = now.unsqueeze(1) - extended[positions]
+            mask = steps < kept.unsqueeze(1)
+            positions = torch.where(mask, (ends - kept).unsqueeze(1) + steps, timestamps.shape[0])
+            gap = at.unsqueeze(1) - extended[positions]
             out[f.name] = torch.where(mask, gap_buckets_torch(gap, self.time_buckets), 0)
             block = block + count.sum()
         return out
@@ -262,9 +296,38 @@ class TimedServingModel(ServingModel):
     """A ServingModel whose attended sequences have timestamps: (ids, lengths, numeric, timestamps,
     now) -> probabilities [B, K]; see the module docstring."""
 
+    INPUTS = ("ids", "lengths", "numeric", "timestamps", "now")
+
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor, timestamps: torch.Tensor,
                 now: torch.Tensor) -> torch.Tensor:
         return self.predict(ids, lengths, numeric, timestamps, now)
+
+
+class RequestServingModel(ServingModel):
+    """A ServingModel trained with data.request_column: (ids, lengths, numeric, holders, request) ->
+    probabilities [B, K]; a request's shared sequences are read at its holder row, once."""
+
+    INPUTS = ("ids", "lengths", "numeric", "holders", "request")
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor, holders: torch.Tensor,
+                request: torch.Tensor) -> torch.Tensor:
+        return self.predict(ids, lengths, numeric, None, None, holders, request)
+
+
+class TimedRequestServingModel(ServingModel):
+    """`TimedServingModel`'s inputs, then `RequestServingModel`'s holders and request."""
+
+    INPUTS = ("ids", "lengths", "numeric", "timestamps", "now", "holders", "request")
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, numeric: torch.Tensor, timestamps: torch.Tensor,
+                now: torch.Tensor, holders: torch.Tensor, request: torch.Tensor) -> torch.Tensor:
+        return self.predict(ids, lengths, numeric, timestamps, now, holders, request)
+
+
+def serving_class(timed: bool, requests: bool) -> type[ServingModel]:
+    """The ServingModel whose forward takes timestamps (`timed`) and requests' holders (`requests`)."""
+    return {(False, False): ServingModel, (True, False): TimedServingModel, (False, True): RequestServingModel,
+            (True, True): TimedRequestServingModel}[timed, requests]
 
 
 class ManagedRows(nn.Module):

@@ -1,0 +1,144 @@
+"""A user's history encoded once per request (`data.request_column`) against once per row, as
+before it: training and serving throughput of ranking requests of 100 candidates (--candidates)
+that share one history of M = 200 and 1,000 behaviours, for pool, target_attention and the
+transformer (its blocks reading the history alone: `transformer.candidate = "query"`, shared
+a request; and today's default, the candidate inside the blocks, which cannot be shared).
+
+Each (module, M, mode) runs in a process of its own (peak RSS is per process), on the CPU with
+unsharded tables as bench/sequence.py: B = requests x candidates rows in one Parquet row group in
+memory. `encode ms`: the reader's encoding and batch assembly (the request check and the holders
+included; in the reader's thread during training). `step ms`: a training step (forward + BCE +
+backward). `serve ms`: the serving module (trainer/serving/served_model.py, eager, no gradient)
+on the raw rows, each request's history sent once or once a row. Medians over --steps after two
+warm-ups. The last lines: per module and M, rows/s once a request over once a row.
+
+    .venv/bin/python bench/sequence_requests.py                   # 5 requests x 100, M 200,1000
+    .venv/bin/python bench/sequence_requests.py --lengths 200 --modules pool,target_attention --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.sequence import ITEMS, base_config, timed, training_step  # noqa: E402  (the path above)
+
+# (name, sequence_module, transformer.candidate)
+MODULES = {"pool": ("pool", "in_sequence"), "target_attention": ("target_attention", "in_sequence"),
+           "transformer": ("transformer", "query"), "transformer_bst": ("transformer", "in_sequence")}
+
+
+def build(module: str, length: int, requests: int, candidates: int, tower: str, once: bool):
+    """(config, model, the row group, its encoder): `requests` requests of `candidates` rows, each
+    request one user and one history of `length` behaviours with times; read once a request (`once`)."""
+    import numpy as np
+    import pyarrow as pa
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    from dense.heads import build_dense
+    from dense.sequence import build_sequences
+    from embeddings.features import FeatureSpec
+    from embeddings.tables import sequence_table_configs, table_configs
+    from trainer.data.encode import RowEncoder
+    from trainer.ranking_model import RankingModel, shared_bags
+
+    cfg = base_config(tower)
+    name, candidate = MODULES[module]
+    cfg.data.request_column = "request" if once else ""
+    cfg.model.sequence.transformer.candidate = candidate
+    cfg.features.append(FeatureSpec(name="hist", kind="sequence", table="catalog", num_embeddings=ITEMS,
+                                    embedding_dim=16, pooling="mean", max_len=length, sequence_module=name,
+                                    timestamps="ts", group="behaviour"))
+    layout, dense, heads = build_dense(cfg.model, cfg.features)
+    unpooled = sequence_table_configs(cfg.features)
+    model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, dense, heads,
+                         sequence_tables=EmbeddingCollection(tables=unpooled) if unpooled else None,
+                         sequences=build_sequences(cfg.features, cfg.model.sequence),
+                         shared_bags=shared_bags(cfg.features) if once else ())
+    rng = np.random.default_rng(0)
+    rows = requests * candidates
+    of = np.repeat(np.arange(requests), candidates)  # each row's request
+    offsets = pa.array(np.arange(rows + 1) * length, pa.int32())
+
+    def lists(values) -> pa.ListArray:  # a request's list in each of its rows
+        return pa.ListArray.from_arrays(offsets, pa.array(values[of].ravel()))
+    table = pa.table({"request": of, "user": rng.integers(0, 1000, requests)[of], "item": rng.integers(0, ITEMS, rows),
+                      "hist": lists(rng.integers(0, ITEMS, (requests, length))),
+                      "ts": lists(np.sort(10**7 - rng.integers(0, 10**7, (requests, length)), axis=1)),
+                      "now": np.full(rows, 10**7), "click": rng.integers(0, 2, rows)})
+    encoder = RowEncoder(cfg.features, cfg.model.tasks, "", "now", cfg.model.sequence.time_buckets,
+                         cfg.data.request_column)
+    return cfg, model, table, encoder
+
+
+def child(module: str, length: int, requests: int, candidates: int, steps: int, tower: str, once: bool) -> dict:
+    import resource
+
+    import torch
+
+    from trainer.serving.export import serving_model
+    from trainer.serving.predict import raw_inputs
+
+    cfg, model, table, encoder = build(module, length, requests, candidates, tower, once)
+    encode_s = timed(lambda: encoder.encode(table, "bench").to_batch(), steps)
+    batch = encoder.encode(table, "bench").to_batch()
+    step_s = timed(training_step(model, batch), steps)
+    served = serving_model(cfg, model.state_dict(), step=0)
+    inputs = raw_inputs(table, cfg.features, "bench", "now", cfg.data.request_column)
+    with torch.no_grad():
+        serve_s = timed(lambda: served(*inputs), steps)
+    rows = requests * candidates
+    return {"module": module, "M": length, "once": once, "encode_ms": encode_s * 1e3, "step_ms": step_s * 1e3,
+            "serve_ms": serve_s * 1e3, "train_rows_s": rows / step_s, "serve_rows_s": rows / serve_s,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--lengths", default="200,1000")
+    parser.add_argument("--modules", default=",".join(MODULES))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tower", default="rankmixer")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        module, length, once = args.child
+        print(json.dumps(child(module, int(length), args.requests, args.candidates, args.steps, args.tower,
+                               once == "once")))
+        return
+    print(f"{args.requests} requests x {args.candidates} candidates a batch, tower {args.tower}")
+    print(f"{'module':<17} {'M':>5} {'history':>8} {'encode ms':>10} {'step ms':>9} {'train rows/s':>13} "
+          f"{'serve ms':>9} {'serve rows/s':>13} {'peak RSS MB':>12}")
+    ratios = []
+    for length in args.lengths.split(","):
+        for module in args.modules.split(","):
+            got = {}
+            for mode in ("each", "once"):
+                if mode == "once" and module == "transformer_bst":
+                    continue  # the candidate is inside its blocks: nothing to share
+                proc = subprocess.run([sys.executable, __file__, "--child", module, length, mode, "--requests",
+                                       str(args.requests), "--candidates", str(args.candidates), "--steps",
+                                       str(args.steps), "--tower", args.tower], capture_output=True, text=True)
+                if proc.returncode:
+                    raise SystemExit(proc.stderr[-2000:])
+                r = got[mode] = json.loads(proc.stdout.splitlines()[-1])
+                history = "a request" if mode == "once" else "a row"
+                print(f"{module:<17} {length:>5} {history:>8} {r['encode_ms']:>10.1f} {r['step_ms']:>9.1f} "
+                      f"{r['train_rows_s']:>13.0f} {r['serve_ms']:>9.1f} {r['serve_rows_s']:>13.0f} "
+                      f"{r['peak_rss_mb']:>12.0f}", flush=True)
+            if len(got) == 2:
+                ratios.append((module, length, got["once"]["train_rows_s"] / got["each"]["train_rows_s"],
+                               got["once"]["serve_rows_s"] / got["each"]["serve_rows_s"]))
+    for module, length, train, serve in ratios:
+        print(f"{module} at M={length}: once a request over once a row: training {train:.2f}x, serving {serve:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
