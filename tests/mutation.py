@@ -79,6 +79,8 @@ _TIME_SPLIT_RUNS = ("tests/test_time_split.py::test_two_ranks_train_on_the_past_
                     "on_the_future",
                     "tests/test_time_split.py::test_a_run_stopped_and_resumed_on_a_split_made_again_trains_as_an_"
                     "unbroken_one")
+_REQUEST_RUNS = ("tests/test_requests.py::test_a_request_log_trains_on_two_ranks_and_its_artifact_scores_as_its_"
+                 "checkpoint",)
 _READER_TESTS = ("tests/test_reader.py", "tests/test_reader_balance.py", "tests/test_reader_assignment.py",
                  "tests/test_elastic_resume.py", "tests/test_reader_bounded.py")
 
@@ -94,7 +96,8 @@ MODULES = {
                           ("stable_hash", "hashed_column")),
     "encode": Target("trainer/data/encode.py", ("tests/test_reader.py", "tests/test_reader_rows.py",
                                                   "tests/test_reader_parts.py", "tests/test_encode_reference.py",
-                                                  "tests/test_sequence_time.py", "tests/test_side_fields.py")),
+                                                  "tests/test_sequence_time.py", "tests/test_side_fields.py",
+                                                  "tests/test_requests.py"), deselect=_REQUEST_RUNS),
     "metrics": Target("trainer/metrics/ranking.py", ("tests/test_metrics.py", "tests/test_metrics_reference.py")),
     "calibration": Target("trainer/components/calibration.py",
                           ("tests/test_calibration.py", "tests/test_calibration_heads.py"),
@@ -158,7 +161,7 @@ MODULES = {
     "sequence": Target("dense/sequence.py", (
         "tests/test_sequence.py", "tests/test_sequence_reference.py", "tests/test_side_fields.py",
         "tests/test_sequence_modules.py::test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_"
-        "table")),
+        "table", "tests/test_requests.py"), deselect=_REQUEST_RUNS),
     "sequence_modules": Target("dense/sequence_modules.py", ("tests/test_sequence_modules.py",
                                                              "tests/test_sequence.py")),
     "sequence_registry": Target("dense/sequence_registry.py", ("tests/test_sequence_modules.py",
@@ -167,6 +170,8 @@ MODULES = {
                                                   "tests/test_side_fields.py")),
     "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py", "tests/test_side_fields.py")),
     "side_fields": Target("trainer/data/side_fields.py", ("tests/test_side_fields.py",)),
+    # a request's rows: their numbers, the check that they agree, the holders, the grouped shuffle
+    "requests": Target("trainer/data/requests.py", ("tests/test_requests.py",), deselect=_REQUEST_RUNS),
     # data.split=time's cut and files, on logs written in-process (not the runs that train on it)
     "time_split": Target("trainer/data/time_split.py", ("tests/test_time_split.py",), deselect=_TIME_SPLIT_RUNS),
     # where a log is cut in time (data.split=time's cuts, the MovieLens converter's validation cut)
@@ -215,7 +220,7 @@ MODULES = {
 # runs only the tests that call its function. A module in none runs alone.
 RUNS: tuple[tuple[str, ...], ...] = (
     ("assignment", "reader", "identity", "elastic"),
-    ("encode", "ids", "feature_ops", "stable_hash", "timestamps", "side_fields"),
+    ("encode", "ids", "feature_ops", "stable_hash", "timestamps", "side_fields", "requests"),
     ("safe_pt2", "safe_pt2_program", "pt2_bounds"),
     ("sequence", "sequence_modules", "sequence_registry", "features"),
     ("tokenizer", "rankmixer"),

@@ -60,7 +60,27 @@ def test_a_step_decays_each_parameter_as_rmsprop_of_it_alone_would():
     assert [(g["lr"], len(g["params"])) for g in param_groups(model, params, 0.01)] == [(0.01, 4)]
 
 
+def test_the_sequence_modules_schedule_is_their_own_group_only_where_set():
+    from trainer.optimizer import warmups
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    params = list(model.parameters())
+    groups = param_groups(model, params, 0.01, {id(params[3]): 0.5}, {id(params[2]), id(params[3])}, 4.0)
+    assert [(g["lr"], g.get("weight_decay"), g.get("part"), len(g["params"])) for g in groups] == [
+        (0.01, None, None, 2), (0.04, None, "sequence", 1), (0.04, 0.5, "sequence", 1)]
+    o = OptimConfig(warmup_steps=2, dense_warmup_steps=10, sequence_warmup_steps=4)
+
+    class Combined:  # the sparse group first, as CombinedOptimizer lists them
+        param_groups = [{"params": []}, *groups]
+    factors = [[f(step) for f in warmups(Combined, 1, o)] for step in (0, 3, 9)]
+    assert factors == [[0.5, 0.05, 0.125, 0.125], [1.0, 0.4, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    default = [[f(step) for f in warmups(Combined, 1, OptimConfig(dense_warmup_steps=10))] for step in (0, 4)]
+    assert default == [[1.0, 0.1, 0.1, 0.1], [1.0, 0.5, 0.5, 0.5]]  # -1: the dense warm-up's
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
+    (["--optim.sequence_warmup_steps=-2"], "optim.sequence_warmup_steps=-2 must be >= 0 (or -1: "
+                                           "optim.dense_warmup_steps)"),
     (["--optim.tokenizer_weight_decay=-0.5"], "optim.tokenizer_weight_decay=-0.5 must be >= 0 (or -1: "
                                               "optim.weight_decay)"),
     (["--optim.sequence_weight_decay=nan"], "optim.sequence_weight_decay=nan must be >= 0 (or -1: "
@@ -84,8 +104,8 @@ def _groups_worker(rank: int, port: int, out: str, args: list[str]) -> None:
     try:
         names = {id(p): n for n, p in trainer.model.named_parameters()}
         dense = trainer.optimizer.optimizers[1][1]  # ("dense", its KeyedOptimizerWrapper)
-        groups = [{"lr": g["lr"], "weight_decay": g["weight_decay"], "names": sorted(names[id(p)] for p in g["params"])}
-                  for g in dense.param_groups]
+        groups = [{"lr": g["lr"], "weight_decay": g["weight_decay"], "part": g.get("part", ""),
+                   "names": sorted(names[id(p)] for p in g["params"])} for g in dense.param_groups]
         Path(out).write_text(json.dumps(groups))
     finally:
         trainer.close()
@@ -93,10 +113,13 @@ def _groups_worker(rank: int, port: int, out: str, args: list[str]) -> None:
 
 
 def test_a_trainers_tokenizer_and_sequence_module_get_their_own_groups(tmp_path):
+    """... and the sequence modules their own learning rate and warm-up: at step 0, 5 x optim.lr
+    without warm-up where the others' are 1/300 of theirs (optim.dense_warmup_steps)."""
     args = ["--data.synth_rows=2000", f"--data.cache_dir={tmp_path / 'cache'}", f"--train.run_dir={tmp_path / 'run'}",
             "--features.hist_items.sequence_module=target_attention", "--metrics.tensorboard=false",
             "--metrics.progress=false", "--optim.weight_decay=0.001", "--optim.tokenizer_weight_decay=0.01",
-            "--optim.sequence_weight_decay=0"]
+            "--optim.sequence_weight_decay=0", "--optim.lr=0.003", "--optim.sequence_lr_mult=5",
+            "--optim.sequence_warmup_steps=0"]
     spawn(_groups_worker, (rendezvous_port(), str(tmp_path / "groups.json"), args), nprocs=1)
     groups = json.loads((tmp_path / "groups.json").read_text())
     by_decay = {g["weight_decay"]: g["names"] for g in groups}
@@ -105,3 +128,6 @@ def test_a_trainers_tokenizer_and_sequence_module_get_their_own_groups(tmp_path)
     assert by_decay[0.0] and all(n.startswith("sequences.") for n in by_decay[0.0])
     assert by_decay[0.001] and not any(n.startswith(("sequences.", "tower.tokenizer.")) for n in by_decay[0.001])
     assert any(n.startswith("heads.") for n in by_decay[0.001]) and any(".blocks." in n for n in by_decay[0.001])
+    lr = {g["weight_decay"]: g["lr"] for g in groups}
+    assert [g["part"] for g in groups if g["weight_decay"] == 0.0] == ["sequence"]
+    assert lr[0.0] == pytest.approx(0.015) and lr[0.001] == lr[0.01] == pytest.approx(0.003 / 300)

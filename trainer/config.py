@@ -220,6 +220,10 @@ class OptimConfig:
     """Linear warm-up of both learning rates over this many steps."""
     dense_warmup_steps: int = 300
     """Linear warm-up of the dense learning rate only (RMSProp's first steps move ~10x lr: its average starts at 0)."""
+    sequence_lr_mult: float = 1.0
+    """The sequence modules' learning rate as a multiple of optim.lr."""
+    sequence_warmup_steps: int = -1
+    """Linear warm-up of the sequence modules' learning rate (-1: optim.dense_warmup_steps)."""
     grad_clip_norm: float = 0.0
     """Clip the dense gradient norm to this value (0 disables)."""
 

@@ -289,7 +289,8 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
     _check_positive(cfg, "data.batch_size", "data.eval_batch_size", "data.synth_rows", "data.retry_attempts",
                     "model.hidden_dim", "model.num_layers", "model.ffn_ratio", "model.num_tokens", "optim.lr",
-                    "embeddings.lr", "launch.pg_timeout_minutes", "train.check_every", "data.poll_seconds")
+                    "embeddings.lr", "optim.sequence_lr_mult", "launch.pg_timeout_minutes", "train.check_every",
+                    "data.poll_seconds")
     _check_nonnegative(cfg, "data.global_batch_size", "data.shuffle_buffer", "data.retry_seconds", "train.steps",
                        "train.epochs", "train.early_stopping_patience", "model.token_dim", "model.head_hidden",
                        "optim.warmup_steps",
@@ -321,6 +322,9 @@ def validate(cfg: Config) -> None:
     for key in ("tokenizer_weight_decay", "sequence_weight_decay"):
         if not (getattr(cfg.optim, key) >= 0 or getattr(cfg.optim, key) == -1):
             raise ValueError(f"optim.{key}={getattr(cfg.optim, key):g} must be >= 0 (or -1: optim.weight_decay)")
+    if cfg.optim.sequence_warmup_steps < -1:
+        raise ValueError(f"optim.sequence_warmup_steps={cfg.optim.sequence_warmup_steps} must be >= 0 (or -1: "
+                         "optim.dense_warmup_steps)")
     if not cfg.embeddings.weight_decay >= 0:
         raise ValueError(f"embeddings.weight_decay={cfg.embeddings.weight_decay:g} must be >= 0")
     _validate_tables(cfg.data)
