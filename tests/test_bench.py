@@ -262,3 +262,23 @@ def test_long_sequence_bench_prints_a_row_per_length_and_the_goals_ratio():
     assert float(rows[1][5]) > 5 * float(rows[0][5])  # the input grows with M
     assert re.fullmatch(r"hard search: encode \+ step at M=1000 over M=100, K=16: \d+\.\d\d "
                         r"\(step alone \d+\.\d\d; goal <= 2\)", lines[3]), lines[3]
+
+
+@pytest.mark.bench
+def test_request_bench_prints_each_modules_row_once_a_row_and_once_a_request_then_the_ratios():
+    """bench/sequence_requests.py small: 2 requests of 8 candidates at M = 50, each module's row read
+    one history a row and one a request (today's transformer only the first), then the ratios."""
+    proc = subprocess.run([sys.executable, "bench/sequence_requests.py", "--requests", "2", "--candidates", "8",
+                           "--lengths", "50", "--steps", "1", "--tower", "mlp"], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "2 requests x 8 candidates a batch, tower mlp"
+    rows = [line.split() for line in lines[2:9]]
+    assert [(r[0], r[1], " ".join(r[2:4])) for r in rows] == [
+        (m, "50", h) for m in ("pool", "target_attention", "transformer") for h in ("a row", "a request")] + [
+        ("transformer_bst", "50", "a row")]
+    assert all(float(x) > 0 for r in rows for x in r[4:])
+    for line, module in zip(lines[9:], ("pool", "target_attention", "transformer")):
+        assert re.fullmatch(rf"{module} at M=50: once a request over once a row: training \d+\.\d\dx, serving "
+                            r"\d+\.\d\dx", line), line
