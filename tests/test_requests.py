@@ -241,3 +241,31 @@ def test_a_request_log_trains_on_two_ranks_and_its_artifact_scores_as_its_checkp
     assert 'request_column = "request_id"' in (run / "config.toml").read_text()
     readme = (tmp_path / "model" / "README.md").read_text()  # the input contract
     assert "`model(ids, lengths, numeric, timestamps, now, holders, request)`" in readme
+
+
+def test_a_user_and_a_request_time_name_a_request_where_the_log_has_no_request_id():
+    """data.request_column = "user,now": the rows of one user at one time are one request, as the
+    request ids group them; a row that differs is named with both columns' values."""
+    cfg, _ = reference("target_attention", True)
+    rows = request_table()
+    users = rows.column("user").fill_null(7)  # a user id in every row: a null one is refused
+    rows = rows.set_column(rows.schema.get_field_index("user"), "user", users)
+    by_id = encoder(cfg).encode(rows, "test").to_batch()
+    cfg.data.request_column = "user,now"
+    by_pair = encoder(cfg).encode(rows.drop_columns(["request_id"]), "test").to_batch()
+    assert torch.equal(by_pair.request_holders, by_id.request_holders)
+    assert torch.equal(by_pair.request_index, by_id.request_index)
+    assert torch.equal(by_pair.sequence_ids.lengths(), by_id.sequence_ids.lengths())
+    stars = rows.column("history_stars").to_pylist()
+    row = next(r for r in range(1, rows.num_rows) if rows.column("request_id")[r] == rows.column("request_id")[r - 1]
+               and len(set(stars[r] or [])) > 1)
+    stars[row] = stars[row][::-1]
+    bad = rows.set_column(rows.schema.get_field_index("history_stars"), "history_stars",
+                          pa.array(stars, pa.list_(pa.int64())))
+    with pytest.raises(ValueError) as e:
+        encoder(cfg).encode(bad, "f.parquet, row group 0")
+    user, now = rows.column("user")[row].as_py(), rows.column("now")[row].as_py()
+    first = rows.column("request_id").to_pylist().index(rows.column("request_id")[row].as_py())
+    assert str(e.value) == (f"f.parquet, row group 0, column 'history_stars': rows {first} and "
+                            f"{row} are one request ({user!r}, {now!r} in columns 'user', 'now', data.request_column) "
+                            "but hold different lists: a request's rows must carry one history")

@@ -82,9 +82,9 @@ class DataConfig:
     ("""Column of each row's request time (integer seconds): the time gaps of features.<name>.timestamps are """
      """measured from it.""")
     request_column: str = ""
-    ("""Column naming each row's request (integers or strings; '' : none): the rows of one request share """
-     """their sequences, which are looked up and encoded once a request in training and serving; shuffling """
-     """keeps a request's rows together.""")
+    ("""Column naming each row's request (integers or strings; several joined by commas, e.g. a user's and a """
+     """request time's, name it together; '' : none): the rows of one request share their sequences, looked up """
+     """and encoded once a request in training and serving; shuffling keeps a request's rows together.""")
     synth_rows: int = 200_000
     """synth dataset: rows generated (train plus 10% held out)."""
     synth_teacher: SynthTeacherName = "default"

@@ -14,7 +14,7 @@ from embeddings.features import FeatureSpec, shared_sequences, unpooled_features
 from trainer.data.batch import Rows
 from trainer.data.feature_ops import TRANSFORMS
 from trainer.data.ids import encode_ids
-from trainer.data.requests import RequestKeys
+from trainer.data.requests import RequestKeys, request_columns
 from trainer.data.side_fields import HardSearch, check_aligned
 from trainer.data.timestamps import TimeGaps
 
@@ -61,8 +61,7 @@ class RowEncoder:
         cols = [f.column for f in self.sparse + self.numeric] + [t.label for t in self.tasks] + self.gaps.columns
         if self.user_column:
             cols.append(self.user_column)
-        if self.requests.column:
-            cols.append(self.requests.column)
+        cols += request_columns(self.requests.column)
         return list(dict.fromkeys(cols))
 
     def check_schema(self, schema: pa.Schema, path: str) -> None:

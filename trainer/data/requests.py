@@ -25,6 +25,12 @@ import pyarrow.compute as pc
 from trainer.data.ids import _one_array, bag_positions
 
 
+def request_columns(spec: str) -> list[str]:
+    """The columns of data.request_column: one, or several joined by commas (a user and a request
+    time, where the log names no request), whose values together name a request."""
+    return [c.strip() for c in spec.split(",") if c.strip()]
+
+
 def _request_type(typ: pa.DataType) -> bool:
     return pa.types.is_integer(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ)
 
@@ -39,8 +45,8 @@ class RequestKeys:
 
     def expected_types(self):
         """(column, what it must hold, type check), as RowEncoder's."""
-        if self.column:
-            yield self.column, "request ids, integers or strings (data.request_column)", _request_type
+        for column in request_columns(self.column):
+            yield column, "request ids, integers or strings (data.request_column)", _request_type
 
     def number(self, table: pa.Table, where: str, keys: list[str], offsets: list[np.ndarray | None],
                values: list[np.ndarray]) -> np.ndarray | None:
@@ -58,14 +64,19 @@ class RequestKeys:
         return base + local
 
 
-def request_rows(table: pa.Table, column: str, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(each row's request numbered from 0 by first appearance [rows], its request's first row [rows])
-    of `table`'s request id column `column`, which holds no null."""
-    ids = _one_array(table.column(column))
-    if ids.null_count:
-        row = int(np.flatnonzero(np.asarray(ids.is_null()))[0])
-        raise ValueError(f"{where}, column {column!r}: null request id at row {row} (data.request_column)")
-    local = np.asarray(pc.dictionary_encode(ids).indices, dtype=np.int64)
+def request_rows(table: pa.Table, spec: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's request numbered from 0 [rows], its request's first row [rows]) of `table`'s
+    request columns (data.request_column `spec`), which hold no null."""
+    codes = []
+    for column in request_columns(spec):
+        ids = _one_array(table.column(column))
+        if ids.null_count:
+            row = int(np.flatnonzero(np.asarray(ids.is_null()))[0])
+            raise ValueError(f"{where}, column {column!r}: null request id at row {row} (data.request_column)")
+        codes.append(np.asarray(pc.dictionary_encode(ids).indices, dtype=np.int64))
+    # the values of several columns together: their codes' distinct tuples
+    local = codes[0] if len(codes) == 1 else np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1]
+    local = local.reshape(-1)
     return local, np.unique(local, return_index=True)[1][local]
 
 
@@ -76,10 +87,12 @@ def check_shared(offsets: np.ndarray | None, values: np.ndarray, first: np.ndarr
     others = np.flatnonzero(first != np.arange(first.size))
     bad = _differing(offsets, values, others, first[others])
     if bad is not None:
-        request = _one_array(table.column(request_column))[bad].as_py()
-        raise ValueError(f"{where}, column {column!r}: rows {int(first[bad])} and {bad} are one request ({request!r} "
-                         f"in column {request_column!r}, data.request_column) but hold different lists: a request's "
-                         "rows must carry one history")
+        columns = request_columns(request_column)
+        request = ", ".join(repr(_one_array(table.column(c))[bad].as_py()) for c in columns)
+        named = f"column {columns[0]!r}" if len(columns) == 1 else f"columns {', '.join(map(repr, columns))}"
+        raise ValueError(f"{where}, column {column!r}: rows {int(first[bad])} and {bad} are one request ({request} "
+                         f"in {named}, data.request_column) but hold different lists: a request's rows must carry "
+                         "one history")
 
 
 def _differing(o: np.ndarray | None, values: np.ndarray, at: np.ndarray, holder: np.ndarray) -> int | None:
