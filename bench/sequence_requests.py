@@ -4,13 +4,15 @@ that share one history of M = 200 and 1,000 behaviours, for pool, target_attenti
 transformer (its blocks reading the history alone: `transformer.candidate = "query"`, shared
 a request; and today's default, the candidate inside the blocks, which cannot be shared).
 
-Each (module, M, mode) runs in a process of its own (peak RSS is per process), on the CPU with
-unsharded tables as bench/sequence.py: B = requests x candidates rows in one Parquet row group in
-memory. `encode ms`: the reader's encoding and batch assembly (the request check and the holders
-included; in the reader's thread during training). `step ms`: a training step (forward + BCE +
-backward). `serve ms`: the serving module (trainer/serving/served_model.py, eager, no gradient)
-on the raw rows, each request's history sent once or once a row. Medians over --steps after two
-warm-ups. The last lines: per module and M, rows/s once a request over once a row.
+Each (module, M) runs in a process of its own (its peak RSS holds both ways), on the CPU with
+unsharded tables as bench/sequence.py: B = requests x candidates rows in one Parquet row group
+in memory, read both ways, the two timed in turns (one of each per round) so that both see the same load. `encode
+ms`: the reader's encoding and batch assembly (the request check and the holders included; in
+the reader's thread during training). `step ms`: a training step (forward + BCE + backward).
+`serve ms`: the serving module (trainer/serving/served_model.py, eager, no gradient) on the raw
+rows, each request's history sent once or once a row. Medians over --steps rounds after two
+warm-ups; the last lines, per module and M, the medians of the rounds' ratios of rows/s, once a
+request over once a row, training and serving.
 
     .venv/bin/python bench/sequence_requests.py                   # 5 requests x 100, M 200,1000
     .venv/bin/python bench/sequence_requests.py --lengths 200 --modules pool,target_attention --steps 3
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.sequence import ITEMS, base_config, timed, training_step  # noqa: E402  (the path above)
+from bench.sequence import ITEMS, base_config, training_step  # noqa: E402  (the path above)
 
 # (name, sequence_module, transformer.candidate)
 MODULES = {"pool": ("pool", "in_sequence"), "target_attention": ("target_attention", "in_sequence"),
@@ -76,7 +80,20 @@ def build(module: str, length: int, requests: int, candidates: int, tower: str, 
     return cfg, model, table, encoder
 
 
-def child(module: str, length: int, requests: int, candidates: int, steps: int, tower: str, once: bool) -> dict:
+def in_turns(calls: list, steps: int) -> list[list[float]]:
+    """Seconds of each of `calls` in each of `steps` rounds, one call of each per round, after two warm-ups."""
+    for call in calls:
+        call(), call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(steps):
+        for call, each in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            each.append(time.perf_counter() - start)
+    return times
+
+
+def child(module: str, length: int, requests: int, candidates: int, steps: int, tower: str, modes: list[bool]) -> dict:
     import resource
 
     import torch
@@ -84,18 +101,26 @@ def child(module: str, length: int, requests: int, candidates: int, steps: int, 
     from trainer.serving.export import serving_model
     from trainer.serving.predict import raw_inputs
 
-    cfg, model, table, encoder = build(module, length, requests, candidates, tower, once)
-    encode_s = timed(lambda: encoder.encode(table, "bench").to_batch(), steps)
-    batch = encoder.encode(table, "bench").to_batch()
-    step_s = timed(training_step(model, batch), steps)
-    served = serving_model(cfg, model.state_dict(), step=0)
-    inputs = raw_inputs(table, cfg.features, "bench", "now", cfg.data.request_column)
+    built = [build(module, length, requests, candidates, tower, once) for once in modes]
+    encode = in_turns([lambda e=e, t=t: e.encode(t, "bench").to_batch() for _, _, t, e in built], steps)
+    step = in_turns([training_step(m, e.encode(t, "bench").to_batch()) for _, m, t, e in built], steps)
+    serving = []
+    for cfg, model, table, _ in built:
+        served = serving_model(cfg, model.state_dict(), step=0)
+        inputs = raw_inputs(table, cfg.features, "bench", "now", cfg.data.request_column)
+        serving.append(lambda served=served, inputs=inputs: served(*inputs))
     with torch.no_grad():
-        serve_s = timed(lambda: served(*inputs), steps)
+        serve = in_turns(serving, steps)
     rows = requests * candidates
-    return {"module": module, "M": length, "once": once, "encode_ms": encode_s * 1e3, "step_ms": step_s * 1e3,
-            "serve_ms": serve_s * 1e3, "train_rows_s": rows / step_s, "serve_rows_s": rows / serve_s,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out = {"modes": [{"once": once, "encode_ms": statistics.median(e) * 1e3, "step_ms": statistics.median(s) * 1e3,
+                      "serve_ms": statistics.median(v) * 1e3, "train_rows_s": rows / statistics.median(s),
+                      "serve_rows_s": rows / statistics.median(v)}
+                     for once, e, s, v in zip(modes, encode, step, serve)],
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if len(modes) == 2:  # rows/s once a request over once a row: each round's step time each way over once
+        out["train_ratio"] = statistics.median(a / b for a, b in zip(step[0], step[1]))
+        out["serve_ratio"] = statistics.median(a / b for a, b in zip(serve[0], serve[1]))
+    return out
 
 
 def main() -> None:
@@ -106,12 +131,13 @@ def main() -> None:
     parser.add_argument("--modules", default=",".join(MODULES))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tower", default="rankmixer")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        module, length, once = args.child
-        print(json.dumps(child(module, int(length), args.requests, args.candidates, args.steps, args.tower,
-                               once == "once")))
+        module, length = args.child
+        # the candidate is inside today's transformer's blocks: nothing to share
+        modes = [False] if module == "transformer_bst" else [False, True]
+        print(json.dumps(child(module, int(length), args.requests, args.candidates, args.steps, args.tower, modes)))
         return
     print(f"{args.requests} requests x {args.candidates} candidates a batch, tower {args.tower}")
     print(f"{'module':<17} {'M':>5} {'history':>8} {'encode ms':>10} {'step ms':>9} {'train rows/s':>13} "
@@ -119,23 +145,19 @@ def main() -> None:
     ratios = []
     for length in args.lengths.split(","):
         for module in args.modules.split(","):
-            got = {}
-            for mode in ("each", "once"):
-                if mode == "once" and module == "transformer_bst":
-                    continue  # the candidate is inside its blocks: nothing to share
-                proc = subprocess.run([sys.executable, __file__, "--child", module, length, mode, "--requests",
-                                       str(args.requests), "--candidates", str(args.candidates), "--steps",
-                                       str(args.steps), "--tower", args.tower], capture_output=True, text=True)
-                if proc.returncode:
-                    raise SystemExit(proc.stderr[-2000:])
-                r = got[mode] = json.loads(proc.stdout.splitlines()[-1])
-                history = "a request" if mode == "once" else "a row"
+            proc = subprocess.run([sys.executable, __file__, "--child", module, length, "--requests",
+                                   str(args.requests), "--candidates", str(args.candidates), "--steps",
+                                   str(args.steps), "--tower", args.tower], capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-2000:])
+            got = json.loads(proc.stdout.splitlines()[-1])
+            for r in got["modes"]:
+                history = "a request" if r["once"] else "a row"
                 print(f"{module:<17} {length:>5} {history:>8} {r['encode_ms']:>10.1f} {r['step_ms']:>9.1f} "
                       f"{r['train_rows_s']:>13.0f} {r['serve_ms']:>9.1f} {r['serve_rows_s']:>13.0f} "
-                      f"{r['peak_rss_mb']:>12.0f}", flush=True)
-            if len(got) == 2:
-                ratios.append((module, length, got["once"]["train_rows_s"] / got["each"]["train_rows_s"],
-                               got["once"]["serve_rows_s"] / got["each"]["serve_rows_s"]))
+                      f"{got['peak_rss_mb']:>12.0f}", flush=True)
+            if "train_ratio" in got:
+                ratios.append((module, length, got["train_ratio"], got["serve_ratio"]))
     for module, length, train, serve in ratios:
         print(f"{module} at M={length}: once a request over once a row: training {train:.2f}x, serving {serve:.2f}x")
 

@@ -648,6 +648,11 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("dense.sequence.x\u01c1SequenceInputs\u01c1attend",
      "if name in self.search_k and (lengths or self.max_len)[name] >= self.search_k[name]:",
      "at L = k the search keeps every position, sorted back into order: the rows it was given"),
+    ("trainer.data.requests.x__differing", "differ = np.bincount(np.repeat(np.arange(at.size), lengths)[unequal], ) "
+     "> 0", "only differ.any() and its first True are read: the Falses minlength adds after the last row that "
+     "differs change neither"),
+    ("trainer.data.requests.x_grouped_permutation", 'return np.argsort(place, kind="STABLE")',
+     "numpy reads a sort's kind case-blind: 'STABLE' is the stable sort"),
     # a hard search's ids as int64 bit patterns (trainer/data/side_fields.py _bits)
     *(("trainer.data.side_fields.x__bits", line, _BITS) for line in (
         "return ids.to_numpy(zero_copy_only=None).astype(np.int64, copy=False)",

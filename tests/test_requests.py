@@ -20,6 +20,7 @@ from embeddings.features import attended
 from embeddings.tables import sequence_table_configs, table_configs
 from test_side_fields import side_features, side_table
 from trainer.config_loader import load_config
+from trainer.data.batch import Rows
 from trainer.data.encode import RowEncoder
 from trainer.data.requests import grouped_permutation, holders
 from trainer.ranking_model import RankingModel, shared_bags
@@ -148,6 +149,7 @@ def test_the_artifact_refuses_requests_that_do_not_index_its_holders():
 
 
 @pytest.mark.parametrize("column,change", [("history", lambda v: v[1:] + v[:1]), ("history_stars", lambda v: v[::-1]),
+                                           ("history_stars", lambda v: v[:-1] + [(v[-1] + 1) % 6]),  # one value
                                            ("history_ts", lambda v: [t - 10**6 for t in v])])
 def test_a_request_whose_rows_hold_different_histories_is_refused_naming_both_rows(column, change):
     """Training compares what the model reads (the time gaps' buckets, not the timestamps); the
@@ -269,3 +271,37 @@ def test_a_user_and_a_request_time_name_a_request_where_the_log_has_no_request_i
     assert str(e.value) == (f"f.parquet, row group 0, column 'history_stars': rows {first} and "
                             f"{row} are one request ({user!r}, {now!r} in columns 'user', 'now', data.request_column) "
                             "but hold different lists: a request's rows must carry one history")
+
+
+def test_requests_are_numbered_apart_in_each_row_group_and_a_split_one_is_two():
+    """One encoder's row groups: each numbers its requests from where the last stopped, in order of
+    first appearance, so a request cut by a row-group boundary is two requests of a batch."""
+    cfg, _ = reference("target_attention", True)
+    rows = request_table()  # requests of 3, 1, 4, 2, ... rows: rows 0-2, 3, 4-7, 8-9, ...
+    reader = encoder(cfg)
+    first, second = reader.encode(rows.slice(0, 6), "a"), reader.encode(rows.slice(6), "b")
+    assert first.requests.tolist() == [0, 0, 0, 1, 2, 2]
+    ids = rows.column("request_id").to_pylist()[6:]
+    order = list(dict.fromkeys(ids))
+    assert second.requests.tolist() == [3 + order.index(i) for i in ids]
+    batch = Rows.concat([first, second]).to_batch()
+    assert batch.request_holders.tolist()[:5] == [0, 3, 4, 6, 8]  # rows 6-7 hold the cut request's second part
+    assert reader.encode(rows.slice(0, 2), "c").requests.tolist() == [3 + len(order)] * 2
+
+
+def test_a_request_column_of_another_type_is_refused_by_the_schema_check():
+    cfg, _ = reference("target_attention", True)
+    rows = request_table()
+    floats = rows.set_column(rows.schema.get_field_index("request_id"), "request_id",
+                             rows.column("request_id").cast(pa.float64()))
+    reader = encoder(cfg)
+    reader.check_schema(rows.schema, "f.parquet")  # integers, as strings, pass
+    reader.check_schema(rows.set_column(rows.schema.get_field_index("request_id"), "request_id",
+                                        rows.column("request_id").cast(pa.string())).schema, "f.parquet")
+    reader.check_schema(rows.set_column(rows.schema.get_field_index("request_id"), "request_id",
+                                        rows.column("request_id").cast(pa.large_string())).schema, "f.parquet")
+    with pytest.raises(ValueError) as e:
+        reader.check_schema(floats.schema, "f.parquet")
+    assert str(e.value) == ("f.parquet: column 'request_id' has type double, expected request ids, integers or "
+                            "strings (data.request_column)")
+    assert "request_id" in reader.columns

@@ -41,7 +41,7 @@ class RowEncoder:
         self.tasks = tasks
         self.user_column = user_column
         # a request's rows share their sequences, side fields and those sequences' time gaps
-        shared = shared_sequences(features) if request_column else []
+        shared = shared_sequences(features)
         timed = {f.name for f in self.gaps.features}
         self.requests = RequestKeys(request_column, [(f.name, f.column) for f in shared] + [
             (f"{f.name}@gaps", f.timestamps) for f in shared if f.name in timed])

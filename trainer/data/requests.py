@@ -118,12 +118,12 @@ def holders(requests: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rank[order] = np.arange(order.size)
     is_holder = np.zeros(requests.size, bool)
     is_holder[first] = True
-    return is_holder, first[order], rank[inverse.reshape(-1)]
+    return is_holder, first[order], rank[inverse]
 
 
 def grouped_permutation(rng: np.random.Generator, requests: np.ndarray) -> np.ndarray:
     """A shuffle of rows that keeps each request's rows together, in their order: the requests in a
     random order, `rng`'s."""
-    _, inverse = np.unique(requests, return_inverse=True)
-    place = rng.permutation(int(inverse.max(initial=-1)) + 1)[inverse.reshape(-1)]
+    distinct, inverse = np.unique(requests, return_inverse=True)
+    place = rng.permutation(distinct.size)[inverse]
     return np.argsort(place, kind="stable")
