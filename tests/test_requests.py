@@ -286,6 +286,7 @@ def test_requests_are_numbered_apart_in_each_row_group_and_a_split_one_is_two():
     assert second.requests.tolist() == [3 + order.index(i) for i in ids]
     batch = Rows.concat([first, second]).to_batch()
     assert batch.request_holders.tolist()[:5] == [0, 3, 4, 6, 8]  # rows 6-7 hold the cut request's second part
+    assert reader.encode(rows.slice(0, 0), "empty").requests.tolist() == []  # numbers nothing
     assert reader.encode(rows.slice(0, 2), "c").requests.tolist() == [3 + len(order)] * 2
 
 

@@ -73,10 +73,9 @@ def request_rows(table: pa.Table, spec: str, where: str) -> tuple[np.ndarray, np
         if ids.null_count:
             row = int(np.flatnonzero(np.asarray(ids.is_null()))[0])
             raise ValueError(f"{where}, column {column!r}: null request id at row {row} (data.request_column)")
-        codes.append(np.asarray(pc.dictionary_encode(ids).indices, dtype=np.int64))
-    # the values of several columns together: their codes' distinct tuples
-    local = codes[0] if len(codes) == 1 else np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1]
-    local = local.reshape(-1)
+        codes.append(np.asarray(pc.dictionary_encode(ids).indices))  # by first appearance
+    # the columns' values together: their codes' distinct tuples, in order of the first column's codes
+    local = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1].ravel()
     return local, np.unique(local, return_index=True)[1][local]
 
 
@@ -106,7 +105,7 @@ def _differing(o: np.ndarray | None, values: np.ndarray, at: np.ndarray, holder:
         if not differ.any():
             unequal = values[ours] != values[theirs]
             differ = np.bincount(np.repeat(np.arange(at.size), lengths)[unequal], minlength=at.size) > 0
-    return int(at[np.argmax(differ)]) if differ.any() else None
+    return int(at[differ.argmax()]) if differ.any() else None
 
 
 def holders(requests: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
