@@ -6,6 +6,8 @@ predictions and every gradient must not change, in training and in the artifact.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -306,3 +308,18 @@ def test_a_request_column_of_another_type_is_refused_by_the_schema_check():
     assert str(e.value) == ("f.parquet: column 'request_id' has type double, expected request ids, integers or "
                             "strings (data.request_column)")
     assert "request_id" in reader.columns
+
+
+def test_a_pooled_sequence_on_a_managed_table_is_looked_up_once_a_request_too():
+    """The managed bags' collection (Batch.managed_ids) keeps a shared sequence at its holders only."""
+    cfg, _ = reference("pool", False)
+    cfg.features = [dataclasses.replace(f, hashing="managed") if f.name == "history" else f for f in cfg.features]
+    rows = request_table()
+    once, each = encoder(cfg).encode(rows, "test").to_batch(), encoder(cfg, False).encode(rows, "test").to_batch()
+    held = np.zeros(rows.num_rows, np.int64)
+    first = once.request_holders.numpy()
+    held[first] = each.managed_ids["history"].lengths().numpy()[first]
+    assert once.managed_ids["history"].lengths().tolist() == held.tolist()
+    every = each.managed_ids["history"].to_dense()
+    assert [v.tolist() for v in once.managed_ids["history"].to_dense()] == [
+        every[r].tolist() if r in first else [] for r in range(rows.num_rows)]

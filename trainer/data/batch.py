@@ -269,7 +269,7 @@ def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
             sequence_max += tuple(int(m) for m in lengths.max(axis=1)) if n else (0,) * len(features)
     return Batch(
         sparse=_jagged(parts, range(plain), holding)[0],
-        managed_ids=_jagged(parts, range(managed, gaps))[0] if first.num_managed else None,
+        managed_ids=_jagged(parts, range(managed, gaps), holding)[0] if first.num_managed else None,
         sequence_ids=unpooled[0], managed_sequence_ids=unpooled[1], sequence_max=sequence_max,
         sequence_gaps=tuple(_jagged(parts, range(s, s + 1), holding)[0].values()
                             for s in range(gaps, len(first.keys))),
