@@ -366,34 +366,77 @@ def test_a_query_field_is_refused_unless_an_id_feature_as_wide_as_the_sequence(f
 
 
 ML_ARGS = ["--config", "configs/movielens.toml", "--train.steps=12", "--metrics.progress=false",
-           "--metrics.tensorboard=false", "--checkpoint.keep=0"]
+           "--metrics.tensorboard=false", "--checkpoint.keep=0", "--data.shuffle_buffer=1024",
+           "--metrics.peak_tflops=1"]
 MANAGED_GENRES = [f"--features.{f}.hashing=managed" for f in ("item_genre", "hist_genres")]
+HARD_SEARCH = ["--features.hist_items.search_field=hist_genres", "--features.hist_items.search_query=item_genre"]
+MOVIELENS = REPO.parent / "shared" / "data" / "movielens-100k"
+HELD_OUT_ROWS = 2000
+
+
+def movielens_data(made_once) -> Path:
+    """MovieLens-100K as configs/movielens.toml converts it (movielens/), made once per session,
+    and the first 2,000 of its 10,000 held-out rows in two row groups, one a rank (held_out/):
+    the export parity reads its evaluation split three times (the run's evaluation, `score
+    --model`, `score --checkpoint`) and holds on any rows."""
+    import pyarrow.parquet as pq
+
+    from trainer.offline.movielens import convert_movielens
+
+    if not (MOVIELENS / "ml-100k.inter").is_file():
+        pytest.skip("MovieLens-100K is not in ../shared/data")
+
+    def make(folder: Path) -> None:
+        convert_movielens(MOVIELENS, folder / "movielens")  # what data.dataset = "movielens" converts
+        (folder / "held_out").mkdir()
+        pq.write_table(pq.read_table(folder / "movielens" / "valid").slice(0, HELD_OUT_ROWS),
+                       folder / "held_out" / "part-0.parquet", row_group_size=HELD_OUT_ROWS // 2)
+    return made_once("movielens-side-fields", make)
+
+
+def on_movielens(data: Path) -> list[str]:
+    """A run's arguments for `movielens_data`: its training split, evaluated on the held-out 2,000."""
+    return ["--data.dataset=parquet", f"--data.train_path={data / 'movielens' / 'train'}",
+            f"--data.eval_path={data / 'held_out'}"]
+
+
+def published_run(made_once) -> Path:
+    """The hard search's 2-rank run of the test below, publishing (TorchScript) every 6 of its 12
+    steps: the export parity and the publish test read it, trained once."""
+    from cli import rankmix_ranks
+
+    data = movielens_data(made_once)
+
+    def make(folder: Path) -> None:
+        proc = rankmix_ranks(2, *ML_ARGS, *on_movielens(data), f"--train.run_dir={folder / 'run'}",
+                             "--features.hist_items.sequence_module=target_attention", *HARD_SEARCH,
+                             "--publish.every_steps=6", "--publish.format=torchscript")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return made_once("movielens-side-fields-published", make) / "run"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module,args,fmt", [
-    ("pool", [], "pt2"), ("target_attention", MANAGED_GENRES, "pt2"),
-    ("target_attention", ["--features.hist_items.search_field=hist_genres",
-                          "--features.hist_items.search_query=item_genre"], "torchscript"),
+    ("pool", [], "pt2"), ("target_attention", MANAGED_GENRES, "pt2"), ("target_attention", HARD_SEARCH, "torchscript"),
     ("transformer", ["--model.sequence.transformer.time_bias=true", "--features.hist_items.search_k=16"], "pt2")])
 def test_movielens_with_side_fields_trains_on_two_ranks_and_its_artifact_scores_as_its_checkpoint(
         module, args, fmt, made_once, tmp_path):
     """configs/movielens.toml's past ratings with their stars and genres, queried by the item and
     its genre, with each search: on 2 ranks, exported, `score --model` as the run's evaluation and
     as `score --checkpoint`, row by row (managed tables load only on the ranks that trained them:
-    the evaluation alone)."""
+    the evaluation alone). The hard search's run also publishes, for the publish test below."""
     from cli import rankmix_ranks
     from test_managed import export_and_score
 
-    if not (REPO / "../shared/data/movielens-100k/ml-100k.inter").is_file():
-        pytest.skip("MovieLens-100K is not in ../shared/data")
-    cache = made_once("movielens-cache", lambda folder: None)
-    run = tmp_path / "run"
-    proc = rankmix_ranks(2, *ML_ARGS, f"--train.run_dir={run}", f"--data.cache_dir={cache}",
-                         f"--features.hist_items.sequence_module={module}", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest, _ = export_and_score(run, cache / "movielens-100k-v3" / "valid", tmp_path, fmt,
-                                   compare=args != MANAGED_GENRES)
+    data = movielens_data(made_once)
+    if args == HARD_SEARCH:
+        run = published_run(made_once)
+    else:
+        run = tmp_path / "run"
+        proc = rankmix_ranks(2, *ML_ARGS, *on_movielens(data), f"--train.run_dir={run}",
+                             f"--features.hist_items.sequence_module={module}", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest, _ = export_and_score(run, data / "held_out", tmp_path, fmt, compare=args != MANAGED_GENRES)
     readme = (tmp_path / "model" / "README.md").read_text()  # the input contract names the side fields
     assert "| hist_ratings | hist_ratings | sequence | 6 | none | 50 | side of hist_items | - |" in readme
     if args == MANAGED_GENRES:
@@ -409,28 +452,24 @@ def test_a_negative_soft_search_is_refused():
 
 @pytest.mark.slow
 def test_movielens_with_side_fields_publishes_deltas_that_serve_as_their_full_artifact(made_once, tmp_path):
-    """Continuous training's publishing carries the side fields' tables: step 8's delta applied
-    to step 4's artifact predicts as step 8's full artifact, the side fields' rows among those
-    it changed."""
+    """Continuous training's publishing carries the side fields' tables: step 12's delta applied
+    to step 6's artifact predicts as step 12's full artifact, the side fields' rows among those
+    it changed. The hard search's 2-rank run above, published as TorchScript: what a delta
+    changes is the tables and dense weights of either format (test_publish.py applies PT2
+    deltas, the export parity exports the side fields as PT2)."""
     import pyarrow.parquet as pq
 
-    from cli import rankmix, rankmix_ranks
+    from cli import rankmix
     from trainer.serving.export import load
 
-    if not (REPO / "../shared/data/movielens-100k/ml-100k.inter").is_file():
-        pytest.skip("MovieLens-100K is not in ../shared/data")
-    cache = made_once("movielens-cache", lambda folder: None)
-    run = tmp_path / "run"
-    proc = rankmix_ranks(1, *ML_ARGS, "--train.steps=8", "--publish.every_steps=4", f"--train.run_dir={run}",
-                         f"--data.cache_dir={cache}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    full = run / "publish" / "step-8"
+    run = published_run(made_once)
+    full = run / "publish" / "step-12"
     rows = json.loads((full / "manifest.json").read_text())["publish"]["delta"]["rows"]
     assert rows["hist_ratings"] > 0 and rows["genre"] > 0
-    applied = rankmix("publish", "apply", "--base", str(run / "publish" / "step-4"), "--delta", str(full),
+    applied = rankmix("publish", "apply", "--base", str(run / "publish" / "step-6"), "--delta", str(full),
                       "--out", str(tmp_path / "applied"))
     assert applied.returncode == 0, applied.stderr[-3000:]
-    table = pq.read_table(cache / "movielens-100k-v3" / "valid").slice(0, 2000)
+    table = pq.read_table(movielens_data(made_once) / "held_out")  # the first 2,000 held-out rows
     features = load_config(str(full / "config.toml"), [], allow_redacted=True).features
     inputs = raw_inputs(table, features, "valid", "timestamp")
     with torch.no_grad():
