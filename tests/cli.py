@@ -34,7 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # What the server imports once; the children find it loaded.
-_PRELOAD = ["launch.cli", "trainer.run", "trainer.score", "trainer.serving.predict", "launch.sweep", "launch.plan"]
+_PRELOAD = ["launch.cli", "trainer.run", "trainer.score", "trainer.serving.predict", "launch.sweep", "launch.plan",
+            "torch.distributed.optim"]  # the last: what every training and `score --checkpoint` imports on use
 _context: multiprocessing.context.ForkServerContext | None = None
 _stores: list = []  # the rendezvous stores this process holds, alive until it exits
 
@@ -42,8 +43,13 @@ _stores: list = []  # the rendezvous stores this process holds, alive until it e
 def _server() -> multiprocessing.context.ForkServerContext:
     global _context
     if _context is None:
+        if "RANKMIX_TESTS_CPU_PEAK" not in os.environ:  # for tests/server_peak.py, timed here, not in the server:
+            import torch  # it would start its children with OpenMP's threads in use, which a fork does not carry
+
+            from dense.cost import peak_flops
+            os.environ["RANKMIX_TESTS_CPU_PEAK"] = repr(peak_flops(torch.device("cpu")))
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        _context.set_forkserver_preload([*_PRELOAD, "tests.server_peak"])  # the server's path: the folder it started in
     return _context
 
 
