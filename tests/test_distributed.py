@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from cli import rendezvous_port, spawn, spawn_fresh
+from cli import rankmix_ranks, rendezvous_port, spawn, spawn_fresh
 from embeddings.sharding import local_shards
 from trainer.config_loader import load_config
 from trainer.data.datasets import synth_features
@@ -218,12 +216,10 @@ def test_uneven_files_on_two_ranks_train_every_row_but_a_bounded_few(data_dir, t
     cfg.features = synth_features()
     dump_toml(cfg, tmp_path / "uneven.toml")
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "launch", "--nproc-per-node", "2", "--config",
-                           str(tmp_path / "uneven.toml"), f"--train.run_dir={run}", "--metrics.progress=false",
-                           "--metrics.tensorboard=false", "--checkpoint.enabled=false"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**env, "PYTHONWARNINGS": "ignore"})
+    # the ranks forked as torchrun starts them (torchrun's own run of uneven files is test_launch.py's)
+    proc = rankmix_ranks(2, "--config", str(tmp_path / "uneven.toml"), f"--train.run_dir={run}",
+                         "--metrics.progress=false", "--metrics.tensorboard=false", "--checkpoint.enabled=false",
+                         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "data"]

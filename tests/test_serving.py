@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cli import rankmix
+from cli import rankmix, rankmix_ranks
 
 TRAIN = ["--config", "configs/debug.toml", "--metrics.progress=false", "--metrics.tensorboard=false"]
 
@@ -38,9 +38,8 @@ def data(made_once) -> Path:
 
 def trained(made_once, data: Path, name: str, *args: str, ranks: int = 1) -> tuple[Path, dict, Path]:
     """(run folder, training summary, held-out split) of a short debug-config run, made once."""
-    def make(folder: Path) -> None:
-        command = ("train",) if ranks == 1 else ("launch", "--nproc-per-node", str(ranks))
-        proc = ok(rankmix(*command, *TRAIN, f"--train.run_dir={folder}/run", f"--data.cache_dir={data}", *args))
+    def make(folder: Path) -> None:  # ranks forked as torchrun starts them: what `rankmix launch` does is test_launch's
+        proc = ok(rankmix_ranks(ranks, *TRAIN, f"--train.run_dir={folder}/run", f"--data.cache_dir={data}", *args))
         (folder / "summary.json").write_text(proc.stdout.splitlines()[-1])
     folder = made_once(f"serving-{name}", make)
     return folder / "run", json.loads((folder / "summary.json").read_text()), next(data.glob("*/valid"))
