@@ -301,7 +301,7 @@ class SequenceTransformer(nn.Module):
             # an empty history's rows attend to their first (padding) position, which nothing reads
             # after: a row with no key at all would give NaN
             keys = mask | ((steps == 0) & (mask.sum(dim=1, keepdim=True) == 0))
-            buckets = gaps if self.relative_time else None
+            buckets = gaps  # read by the blocks' time bias, where they have one
         for block in self.blocks:
             h = block(h, keys, buckets)
         outputs = self.out(h.narrow(1, 1, mask.shape[1]) if self.in_sequence else h)
@@ -377,7 +377,7 @@ class SequenceInputs(nn.Module):
                 continue
             total = x.sum(dim=1)
             if name in self.mean:
-                total = total / mask.sum(dim=1, keepdim=True).clamp(min=1).to(total.dtype)
+                total = total / mask.sum(dim=1, keepdim=True).clamp(min=1)  # an integer count: total's dtype
             out[name] = per_row(request[1] if held else None, total)[0]
         out.update(self.attend(out, pooled, padded, padded_gaps, dict(zip(self.keys, longest)),
                                None if request is None else request[1]))

@@ -549,9 +549,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "keys = mask.unsqueeze(1).unsqueeze(2)  # [B, 1, 1, L]",
      "mask.unsqueeze(1) is [B, 1, L]: a new axis at 1 or at 2 both make it [B, 1, 1, L]"),
     ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
-     'keys = bias.to(q.dtype).masked_fill(~keys, float("-INF"))  # autocast\'s q: the mask\'s type must match',
-     "float() reads '-INF' as -inf"),
-    ("dense.sequence.x\u01c1SelfAttentionBlock\u01c1forward",
      'keys = bias.to(None).masked_fill(~keys, float("-inf"))  # autocast\'s q: the mask\'s type must match',
      "to(None) keeps fp32, which torch's attention on the CPU takes beside a bf16 query (the cast is for "
      "CUDA's kernels, which want the query's type)"),

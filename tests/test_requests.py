@@ -18,7 +18,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from dense.heads import build_dense
 from dense.model_config import TaskSpec
 from dense.sequence import build_sequences
-from embeddings.features import attended
+from embeddings.features import FeatureSpec, attended, validate_features
 from embeddings.tables import sequence_table_configs, table_configs
 from test_side_fields import side_features, side_table
 from trainer.config_loader import load_config
@@ -49,13 +49,19 @@ def request_table(seed: int = 0, sizes: tuple[int, ...] = (3, 1, 4, 2)) -> pa.Ta
     return rows.append_column("request_id", pa.array(request, pa.int64()))
 
 
-def reference(module: str, timestamps: bool, soft: int = 0, candidate: str = "in_sequence"):
+def reference(module: str, timestamps: bool, soft: int = 0, candidate: str = "in_sequence", search: bool = False):
     """test_side_fields' model (MLP tower) with `module` on the history, the transformer's candidate
-    as `candidate`, read with requests."""
+    as `candidate`, read with requests; with `search`, the history hard-searched by the candidate's
+    genre, which no request shares, and a second one (the same column) pooled on its table, which
+    its request shares."""
     cfg = load_config(None, ["--model.tower=mlp", "--model.mlp.hidden=[16, 8]", "--data.request_column=request_id",
                              f"--data.time_column={'now' if timestamps else ''}",
                              f"--model.sequence.transformer.candidate={candidate}"])
-    cfg.features = side_features(module, timestamps, soft=soft)
+    cfg.features = side_features(module, timestamps, search, soft)
+    if search:
+        cfg.features.append(FeatureSpec(name="bag", kind="sequence", column="history", table="item_rows",
+                                        num_embeddings=30, embedding_dim=8, hashing="none", max_len=4, group="context"))
+        validate_features(cfg.features)
     cfg.model.tasks = [TaskSpec(name="click"), TaskSpec(name="like")]
     torch.manual_seed(0)
     layout, tower, heads = build_dense(cfg.model, cfg.features)
@@ -75,17 +81,18 @@ def encoder(cfg, requests: bool = True) -> RowEncoder:
                       cfg.data.request_column if requests else "")
 
 
-MODULES = [("pool", True, 0, "in_sequence"), ("target_attention", True, 0, "in_sequence"),
-           ("target_attention", False, 0, "in_sequence"), ("transformer", True, 0, "in_sequence"),
-           ("transformer", True, 0, "query"), ("transformer", False, 0, "query"),
-           ("target_attention", True, 2, "in_sequence"), ("transformer", True, 2, "query")]
+MODULES = [("pool", True, 0, "in_sequence", False), ("target_attention", True, 0, "in_sequence", False),
+           ("target_attention", False, 0, "in_sequence", False), ("transformer", True, 0, "in_sequence", False),
+           ("transformer", True, 0, "query", False), ("transformer", False, 0, "query", False),
+           ("target_attention", True, 2, "in_sequence", False), ("transformer", True, 2, "query", False),
+           ("target_attention", True, 0, "in_sequence", True), ("pool", False, 0, "in_sequence", True)]
 
 
-@pytest.mark.parametrize("module,timestamps,soft,candidate", MODULES)
-def test_a_request_read_once_trains_as_each_row_reading_its_own_history(module, timestamps, soft, candidate):
+@pytest.mark.parametrize("module,timestamps,soft,candidate,search", MODULES)
+def test_a_request_read_once_trains_as_each_row_reading_its_own_history(module, timestamps, soft, candidate, search):
     """The same rows read once a request and once a row: the same predictions, and the same
     gradient of every parameter, the tables' included (a request's lookups take its rows' sum)."""
-    cfg, model = reference(module, timestamps, soft, candidate)
+    cfg, model = reference(module, timestamps, soft, candidate, search)
     rows = request_table()
     once, each = encoder(cfg).encode(rows, "test").to_batch(), encoder(cfg, False).encode(rows, "test").to_batch()
     grads = []
@@ -102,7 +109,9 @@ def test_a_request_read_once_trains_as_each_row_reading_its_own_history(module, 
     first = np.unique(rows.column("request_id").to_numpy(), return_index=True)[1]
     ids = (once.sparse if module == "pool" else once.sequence_ids).to_dict()
     every = (each.sparse if module == "pool" else each.sequence_ids).to_dict()
-    for name in ("history", "history_stars", "history_genre"):
+    if search:  # a hard search's lists are each row's own
+        assert torch.equal(ids["history"].lengths(), every["history"].lengths())
+    for name in ("bag",) if search else ("history", "history_stars", "history_genre"):
         lengths = every[name].lengths().numpy()
         held = np.zeros_like(lengths)
         held[first] = lengths[first]
