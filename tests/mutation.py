@@ -167,7 +167,8 @@ MODULES = {
     "sequence_registry": Target("dense/sequence_registry.py", ("tests/test_sequence_modules.py",
                                                                "tests/test_sequence.py")),
     "features": Target("embeddings/features.py", ("tests/test_sequence_features.py", "tests/test_sequence.py",
-                                                  "tests/test_side_fields.py")),
+                                                  "tests/test_side_fields.py", "tests/test_requests.py"),
+                       deselect=_REQUEST_RUNS),
     "timestamps": Target("trainer/data/timestamps.py", ("tests/test_sequence_time.py", "tests/test_side_fields.py")),
     "side_fields": Target("trainer/data/side_fields.py", ("tests/test_side_fields.py",)),
     # a request's rows: their numbers, the check that they agree, the holders, the grouped shuffle
