@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FeatureKind = Literal["id", "id_list", "sequence", "numeric"]
-Hashing = Literal["modulo", "none", "managed"]
+Hashing = Literal["modulo", "none", "managed", "log2"]
 EvictionPolicy = Literal["lfu", "lru"]
 Pooling = Literal["sum", "mean"]
 NumericTransform = Literal["log1p", "clip", "standardize"]
@@ -44,7 +44,8 @@ class FeatureSpec:
     """Width of the embedding table."""
     hashing: Hashing = "modulo"
     ("""modulo: id % num_embeddings | none: an id >= num_embeddings is an error | managed: every live id its own """
-     """row (TorchRec MCH), stale ones evicted.""")
+     """row (TorchRec MCH), stale ones evicted | log2: a count or a duration v >= 0, its power-of-two bucket """
+     """min(bit_length(v), num_embeddings - 1): 0, 1, 2-3, 4-7, ... (a dwell time as a side field).""")
     eviction_policy: EvictionPolicy = "lfu"
     """managed: rows freed at an eviction: lfu (least frequently used, decayed by age) | lru (least recently used)."""
     eviction_interval: int = 100

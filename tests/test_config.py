@@ -324,7 +324,7 @@ def features_toml(*tables: str) -> str:
     (features_toml("name = 'p'\nkind = 'numeric'\nstd = 0"), "features.p.std must be positive, got 0.0"),
     (features_toml("name = 'a'"), "features.a: num_embeddings and embedding_dim must be positive"),
     (features_toml("name = 'a'\nnum_embeddings = 3\nhashing = 'xor'"),
-     "features.a.hashing must be one of ('modulo', 'none', 'managed'), got 'xor'"),
+     "features.a.hashing must be one of ('modulo', 'none', 'managed', 'log2'), got 'xor'"),
     (features_toml("name = 'a'\nnum_embeddings = 3\npooling = 'max'"),
      "features.a.pooling must be one of ('sum', 'mean'), got 'max'"),
     (features_toml("name = 'a'\nnum_embeddings = 3", "name = 'a'\nnum_embeddings = 3"),

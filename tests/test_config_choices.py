@@ -37,7 +37,7 @@ def test_the_towers_implement_the_choices_of_the_types():
     ("--model.rankmixer.norm=mid", "model.rankmixer.norm must be one of ('post', 'pre'), got 'mid'"),
     ("--embeddings.table_sharding.item=diagonal", "embeddings.table_sharding.item must be one of ('table_wise', "
      "'column_wise', 'table_column_wise', 'row_wise', 'table_row_wise'), got 'diagonal'"),
-    ("--features.item_id.hashing=xor", "features.item_id.hashing must be one of ('modulo', 'none', 'managed'), "
+    ("--features.item_id.hashing=xor", "features.item_id.hashing must be one of ('modulo', 'none', 'managed', 'log2'), "
      "got 'xor'"),
 ])
 def test_a_value_outside_its_type_is_one_error_naming_the_key(override, message):
@@ -96,5 +96,8 @@ def test_the_hashing_table_gives_the_reader_and_serving_the_same_rows():
             assert read.dtype == served.dtype == np.int64, name  # table rows, as FBGEMM takes them
             np.testing.assert_array_equal(read, served, err_msg=f"{name}, num_embeddings={n}")
         assert HASHINGS["modulo"].numpy(ids, n).tolist() == [int(u) % n for u in ids]
+        assert HASHINGS["log2"].numpy(ids, n).tolist() == [min(int(u).bit_length(), n - 1) for u in ids]
+    powers = np.array([0, 1, 2, 3, 4, 7, 8, 2 ** 53 - 1, 2 ** 53, 2 ** 62 - 1, 2 ** 62], dtype=np.uint64)
+    assert HASHINGS["log2"].numpy(powers, 100).tolist() == [0, 1, 2, 2, 3, 3, 4, 53, 54, 62, 63]
     small = np.arange(50, dtype=np.int32)
     assert HASHINGS["none"].numpy(small, 50).tolist() == small.tolist()

@@ -518,3 +518,34 @@ def test_a_null_inside_a_searched_field_is_refused_with_its_row():
     with pytest.raises(ValueError) as e:
         encoder(cfg).encode(rows, "part-3.parquet, row group 1")
     assert str(e.value) == f"part-3.parquet, row group 1, column 'history_genre': null id inside the list at row {row}"
+
+
+def test_a_dwell_time_side_field_is_read_as_its_power_of_two_bucket_by_the_reader_and_the_artifact():
+    """`hashing = "log2"`: each behaviour's dwell seconds -> min(bit_length, 23), kept with its
+    behaviour through the drops and the cut; the artifact buckets the raw values alike."""
+    cfg, _ = reference("target_attention", "mlp", True)
+    cfg.features.append(FeatureSpec(name="history_dwell", kind="sequence", side_of="history", hashing="log2",
+                                    num_embeddings=24, embedding_dim=8, max_len=4, group="context"))
+    validate_features(cfg.features)
+    torch.manual_seed(0)
+    layout, tower, heads = build_dense(cfg.model, cfg.features)
+    model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, tower, heads,
+                         sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features)),
+                         sequences=build_sequences(cfg.features, cfg.model.sequence)).eval()
+    rows = side_table()
+    rng = np.random.default_rng(5)
+    dwell = [None if h is None else [int(x) for x in rng.integers(0, 2 ** 30, len(h))]
+             for h in rows.column("history").to_pylist()]
+    rows = rows.append_column("history_dwell", pa.array(dwell, pa.list_(pa.int64())))
+    batch = encoder(cfg).encode(rows, "test").to_batch()
+    expected = [[min(v.bit_length(), 23) for v in vs] for vs in kept(rows, "history_dwell", True)]
+    assert [v.tolist() for v in batch.sequence_ids.to_dict()["history_dwell"].to_dense()] == expected
+    assert any(23 in vs for vs in expected) and any(0 < v < 23 for vs in expected for v in vs)
+    with torch.no_grad():
+        probs = torch.sigmoid(model(batch))
+        served = serving_model(cfg, model.state_dict(), step=7)
+        artifact = trace_model(served, example_inputs(served), "pt2").module()
+        torch.testing.assert_close(artifact(*raw_inputs(rows, cfg.features, "test", "now")), probs, atol=1e-6, rtol=0)
+        from test_trust_pt2 import check_export
+
+        check_export(cfg, served, "fp32")  # the bucketing's ops are within the pt2 allow lists

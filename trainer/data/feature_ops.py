@@ -115,10 +115,29 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+_POWERS = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))  # 2^0 .. 2^63
+
+
+def _log2(values: np.ndarray, num_embeddings: int) -> np.ndarray:
+    """Each v >= 0 (uint64 by value) -> min(bit_length(v), num_embeddings - 1): how many powers of
+    two are <= v, exact in integers (a float log2 rounds 2^k - 1 up to k past 2^53)."""
+    rows = np.searchsorted(_POWERS, values.astype(np.uint64, copy=False), side="right")
+    return np.minimum(rows, num_embeddings - 1).astype(np.int64)
+
+
+def _log2_ids(ids: torch.Tensor, num_embeddings: torch.Tensor) -> torch.Tensor:
+    """`_log2` of the unsigned values whose bit patterns `ids` holds: one below 0 is 2^63 or more,
+    all 64 powers."""
+    powers = torch.tensor(_POWERS[:63].astype(np.int64).tolist(), device=ids.device)  # int64's: 2^0 .. 2^62
+    rows = torch.where(ids < 0, 64, torch.searchsorted(powers, ids, right=True))
+    return torch.minimum(rows, num_embeddings - 1)
+
+
 HASHINGS: dict[Hashing, IdHashing] = {
     "modulo": IdHashing(_modulo, _modulo_ids),
     "none": IdHashing(lambda v, n: v.astype(np.int64, copy=False), lambda ids, n: ids, in_range=True),
     "managed": IdHashing(lambda v, n: spread(v), lambda ids, n: spread_ids(ids)),
+    "log2": IdHashing(_log2, _log2_ids),
 }
 
 

@@ -61,9 +61,9 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     hashes above 2^63 are reduced rather than wrapped to negative numbers. `lengths`
     (None: one id per row) turns a flat position into a row number for errors.
     `reduce=False`: the ids checked, not reduced."""
-    if spec.hashing == "managed" and reduce:
+    if spec.hashing in ("managed", "log2") and reduce:  # rows even for ids below num_embeddings
         _refuse_negative(values, lengths, spec, where)
-        return HASHINGS["managed"].numpy(values, spec.num_embeddings)
+        return HASHINGS[spec.hashing].numpy(values, spec.num_embeddings)
     # One pass for the common case, every id already valid: seen as unsigned, a negative id
     # is at least 2^(bits-1) (int8 -128 is 128, below num_embeddings=1000), so `max < bound`
     # rules out both errors and makes modulo a no-op.
