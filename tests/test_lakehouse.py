@@ -11,6 +11,7 @@ import pytest
 
 from tests.test_tables import Delta, Iceberg, log  # noqa: F401 - log is the module's fixture
 from trainer.data.lakehouse import Commit, DataFile, open_table
+from trainer.errors import DataUnavailableError
 
 
 def test_a_missing_table_or_snapshot_is_named(log, tmp_path):
@@ -106,6 +107,32 @@ def test_a_delta_tables_history_is_its_appends_its_compactions_and_what_removed_
     assert table.current() == 4 and len(list(table.commits())) == 5  # the versions read before are not read again
     with pytest.raises(ValueError, match=f"^delta:{path}: cannot load the table at version 9 \\(data.version\\): "):
         table.files(9)
+
+
+def test_a_commit_landing_after_the_tables_load_does_not_shift_its_historys_versions(tmp_path):
+    """A follower loads the table, then a writer commits before the history is read: deltalake
+    numbers its history down from the loaded version while reading the newest commit files, so
+    without a reload the append after a compaction read as that compaction's version (and the
+    run stopped on a compaction it took for a rewrite: tests/test_tables.py's follower, once in a while)."""
+    from deltalake import DeltaTable, write_deltalake
+
+    path = tmp_path / "clicks"
+    write_deltalake(path, pa.table({"x": [1, 2, 3]}))
+    table = open_table(f"delta:{path}", {})
+    assert [c.number for c in table.appends()] == [0]
+    write_deltalake(path, pa.table({"x": [4, 5]}), mode="append")
+    DeltaTable(path).optimize.compact()
+    table.refresh()  # loaded at the compaction, version 2
+    write_deltalake(path, pa.table({"x": [6]}), mode="append")  # version 3 lands before the history is read
+    assert [(c.number, c.operation) for c in table.commits()] == [(0, "WRITE"), (1, "WRITE"), (2, "OPTIMIZE"),
+                                                                  (3, "WRITE")]
+    assert [c.number for c in table.appends()] == [0, 1, 3] and table.current() == 3
+    write_deltalake(path, pa.table({"x": [7]}), mode="append")  # lands again before the one read allowed
+    with pytest.raises(DataUnavailableError) as e:
+        table._operations(attempts=1)
+    assert str(e.value) == (f"delta:{path}: commits kept landing while its history was read (1 reads); the next "
+                            "poll reads it again")
+    assert table.current() == 4 and table._operations(attempts=1)[4] == "WRITE"  # the newer version, read next
 
 
 # ----------------------------------------------------------------------------- Iceberg, in detail

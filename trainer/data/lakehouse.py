@@ -240,6 +240,21 @@ class DeltaLakeTable(Table):
     def current(self) -> int:
         return self.table.version()
 
+    def _operations(self, attempts: int = 20) -> dict[int, str]:
+        """Each version's operation (WRITE, OPTIMIZE, ...) up to the loaded one, which may move to a
+        newer one. deltalake numbers its history down from the version its table object was loaded
+        at, but reads the newest commit files in the log: a commit that landed since the load would
+        shift every label by one (an append read as the compaction before it). So the history is
+        read again at the newest version until no commit lands between the read and a reload."""
+        for _ in range(attempts):
+            history = self.table.history()
+            latest = self._load(None)
+            if latest.version() == self.table.version():
+                return {h["version"]: h.get("operation", "") for h in history}
+            self.table = latest
+        raise DataUnavailableError(f"{self.shown}: commits kept landing while its history was read "
+                                   f"({attempts} reads); the next poll reads it again")
+
     def _files_at(self, table) -> dict[str, DataFile]:
         """uri -> file of a loaded version, from its add actions (path, bytes, rows, deletion vector)."""
         actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()  # arro3 -> pyarrow, no copy
@@ -269,7 +284,7 @@ class DeltaLakeTable(Table):
     def commits(self) -> Iterator[Commit]:
         """Versions read once each: those since the last call are loaded one by one. Where the log
         was cleaned up, the oldest version left stands for everything before it."""
-        history = {h["version"]: h for h in self.table.history()}
+        history = self._operations()
         start = self._history[-1].number + 1 if self._history else min(history, default=0)
         for version in range(start, self.current() + 1):
             files = self._files_at(self._load(version))
@@ -278,7 +293,7 @@ class DeltaLakeTable(Table):
             removed = [f for uri, f in before.items() if uri not in files]
             # a deletion vector added to a file that stays: rows deleted, their number unknown here
             deleted = any(f.deletes != before[uri].deletes for uri, f in files.items() if uri in before)
-            operation = history.get(version, {}).get("operation", "")
+            operation = history.get(version, "")
             self._history.append(Commit(version, (version,), operation, tuple(_checked(self.shown, added)),
                                         -1 if deleted else sum(f.rows for f in removed), operation == "OPTIMIZE"))
             self._last = files
