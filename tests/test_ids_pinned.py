@@ -161,3 +161,18 @@ def test_narrow_integer_columns_keep_their_largest_value_and_refuse_their_most_n
     with pytest.raises(ValueError) as err:  # -128 read as unsigned is 128, below num_embeddings
         encode_ids(pa.array([5, -128], pa.int8()), spec, "w")
     assert str(err.value) == "w, column 'f': negative id -128 at row 1"
+
+
+def test_log2_buckets_every_value_even_those_below_the_tables_rows():
+    """hashing = "log2": each value v >= 0 -> min(bit_length(v), num_embeddings - 1), a value below
+    num_embeddings bucketed too (0, 1, 2-3, 4-7, ...); a negative one refused by its row."""
+    spec = FeatureSpec(name="dwell", kind="id_list", hashing="log2", num_embeddings=4, embedding_dim=8)
+    values, lengths = encode_ids(pa.array([[0, 1, 2, 3], [5, 100]], pa.list_(pa.int64())), spec, "f.parquet")
+    assert values.tolist() == [0, 1, 2, 2, 3, 3] and lengths.tolist() == [4, 2]
+    small, _ = encode_ids(pa.array([[0, 1, 2, 3]], pa.list_(pa.int64())), spec, "f.parquet")
+    assert small.tolist() == [0, 1, 2, 2]  # every value a row already: bucketed all the same
+    raw, _ = encode_ids(pa.array([[0, 1, 2, 3], [5, 100]], pa.list_(pa.int64())), spec, "f.parquet", reduce=False)
+    assert raw.tolist() == [0, 1, 2, 3, 5, 100]  # the artifact buckets them itself
+    with pytest.raises(ValueError) as e:
+        encode_ids(pa.array([[3], [1, -2]], pa.list_(pa.int64())), spec, "f.parquet")
+    assert str(e.value) == "f.parquet, column 'dwell': negative id -2 at row 1"

@@ -128,7 +128,7 @@ def _log2(values: np.ndarray, num_embeddings: int) -> np.ndarray:
 def _log2_ids(ids: torch.Tensor, num_embeddings: torch.Tensor) -> torch.Tensor:
     """`_log2` of the unsigned values whose bit patterns `ids` holds: one below 0 is 2^63 or more,
     all 64 powers."""
-    powers = torch.tensor(_POWERS[:63].astype(np.int64).tolist(), device=ids.device)  # int64's: 2^0 .. 2^62
+    powers = torch.tensor([1 << k for k in range(63)], device=ids.device)  # int64's: 2^0 .. 2^62
     rows = torch.where(ids < 0, 64, torch.searchsorted(powers, ids, right=True))
     return torch.minimum(rows, num_embeddings - 1)
 
