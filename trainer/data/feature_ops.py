@@ -56,6 +56,8 @@ class IdHashing:
     """Raw ids [N] int64 (uint64 ones by their bit pattern), num_embeddings per id [N] -> int64 [N], for serving."""
     in_range: bool = False
     """The ids must already be rows (below num_embeddings): the caller refuses any other."""
+    keeps_rows: bool = True
+    """An id already below num_embeddings is its own row, so a batch of such ids needs no hashing."""
 
 
 def _modulo(values: np.ndarray, num_embeddings: int) -> np.ndarray:
@@ -136,8 +138,8 @@ def _log2_ids(ids: torch.Tensor, num_embeddings: torch.Tensor) -> torch.Tensor:
 HASHINGS: dict[Hashing, IdHashing] = {
     "modulo": IdHashing(_modulo, _modulo_ids),
     "none": IdHashing(lambda v, n: v.astype(np.int64, copy=False), lambda ids, n: ids, in_range=True),
-    "managed": IdHashing(lambda v, n: spread(v), lambda ids, n: spread_ids(ids)),
-    "log2": IdHashing(_log2, _log2_ids),
+    "managed": IdHashing(lambda v, n: spread(v), lambda ids, n: spread_ids(ids), keeps_rows=False),
+    "log2": IdHashing(_log2, _log2_ids, keeps_rows=False),
 }
 
 

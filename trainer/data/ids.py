@@ -61,9 +61,10 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     hashes above 2^63 are reduced rather than wrapped to negative numbers. `lengths`
     (None: one id per row) turns a flat position into a row number for errors.
     `reduce=False`: the ids checked, not reduced."""
-    if spec.hashing in ("managed", "log2") and reduce:  # rows even for ids below num_embeddings
+    hashing = HASHINGS[spec.hashing]
+    if not hashing.keeps_rows and reduce:  # hashed even below num_embeddings: no shortcut
         _refuse_negative(values, lengths, spec, where)
-        return HASHINGS[spec.hashing].numpy(values, spec.num_embeddings)
+        return hashing.numpy(values, spec.num_embeddings)
     # One pass for the common case, every id already valid: seen as unsigned, a negative id
     # is at least 2^(bits-1) (int8 -128 is 128, below num_embeddings=1000), so `max < bound`
     # rules out both errors and makes modulo a no-op.
@@ -72,10 +73,10 @@ def _hash(values: np.ndarray, lengths: np.ndarray | None, spec: FeatureSpec, whe
     if not values.size or int(values.view(values.dtype.str.replace("i", "u")).max()) < bound:
         return values.astype(np.int64, copy=False)
     _refuse_negative(values, lengths, spec, where)
-    if spec.hashing != "none":  # modulo, or managed ids left raw
+    if not hashing.in_range:  # modulo, or the ids of the other modes left raw
         if not reduce:
             return values.view(np.int64) if values.dtype == np.uint64 else values.astype(np.int64)
-        return HASHINGS[spec.hashing].numpy(values, spec.num_embeddings)
+        return hashing.numpy(values, spec.num_embeddings)
     i = np.flatnonzero(values >= spec.num_embeddings)[0]  # the fast check above found one
     raise ValueError(f"{where}, column {spec.column!r}: id {values[i]} at row "
                      f"{_row_of(i, lengths)} is out of range for num_embeddings="
