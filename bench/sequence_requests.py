@@ -63,7 +63,7 @@ def build(module: str, length: int, requests: int, candidates: int, tower: str, 
     model = RankingModel(EmbeddingBagCollection(tables=table_configs(cfg.features)), layout, dense, heads,
                          sequence_tables=EmbeddingCollection(tables=unpooled) if unpooled else None,
                          sequences=build_sequences(cfg.features, cfg.model.sequence),
-                         shared_bags=shared_bags(cfg.features) if once else ())
+                         shared_bags=shared_bags(cfg.features))
     rng = np.random.default_rng(0)
     rows = requests * candidates
     of = np.repeat(np.arange(requests), candidates)  # each row's request

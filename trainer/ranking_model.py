@@ -16,7 +16,7 @@ from dense.heads import TaskHeads, build_dense
 from dense.layout import InputLayout
 from dense.sequence import SequenceInputs, build_sequences
 from embeddings.decay import decay_lookups
-from embeddings.features import shared_sequences, unpooled_features
+from embeddings.features import FeatureSpec, shared_sequences, unpooled_features
 from embeddings.init import init_embeddings
 from embeddings.managed import build_managed_bags, build_managed_sequences
 from embeddings.sharding import shard_model
@@ -110,8 +110,9 @@ class RankingModel(nn.Module):
         return pooled
 
 
-def shared_bags(features: list) -> tuple[str, ...]:
-    """The pooled sequences (bags of the EmbeddingBagCollection, managed or not) a request's rows share."""
+def shared_bags(features: list[FeatureSpec]) -> tuple[str, ...]:
+    """The pooled sequences (bags of the EmbeddingBagCollection, managed or not) a request's rows share:
+    read from the holder row where a batch has requests (data.request_column)."""
     unpooled = {f.name for f in unpooled_features(features)}
     return tuple(f.name for f in shared_sequences(features) if f.name not in unpooled)
 
@@ -128,7 +129,7 @@ def build_model(cfg: Config, autocast_dtype: torch.dtype | None = None, device_t
                         sequences=build_sequences(cfg.features, cfg.model.sequence),
                         managed_sequence_tables=build_managed_sequences(cfg.features, cfg.embeddings, buckets=world),
                         embedding_decay=cfg.embeddings.weight_decay,
-                        shared_bags=shared_bags(cfg.features) if cfg.data.request_column else ())
+                        shared_bags=shared_bags(cfg.features))
 
 
 def build_sharded_model(cfg: Config, device: torch.device, batch_size: int,

@@ -12,7 +12,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from trainer.data.ids import bag_positions
-from trainer.data.requests import holders
+from trainer.data.requests import holders, keep_held
 
 
 @dataclass
@@ -310,8 +310,8 @@ def _jagged(parts: list[Part], features: range,
     for row, s in zip(lengths, features):
         pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
         if holding is not None and s in holding[1]:
-            pieces = [np.concatenate(pieces)[np.repeat(holding[0], row)]]
-            row *= holding[0]
+            held, row[...] = keep_held(np.concatenate(pieces), row, holding[0])
+            pieces = [held]
         ids += pieces
         per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values

@@ -120,6 +120,12 @@ def holders(requests: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return is_holder, first[order], rank[inverse]
 
 
+def keep_held(values: np.ndarray, lengths: np.ndarray, is_holder: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's (values, lengths [rows]) with the lists of the holder rows (`is_holder` [rows])
+    alone, every other row's left empty: a shared sequence as a batch or an artifact receives it."""
+    return values[np.repeat(is_holder, lengths)], lengths * is_holder
+
+
 def grouped_permutation(rng: np.random.Generator, requests: np.ndarray) -> np.ndarray:
     """A shuffle of rows that keeps each request's rows together, in their order: the requests in a
     random order, `rng`'s."""

@@ -12,7 +12,7 @@ from embeddings.features import FeatureSpec, shared_sequences
 from trainer.data.batch import Batch
 from trainer.data.encode import RowEncoder, raw_numeric
 from trainer.data.ids import encode_ids
-from trainer.data.requests import check_shared, holders, request_rows
+from trainer.data.requests import check_shared, holders, keep_held, request_rows
 from trainer.data.side_fields import check_aligned, list_lengths
 from trainer.data.timestamps import TimeGaps
 from trainer.serving.export import load
@@ -57,6 +57,7 @@ def raw_inputs(table: pa.Table, features: list[FeatureSpec], where: str, time_co
     check_aligned(table, features, where)
     first = request_rows(table, request_column, where)[1] if request_column else None
     shared = {f.name for f in shared_sequences(features)} if request_column else set()
+    requests = holders(first) if request_column else None  # (is_holder [B], holders [R], request [B])
     ids, lengths = [], []
     for f in features:
         if f.kind == "numeric":
@@ -64,7 +65,8 @@ def raw_inputs(table: pa.Table, features: list[FeatureSpec], where: str, time_co
         values, n = encode_ids(table.column(f.column), f, where, reduce=False)
         n = np.ones(rows, np.int64) if n is None else n
         if f.name in shared:
-            values, n = _held(values, n, first, table, where, f.column, request_column)
+            check_shared(np.r_[0, np.cumsum(n)], values, first, table, where, f.column, request_column)
+            values, n = keep_held(values, n, requests[0])
         ids.append(values)
         lengths.append(n)
     numeric = [raw_numeric(table.column(f.column), f, where) for f in features if f.kind == "numeric"]
@@ -76,27 +78,19 @@ def raw_inputs(table: pa.Table, features: list[FeatureSpec], where: str, time_co
         gaps.check(table, where)  # the reader's checks: aligned lengths, no null
         stamps = []
         now = table.column(time_column).to_numpy().astype(np.int64)
+        if any(f.name in shared for f in gaps.features):  # one request, one time: the same gaps in all its rows
+            check_shared(None, now, first, table, where, time_column, request_column)
         for f in gaps.features:
             values = pc.list_flatten(table.column(f.timestamps)).to_numpy(zero_copy_only=False).astype(np.int64)
-            if f.name in shared:  # one request, one time: each behaviour's gap is the same in all its rows
-                check_shared(None, now, first, table, where, time_column, request_column)
-                values = _held(values, list_lengths(table.column(f.timestamps)), first, table, where, f.timestamps,
-                               request_column)[0]
+            if f.name in shared:
+                n = list_lengths(table.column(f.timestamps))
+                check_shared(np.r_[0, np.cumsum(n)], values, first, table, where, f.timestamps, request_column)
+                values = keep_held(values, n, requests[0])[0]
             stamps.append(values)
         inputs += (torch.from_numpy(np.concatenate(stamps)), torch.from_numpy(now))
-    if first is None:
+    if requests is None:
         return inputs
-    is_holder, holder_rows, index = holders(first)
-    return (*inputs, torch.from_numpy(holder_rows), torch.from_numpy(index))
-
-
-def _held(values: np.ndarray, lengths: np.ndarray, first: np.ndarray, table: pa.Table, where: str, column: str,
-          request_column: str) -> tuple[np.ndarray, np.ndarray]:
-    """A shared list column's (values, lengths [rows]) kept at each request's first row only, after
-    checking that the request's other rows hold the same list."""
-    check_shared(np.r_[0, np.cumsum(lengths)], values, first, table, where, column, request_column)
-    holder = first == np.arange(first.size)
-    return values[np.repeat(holder, lengths)], lengths * holder
+    return (*inputs, torch.from_numpy(requests[1]), torch.from_numpy(requests[2]))
 
 
 def _message(e: Exception) -> str:
