@@ -1,6 +1,6 @@
 """Sequence modules: a user's behaviours, looked up unpooled, read against the candidate.
 
-    target_attention  a_m = MLP([b_m, v, b_m * v, b_m - v, t_m]),  alpha = softmax_m(a)  (masked, fp32),
+    target_attention  a_m = MLP([b_m, v, b_m * v, b_m - v, t_m]) (+ c_t(m)),  alpha = softmax_m(a)  (masked, fp32),
                       e_s = sum_m alpha_m b_m                       (RankMixer's seeds §2.3; DIN)
     transformer       self-attention blocks over b_m + position + time, then target attention (BST, LONGER)
 
@@ -29,6 +29,7 @@ from embeddings.features import (
     side_fields,
     unpooled_features,
 )
+from embeddings.hooks import ScaledLearningRate
 
 _MIN = torch.finfo(torch.float32).min  # a masked score: exp(min - max) is exactly 0 beside any real one
 
@@ -142,6 +143,23 @@ class _WeightedSum(torch.autograd.Function):
         return torch.matmul(values, grad.transpose(1, 2)).to(weights.dtype), into_values
 
 
+class GapBias(nn.Module, ScaledLearningRate):
+    """gap buckets [B, L] int64 -> [B, L, k]: a learned bias c_t per time-gap bucket and weighting,
+    added to target attention's scores (HSTU's time bias, on the candidate's row). It reads
+    recency straight into the weights, where the scorer's MLP must learn it through a hidden
+    layer. It starts at zero (the scores as without it) and trains at `lr_mult` x the dense
+    rate: it is a table of one scalar per bucket, not a layer, and at the dense rate it barely
+    moves before a small log's early stop (docs/results.md, "Side fields on MovieLens")."""
+
+    def __init__(self, buckets: int, tokens: int, lr_mult: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(buckets, tokens))
+        self.lr_mult = lr_mult
+
+    def forward(self, gaps: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(gaps, self.weight)
+
+
 class TargetAttention(nn.Module):
     """behaviours [B, L, D], mask [B, L], candidate [B, D], gap buckets [B, L] int64 (or None)
     -> [B, k, D]: k weightings, one score column each, of the real behaviours' values.
@@ -149,15 +167,18 @@ class TargetAttention(nn.Module):
     A behaviour's value is its vector plus, with gaps, an embedding of its gap (`time_value`):
     what is summed then says how old the matches are, not only the score. `weights`: softmax
     over the behaviours (the weights sum to 1: how many match is lost), or sigmoid, each
-    behaviour's weight on its own (DIN's unnormalised weights: the sum keeps the intensity)."""
+    behaviour's weight on its own (DIN's unnormalised weights: the sum keeps the intensity).
+    `time_bias` > 0, with gaps: a `GapBias` on the scores, trained at that multiple of the dense rate
+    (model.sequence.target_attention.time_bias_lr_mult; 0: none)."""
 
     def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None,
-                 weights: str = "softmax", time_value: bool = False):
+                 weights: str = "softmax", time_value: bool = False, time_bias: float = 0.0):
         super().__init__()
         assert weights in ("softmax", "sigmoid"), weights
         self.time = nn.Embedding(*time) if time else None
         # at zero: the values start as the behaviours' vectors, as without it
         self.time_value = nn.Embedding(time[0], dim, _weight=torch.zeros(time[0], dim)) if time and time_value else None
+        self.time_bias = GapBias(time[0], tokens, time_bias) if time and time_bias else None
         self.softmax = weights == "softmax"
         width = 4 * dim + (time[1] if time else 0)
         layers = []
@@ -181,6 +202,8 @@ class TargetAttention(nn.Module):
             x = layer(x)
         last = self.rest[-1]
         x = _Scores.apply(x, last.weight, last.bias) if torch.is_grad_enabled() else last(x)
+        if self.time_bias is not None:
+            x = x + self.time_bias(gaps).to(x.dtype)
         if self.softmax:
             weights = masked_softmax(x, mask.unsqueeze(-1), dim=1)  # [B, L, k]
         else:
@@ -255,7 +278,8 @@ class SequenceTransformer(nn.Module):
 
     The position, time and candidate embeddings start at `init_std`, the scale of the sequence's
     table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn).
-    `time_bias` (with gaps) adds each block's relative time bias to its attention scores.
+    `time_bias` (with gaps) adds each block's relative time bias to its attention scores;
+    `target_time_bias` is the target attention's (`TargetAttention.time_bias`).
 
     `in_sequence` False: the candidate is not a token of the blocks, only the query of the target
     attention after them (the query of the last block): the blocks then read the history alone,
@@ -263,7 +287,7 @@ class SequenceTransformer(nn.Module):
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
                  hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
-                 time_value: bool, time_bias: bool, in_sequence: bool = True):
+                 time_value: bool, time_bias: bool, in_sequence: bool = True, target_time_bias: float = 0.0):
         super().__init__()
         self.in_sequence = in_sequence
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
@@ -276,7 +300,7 @@ class SequenceTransformer(nn.Module):
         self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio, time[0] if self.relative_time else 0)
                                     for _ in range(layers))
         self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
-        self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value)
+        self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value, target_time_bias)
         self.max_len = max_len
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,

@@ -43,12 +43,18 @@ class TargetAttentionConfig:
      """unnormalised as in DIN: the sum keeps how many match).""")
     time_value: bool = True
     """With timestamps: add an embedding of each behaviour's time gap to the value summed, not only to its score."""
+    time_bias: bool = False
+    ("""With timestamps: a learned bias per gap bucket added to each behaviour's score (recency read straight """
+     """into the weights, HSTU's time bias).""")
+    time_bias_lr_mult: float = 30.0
+    """The time bias's learning rate as a multiple of optim.lr (one scalar per bucket: a table, not a layer)."""
 
     def validate(self) -> None:
         if not self.hidden:  # the scorer's last Linear reads the last hidden layer
             raise ValueError("model.sequence.target_attention.hidden must name at least one width (the scorer's "
                              "hidden layers), got []")
         _positive(self, self.key, "hidden")
+        _positive(self, self.key, "time_bias_lr_mult")
 
 
 @dataclass
@@ -87,7 +93,8 @@ def _build_target_attention(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
 
     t = cfg.target_attention
     return TargetAttention(f.embedding_dim, f.sequence_tokens, t.hidden,
-                           (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, t.weights, t.time_value)
+                           (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, t.weights, t.time_value,
+                           t.time_bias_lr_mult if t.time_bias else 0.0)
 
 
 @register_sequence("transformer", TransformerConfig)
@@ -95,13 +102,14 @@ def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     from dense.sequence import SequenceTransformer  # on use: torch
 
     t, target = cfg.transformer, cfg.target_attention
+    target_bias = target.time_bias_lr_mult if target.time_bias else 0.0
     # the table's scale: TorchRec's init draws rows uniformly in +-1/sqrt(rows) (embeddings/init.py)
     table_std = 1 / math.sqrt(3 * f.num_embeddings)
     return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
                                t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
                                (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
                                weights=target.weights, time_value=target.time_value, time_bias=t.time_bias,
-                               in_sequence=t.candidate == "in_sequence")
+                               in_sequence=t.candidate == "in_sequence", target_time_bias=target_bias)
 
 
 @dataclass

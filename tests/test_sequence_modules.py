@@ -100,6 +100,26 @@ def test_each_builder_reads_its_table_and_the_features_shape():
         assert not module.softmax and module.time_value is None
     cfg.transformer.width = 0  # the table's width
     assert isinstance(SEQUENCE_MODULES.get("transformer")(cfg, features[3]).inp, nn.Identity)
+    assert target.time_bias is None and transformer.target.time_bias is None  # the default: none
+    cfg.target_attention.time_bias, cfg.target_attention.time_bias_lr_mult = True, 30.0
+    for module in (SEQUENCE_MODULES.get("target_attention")(cfg, features[3]),
+                   SEQUENCE_MODULES.get("transformer")(cfg, features[3]).target):
+        assert module.time_bias.weight.shape == (5, 2) and module.time_bias.lr_mult == 30.0
+        assert not module.time_bias.weight.any()
+    untimed = schema("target_attention", tokens=2)[3]  # no gaps, so no bias to read them
+    assert SEQUENCE_MODULES.get("target_attention")(cfg, untimed).time_bias is None
+
+
+def test_the_time_bias_trains_at_its_multiple_of_the_dense_rate():
+    from trainer.optimizer import param_groups
+
+    cfg = SequenceConfig()
+    cfg.target_attention.time_bias, cfg.target_attention.time_bias_lr_mult = True, 30.0
+    module = SEQUENCE_MODULES.get("target_attention")(cfg, schema("target_attention", timestamps="ts")[3])
+    groups = param_groups(module, list(module.parameters()), 0.002)
+    assert [g["lr"] for g in groups] == [0.002, pytest.approx(0.06)]
+    assert [id(p) for p in groups[1]["params"]] == [id(module.time_bias.weight)]
+    assert len(groups[0]["params"]) == len(list(module.parameters())) - 1
 
 
 def test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_table():
@@ -124,6 +144,8 @@ def test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_tab
      "model.sequence.target_attention.hidden must be positive, got [16, 0]"),
     ({"target_attention": TargetAttentionConfig(hidden=[])},
      "model.sequence.target_attention.hidden must name at least one width (the scorer's hidden layers), got []"),
+    ({"target_attention": TargetAttentionConfig(time_bias_lr_mult=0.0)},
+     "model.sequence.target_attention.time_bias_lr_mult must be positive, got 0.0"),
     ({"transformer": TransformerConfig(layers=0)}, "model.sequence.transformer.layers must be positive, got 0"),
     ({"transformer": TransformerConfig(heads=0)}, "model.sequence.transformer.heads must be positive, got 0"),
     ({"transformer": TransformerConfig(ffn_ratio=-1)}, "model.sequence.transformer.ffn_ratio must be positive, got -1"),
@@ -143,7 +165,7 @@ def test_the_checks_pass_at_their_limits_and_reach_the_config_loader(tmp_path):
     from trainer.config_loader import load_config
 
     cfg = dataclasses.replace(SequenceConfig(), time_buckets=2, time_dim=1,
-                              target_attention=TargetAttentionConfig(hidden=[1]),
+                              target_attention=TargetAttentionConfig(hidden=[1], time_bias_lr_mult=1e-3),
                               transformer=TransformerConfig(layers=1, heads=1, width=0, ffn_ratio=1))
     cfg.validate()
     TransformerConfig(heads=2, width=4).validate()  # divisible

@@ -30,6 +30,8 @@ def target_reference(target: TargetAttention, b: torch.Tensor, v: torch.Tensor, 
     x = torch.cat([b, v.expand_as(b), b * v, b - v, t], dim=1)
     first, last = target.first, target.rest[-1]
     scores = torch.relu(x @ first.weight.t() + first.bias) @ last.weight.t() + last.bias  # [n, k]
+    if target.time_bias is not None:  # one scalar per gap bucket and weighting
+        scores = scores + torch.stack([target.time_bias.weight[g] for g in gaps.tolist()])
     weights = torch.softmax(scores, dim=0) if target.softmax else 1 / (1 + torch.exp(-scores))
     values = b + target.time_value.weight[gaps] if target.time_value is not None else b
     return weights.t() @ values
@@ -80,11 +82,11 @@ def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(wi
     tokens, rows = 2, [3, 1, 6, 0, 2]
     module = SequenceTransformer(D, tokens, max_len=6, layers=layers, heads=2, width=width, ffn_ratio=2,
                                  hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value,
-                                 time_bias=time_bias)
+                                 time_bias=time_bias, target_time_bias=30.0 if time_bias else 0.0)
     if time_value:  # it starts at zero, the values as without it: here they differ
         nn.init.normal_(module.target.time_value.weight)
-    for block in module.blocks if time_bias else ():  # as do the biases
-        nn.init.normal_(block.time_bias)
+    for bias in [*(b.time_bias for b in module.blocks), module.target.time_bias.weight] if time_bias else ():
+        nn.init.normal_(bias)  # as do the biases, the blocks' and the target attention's
     seqs, gaps = jagged(rows), jagged(rows, width=None, seed=3)
     values = seqs.values().clone().requires_grad_()
     gap_values = torch.randint(0, TIME[0], gaps.values().shape, generator=torch.Generator().manual_seed(4))
@@ -124,9 +126,11 @@ def test_target_attention_without_gradients_is_the_same_function(tokens, hidden,
     x, mask = pad(seqs.values(), seqs.offsets(), 5)
     cand = torch.randn(4, D)
     for time in (TIME, None):
-        module = TargetAttention(D, tokens, hidden, time, weights, time_value=time is not None)
+        module = TargetAttention(D, tokens, hidden, time, weights, time_value=time is not None,
+                                 time_bias=30.0 if time else 0.0)
         if time:
             nn.init.normal_(module.time_value.weight)
+            nn.init.normal_(module.time_bias.weight)
         trained = module(x, mask, cand, gaps if time else None)
         with torch.no_grad():
             evaluated = module(x, mask, cand, gaps if time else None)
@@ -211,6 +215,34 @@ def test_the_time_value_starts_at_zero_the_values_as_without_it(weights):
     without = TargetAttention(D, 2, [16], TIME, weights, time_value=False)
     without.load_state_dict({k: v for k, v in with_values.state_dict().items() if not k.startswith("time_value.")})
     assert torch.equal(with_values(x, mask, cand, gaps), without(x, mask, cand, gaps))
+
+
+@pytest.mark.parametrize("weights", ["softmax", "sigmoid"])
+def test_the_time_bias_starts_at_zero_and_then_weighs_by_the_gap_alone(weights):
+    """A new module with a time bias gives what the same module without it gives; set, the bias
+    of a gap bucket moves the weight of exactly the behaviours in that bucket, whatever they are."""
+    torch.manual_seed(0)
+    rows = [3, 1, 5]
+    seqs = jagged(rows)
+    x, mask = pad(seqs.values(), seqs.offsets(), 5)
+    gaps = torch.tensor([[3, 7, 3, 0, 0], [7, 0, 0, 0, 0], [1, 3, 7, 7, 9]])
+    cand = torch.randn(3, D)
+    biased = TargetAttention(D, 1, [16], TIME, weights, time_value=False, time_bias=30.0)
+    plain = TargetAttention(D, 1, [16], TIME, weights, time_value=False)
+    plain.load_state_dict({k: v for k, v in biased.state_dict().items() if not k.startswith("time_bias.")})
+    assert torch.equal(biased(x, mask, cand, gaps), plain(x, mask, cand, gaps))
+    with torch.no_grad():
+        biased.time_bias.weight[7] = 50.0  # bucket 7 takes all of softmax's weight; sigmoid's is 1 there
+        out = biased(x, mask, cand, gaps)
+    in_seven = (gaps == 7) & mask
+    scores = plain.score(torch.cat([x, cand.unsqueeze(1).expand_as(x), x * cand.unsqueeze(1),
+                                    x - cand.unsqueeze(1), plain.time(gaps)], dim=-1)).squeeze(-1)
+    if weights == "softmax":  # bucket 7's behaviours share all the weight, by their own scores
+        w = torch.softmax(scores.masked_fill(~in_seven, -math.inf), dim=1)
+    else:  # they weigh 1; the others keep their own sigmoid weights
+        w = torch.where(in_seven, 1.0, torch.sigmoid(scores) * mask)
+    expected = (w.unsqueeze(-1) * x).sum(1)
+    torch.testing.assert_close(out.squeeze(1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_time_bias_starts_at_zero_and_then_reads_each_pairs_gaps():
