@@ -282,3 +282,57 @@ def test_request_bench_prints_each_modules_row_once_a_row_and_once_a_request_the
     for line, module in zip(lines[9:], ("pool", "target_attention", "transformer")):
         assert re.fullmatch(rf"{module} at M=50: once a request over once a row: training \d+\.\d\dx, serving "
                             r"\d+\.\d\dx", line), line
+
+
+def _ml_ceiling():
+    spec = importlib.util.spec_from_file_location("ml_ceiling", REPO / "bench" / "ml_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ml_ceiling_features_are_each_rows_history_read_by_hand():
+    """The recent windows' and the candidate genre's mean stars, less the user's mean; a row with
+    no history gets the middle of the stars and zeros; older() keeps the oldest rows by time."""
+    ceiling = _ml_ceiling()
+    rows = {"item_id": ceiling.np.array([1, 0, 2]), "item_genre": ceiling.np.array([7, 3, 3]),
+            "timestamp": ceiling.np.array([30, 10, 20]), "label": ceiling.np.array([1, 0, 1]),
+            "hist_ratings": [[1, 5, 4, 2, 5, 3, 4, 4, 1, 2, 5, 3], [], [2]],
+            "hist_genres": [[7] * 6 + [3] * 6, [], [3]]}
+    x = ceiling.features(rows, ceiling.np.array([0.1, 0.2, 0.3]))
+    stars = [1, 5, 4, 2, 5, 3, 4, 4, 1, 2, 5, 3]
+    mean = sum(stars) / 12
+    expected = [mean, ceiling.np.log1p(12), 0.2, 3 - mean, (2 + 5 + 3) / 3 - mean, (4 + 1 + 2 + 5 + 3) / 5 - mean,
+                sum(stars[-10:]) / 10 - mean, (1 + 5 + 4 + 2 + 5 + 3) / 6 - mean]
+    assert x[0] == pytest.approx(expected)
+    assert list(x[1]) == [3.5, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert x[2] == pytest.approx([2.0, ceiling.np.log1p(1), 0.3, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert list(ceiling.older(rows, 2 / 3)["timestamp"]) == [10, 20]
+    assert ceiling.auc(ceiling.np.array([0, 1, 0, 1]), ceiling.np.array([0.1, 0.4, 0.5, 0.8])) == 0.75
+
+
+def test_ml_ceiling_prints_a_row_per_feature_on_a_converted_log(tmp_path):
+    """On a small log in the converter's columns whose label follows the newest rating: the table
+    has the base row and one per feature, and the newest rating's row scores above the base's."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3000), ("valid", 1000)):
+        stars = [list(rng.integers(1, 6, size=rng.integers(1, 12))) for _ in range(n)]
+        label = [int(s[-1] >= 4) if rng.random() < 0.8 else int(rng.random() < 0.5) for s in stars]
+        (tmp_path / split).mkdir()
+        pq.write_table(pa.table({
+            "item_id": rng.integers(0, 50, n), "item_genre": rng.integers(0, 5, n), "timestamp": np.arange(n),
+            "label": label, "hist_ratings": stars, "hist_genres": [list(rng.integers(0, 5, len(s))) for s in stars]}),
+            tmp_path / split / "part-0.parquet")
+    proc = subprocess.run([sys.executable, "bench/ml_ceiling.py", "--data", str(tmp_path)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "2400 training rows, 1000 test rows"
+    rows = {r[0]: float(r[1]) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[3:])}
+    assert list(rows) == ["mean stars, log1p(count), item click rate", *(f"+ newest {k}'s mean stars - the user's"
+                          for k in (1, 3, 5, 10)), "+ the candidate genre's mean stars - the user's"]
+    assert rows["+ newest 1's mean stars - the user's"] > rows["mean stars, log1p(count), item click rate"] + 0.05

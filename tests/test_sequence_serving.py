@@ -55,7 +55,8 @@ def reference(module: str, tower: str, timestamps: bool, options: tuple[str, ...
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("module,tower,timestamps,options", [
-    ("target_attention", "rankmixer", True, ()), ("transformer", "mlp", False, ()),
+    ("target_attention", "rankmixer", True, ("--model.sequence.target_attention.time_bias=true",)),
+    ("transformer", "mlp", False, ()),
     ("target_attention", "dcnv2", False, ()),
     ("transformer", "rankmixer", True, ("--model.sequence.target_attention.weights=sigmoid",
                                         "--model.sequence.target_attention.time_value=true")),
@@ -127,10 +128,10 @@ def test_int8_tables_serve_attended_sequences_near_fp32(fmt):
 
 
 @pytest.mark.parametrize("module,tables,options", [
-    ("target_attention", "int8", ()), ("transformer", "fp32", ()),
+    ("target_attention", "int8", ("--model.sequence.target_attention.time_bias=true",)), ("transformer", "fp32", ()),
     ("transformer", "fp32", ("--model.sequence.transformer.time_bias=true",))])
 def test_an_attended_sequences_export_is_within_the_pt2_allow_lists(module, tables, options):
-    """Every op of the padding, the time buckets and both modules (the relative time bias too) is
+    """Every op of the padding, the time buckets and both modules (the time biases too) is
     in PT2_OPS, so that `rankmix score --model` loads the artifact (trainer/serving/safe_pt2.py)."""
     import fbgemm_gpu  # noqa: F401  registers the ops of TorchRec's quantized tables
 

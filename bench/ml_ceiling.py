@@ -1,0 +1,113 @@
+"""What MovieLens's behaviour history holds beyond its mean: logistic regressions on a few
+hand-made features of each row's past ratings, trained on the older 80% of the training rows
+(in time, as `data.split = "time"` with `split_at = 0.8`) and scored on the converter's test
+rows. docs/results.md, "The time bias: recency in the weights".
+
+    .venv/bin/python bench/ml_ceiling.py [--data .cache/data/movielens-100k-v3]
+
+Every model has the base features: the user's mean past stars, log(1 + how many) and the
+candidate item's click rate in the training rows (smoothed towards the mean by 10 rows). Each
+further row adds one feature: the newest k ratings' mean stars less the user's mean, or the mean
+stars of the behaviours of the candidate's genre less the user's mean. numpy, pyarrow and torch
+(for L-BFGS) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+BASE = ["mean stars", "log1p(count)", "item click rate"]
+RECENT = (1, 3, 5, 10)
+NO_HISTORY = 3.5  # a row with no past rating: the middle of the stars
+
+
+def load(path: str) -> dict:
+    """The columns this needs, as numpy arrays and lists of lists."""
+    table = pq.read_table(path, columns=["item_id", "item_genre", "hist_ratings", "hist_genres", "timestamp", "label"])
+    return {"item_id": table["item_id"].to_numpy(), "item_genre": table["item_genre"].to_numpy(),
+            "timestamp": table["timestamp"].to_numpy(), "label": pc.cast(table["label"], "int64").to_numpy(),
+            "hist_ratings": table["hist_ratings"].to_pylist(), "hist_genres": table["hist_genres"].to_pylist()}
+
+
+def older(rows: dict, fraction: float) -> dict:
+    """The oldest `fraction` of `rows` by timestamp (ties kept in file order)."""
+    keep = np.argsort(rows["timestamp"], kind="stable")[:int(len(rows["label"]) * fraction)]
+    return {k: v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep] for k, v in rows.items()}
+
+
+def features(rows: dict, click_rate: np.ndarray) -> np.ndarray:
+    """[N, 3 + len(RECENT) + 1]: BASE, then each RECENT window's mean less the user's, then the
+    candidate's genre's mean less the user's (0 where the history has none of it)."""
+    out = []
+    for item, genre, stars, genres in zip(rows["item_id"], rows["item_genre"], rows["hist_ratings"],
+                                          rows["hist_genres"]):
+        stars, genres = np.asarray(stars, dtype=np.float64), np.asarray(genres)
+        mean = stars.mean() if len(stars) else NO_HISTORY
+        recent = [stars[-k:].mean() - mean if len(stars) else 0.0 for k in RECENT]
+        same = genres == genre
+        out.append([mean, np.log1p(len(stars)), click_rate[item], *recent,
+                    stars[same].mean() - mean if same.any() else 0.0])
+    return np.asarray(out)
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Mann-Whitney AUC (ties broken by order: the scores here are continuous)."""
+    ranks = np.empty(len(scores))
+    ranks[np.argsort(scores, kind="stable")] = np.arange(1, len(scores) + 1)
+    pos = int(labels.sum())
+    neg = len(labels) - pos
+    return float((ranks[labels == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def fit_auc(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> float:
+    """A logistic regression fitted by L-BFGS on standardised features; its test AUC."""
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-9
+    x = torch.tensor((x_train - mu) / sd)
+    y = torch.tensor(y_train, dtype=torch.float64)
+    linear = torch.nn.Linear(x.shape[1], 1).double()
+    opt = torch.optim.LBFGS(linear.parameters(), max_iter=200)
+
+    def loss():
+        opt.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(linear(x).squeeze(1), y)
+        value.backward()
+        return value
+    opt.step(loss)
+    with torch.no_grad():
+        scores = linear(torch.tensor((x_test - mu) / sd)).squeeze(1).numpy()
+    return auc(y_test, scores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=".cache/data/movielens-100k-v3",
+                   help="the converter's output: train/ and valid/ (rankmix data movielens)")
+    p.add_argument("--split-at", type=float, default=0.8, help="the training rows' older fraction kept")
+    args = p.parse_args(argv)
+    train, test = older(load(f"{args.data}/train"), args.split_at), load(f"{args.data}/valid")
+    items = int(max(train["item_id"].max(), test["item_id"].max())) + 1
+    prior = train["label"].mean()
+    seen = np.bincount(train["item_id"], minlength=items)
+    clicked = np.bincount(train["item_id"], weights=train["label"], minlength=items)
+    click_rate = (clicked + 10 * prior) / (seen + 10)
+    x_train, x_test = features(train, click_rate), features(test, click_rate)
+    names = [*(f"newest {k}'s mean stars - the user's" for k in RECENT),
+             "the candidate genre's mean stars - the user's"]
+    base = list(range(len(BASE)))
+    print(f"{len(train['label'])} training rows, {len(test['label'])} test rows")
+    print("| features | test AUC |\n|---|---|")
+    print(f"| {', '.join(BASE)} | {fit_auc(x_train[:, base], train['label'], x_test[:, base], test['label']):.4f} |")
+    for i, name in enumerate(names):
+        cols = [*base, len(BASE) + i]
+        print(f"| + {name} | {fit_auc(x_train[:, cols], train['label'], x_test[:, cols], test['label']):.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
