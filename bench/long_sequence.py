@@ -7,8 +7,9 @@ and the module reads the K most similar to the query.
 Each M runs in a process of its own (peak RSS is per process): B rows as one Parquet row group
 in memory, the reader's encoding of it (the check of every time, the search, the cut: on the host,
 in the reader's thread during training) and a training step (forward + backward, unsharded tables
-on the CPU, as bench/sequence.py) on what it kept. Medians over --steps after two warm-ups. The
-last line is the goal: the step plus the encoding at 10,000 over 1,000 (goal <= 2); memory grows
+on the CPU, as bench/sequence.py) on what it kept, and that step's lookup alone (forward, no
+gradient: what any search inside the step must at least pay). Medians over --steps after two
+warm-ups. The last line is the goal: the step plus the encoding at 10,000 over 1,000 (goal <= 2); memory grows
 with M only in the row group and the reader's flat arrays (`input MB`: ids, genres, times).
 
     .venv/bin/python bench/long_sequence.py                     # B 512, M 1000,10000, K 256
@@ -79,12 +80,20 @@ def build(length: int, rows: int, k: int, tower: str, search: str):
 def child(length: int, rows: int, k: int, steps: int, tower: str, search: str) -> dict:
     import resource
 
+    import torch
+
     model, table, encoder = build(length, rows, k, tower, search)
     encode_s = timed(lambda: encoder.encode(table, "bench"), steps)
     batch = encoder.encode(table, "bench").to_batch()
     step_s = timed(training_step(model, batch), steps)
+
+    def lookup() -> None:  # every behaviour the model reads, forward alone: a floor under a search in the step
+        with torch.no_grad():
+            model.sequence_tables(batch.sequence_ids)
+    lookup_s = timed(lookup, steps)
     kept = min(batch.sequence_ids["hist"].lengths().double().mean().item(), k)  # soft: what the module reads
     return {"M": length, "K": k, "kept": kept, "encode_ms": encode_s * 1e3, "step_ms": step_s * 1e3,
+            "lookup_ms": lookup_s * 1e3,
             "input_mb": table.nbytes / 2**20, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -103,7 +112,8 @@ def main() -> None:
         print(json.dumps(child(args.child, args.rows, args.k, args.steps, args.tower, args.search)))
         return
     results = []
-    print(f"{'M':>6} {'K':>4} {'kept':>6} {'encode ms':>10} {'step ms':>8} {'input MB':>9} {'peak RSS MB':>12}")
+    print(f"{'M':>6} {'K':>4} {'kept':>6} {'encode ms':>10} {'step ms':>8} {'lookup ms':>10} {'input MB':>9} "
+          f"{'peak RSS MB':>12}")
     for length in (int(x) for x in args.lengths.split(",")):
         proc = subprocess.run([sys.executable, __file__, "--child", str(length), "--rows", str(args.rows), "--k",
                                str(args.k), "--steps", str(args.steps), "--tower", args.tower, "--search", args.search],
@@ -111,7 +121,7 @@ def main() -> None:
         r = json.loads(proc.stdout.splitlines()[-1])
         results.append(r)
         print(f"{r['M']:>6} {r['K']:>4} {r['kept']:>6.1f} {r['encode_ms']:>10.1f} {r['step_ms']:>8.1f} "
-              f"{r['input_mb']:>9.1f} {r['peak_rss_mb']:>12.0f}", flush=True)
+              f"{r['lookup_ms']:>10.2f} {r['input_mb']:>9.1f} {r['peak_rss_mb']:>12.0f}", flush=True)
     first, last = results[0], results[-1]
     ratio = (last["encode_ms"] + last["step_ms"]) / (first["encode_ms"] + first["step_ms"])
     print(f"{args.search} search: encode + step at M={last['M']} over M={first['M']}, K={args.k}: {ratio:.2f} "

@@ -203,7 +203,7 @@ class TargetAttention(nn.Module):
         last = self.rest[-1]
         x = _Scores.apply(x, last.weight, last.bias) if torch.is_grad_enabled() else last(x)
         if self.time_bias is not None:
-            x = x + self.time_bias(gaps).to(x.dtype)
+            x = x + self.time_bias(gaps)  # fp32: under autocast the scores go to the fp32 softmax anyway
         if self.softmax:
             weights = masked_softmax(x, mask.unsqueeze(-1), dim=1)  # [B, L, k]
         else:

@@ -255,11 +255,13 @@ def test_long_sequence_bench_prints_a_row_per_length_and_the_goals_ratio():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["M", "K", "kept", "encode", "ms", "step", "ms", "input", "MB", "peak", "RSS", "MB"]
+    assert lines[0].split() == ["M", "K", "kept", "encode", "ms", "step", "ms", "lookup", "ms", "input", "MB", "peak",
+                                "RSS", "MB"]
     rows = [line.split() for line in lines[1:3]]
     assert [(r[0], r[1]) for r in rows] == [("100", "16"), ("1000", "16")]
     assert all(0 < float(r[2]) <= 16 for r in rows) and float(rows[1][2]) == 16  # 1,000 of 4 genres: 16 match
-    assert float(rows[1][5]) > 5 * float(rows[0][5])  # the input grows with M
+    assert float(rows[1][6]) > 5 * float(rows[0][6])  # the input grows with M
+    assert all(0 < float(r[5]) for r in rows)
     assert re.fullmatch(r"hard search: encode \+ step at M=1000 over M=100, K=16: \d+\.\d\d "
                         r"\(step alone \d+\.\d\d; goal <= 2\)", lines[3]), lines[3]
 

@@ -38,12 +38,12 @@ def target_reference(target: TargetAttention, b: torch.Tensor, v: torch.Tensor, 
 
 
 def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch.Tensor, gaps: torch.Tensor | None,
-                          width: int, layers: int, tokens: int) -> torch.Tensor:
+                          width: int, layers: int, tokens: int, in_sequence: bool = True) -> torch.Tensor:
     """One row, composed from the module's layers: input projection (none at width = D), the
     recency position n - 1 - m (0: the last, newest), the time gap; the candidate, projected,
-    with its own embedding, first; per block pre-norm attention over the candidate and the row's
-    own behaviours and a GELU FFN, each added to its input; back to D; target attention of the
-    behaviours' outputs."""
+    with its own embedding, first (`in_sequence`; else the blocks read the behaviours alone); per
+    block pre-norm attention over the candidate and the row's own behaviours and a GELU FFN, each
+    added to its input; back to D; target attention of the behaviours' outputs."""
     n = b.shape[0]
     if n == 0:
         return b.new_zeros(tokens, b.shape[1])
@@ -51,8 +51,9 @@ def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch
     h = project(b) + module.position.weight[torch.arange(n - 1, -1, -1)]
     if gaps is not None:
         h = h + module.time.weight[gaps]
-    h = torch.cat([(project(v) + module.candidate).unsqueeze(0), h])
-    n += 1
+    if in_sequence:
+        h = torch.cat([(project(v) + module.candidate).unsqueeze(0), h])
+        n += 1
     for i in range(layers):
         block = module.blocks[i]
         heads = block.heads
@@ -60,29 +61,34 @@ def transformer_reference(module: SequenceTransformer, b: torch.Tensor, v: torch
         q, k, val = (a.reshape(n, heads, -1).transpose(0, 1) for a in (q, k, val))  # [heads, n, W / heads]
         scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [heads, n, n]
         if block.time_bias is not None:  # the candidate's bucket is a gap of 0's: 1
-            buckets = torch.cat([torch.ones(1, dtype=torch.long), gaps]).tolist()
+            buckets = (torch.cat([torch.ones(1, dtype=torch.long), gaps]) if in_sequence else gaps).tolist()
             scores = scores + torch.stack([torch.stack([
                 block.time_bias[:, bi - bj + TIME[0] - 1] for bj in buckets]) for bi in buckets]).permute(2, 0, 1)
         attention = torch.softmax(scores, dim=-1) @ val
         h = h + block.proj(attention.transpose(0, 1).reshape(n, -1))
         first, second = block.ffn[0], block.ffn[-1]
         h = h + second(nn.functional.gelu(first(block.norm2(h))))
-    h = h[1:] @ module.out.weight.t() + module.out.bias if width != D else h[1:]
+    h = h[1:] if in_sequence else h
+    h = h @ module.out.weight.t() + module.out.bias if width != D else h
     return target_reference(module.target, h, v, gaps, tokens)
 
 
-@pytest.mark.parametrize("width,layers,time,weights,time_value,time_bias", [
-    (D, 1, None, "softmax", False, False), (12, 2, TIME, "softmax", False, False),
-    (12, 1, TIME, "sigmoid", True, False), (12, 2, TIME, "softmax", True, True)])
+@pytest.mark.parametrize("width,layers,time,weights,time_value,time_bias,in_sequence", [
+    (D, 1, None, "softmax", False, False, True), (12, 2, TIME, "softmax", False, False, True),
+    (12, 1, TIME, "sigmoid", True, False, True), (12, 2, TIME, "softmax", True, True, True),
+    (12, 2, TIME, "softmax", True, True, False), (D, 1, None, "softmax", False, False, False)])
 def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(width, layers, time, weights,
-                                                                              time_value, time_bias):
+                                                                              time_value, time_bias, in_sequence):
     """Rows of 3, 1, 6 (= max_len), 0 and 2 behaviours padded to 6: each row's tokens are its
-    reference's, with gradients, and the same again without gradients (evaluation's plain ops)."""
+    reference's, with gradients, and the same again without gradients (evaluation's plain ops);
+    the candidate inside the blocks (BST) or only their query, the empty row's tokens zeros."""
     torch.manual_seed(0)
     tokens, rows = 2, [3, 1, 6, 0, 2]
+    kwargs = {"target_time_bias": 30.0} if time_bias else {}  # else the default: none
     module = SequenceTransformer(D, tokens, max_len=6, layers=layers, heads=2, width=width, ffn_ratio=2,
                                  hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value,
-                                 time_bias=time_bias, target_time_bias=30.0 if time_bias else 0.0)
+                                 time_bias=time_bias, in_sequence=in_sequence, **kwargs)
+    assert (module.target.time_bias is None) == (not time_bias)
     if time_value:  # it starts at zero, the values as without it: here they differ
         nn.init.normal_(module.target.time_value.weight)
     for bias in [*(b.time_bias for b in module.blocks), module.target.time_bias.weight] if time_bias else ():
@@ -97,7 +103,8 @@ def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(wi
     offsets = seqs.offsets().tolist()
     expected = torch.stack([
         transformer_reference(module, values[offsets[r]:offsets[r + 1]], cand[r],
-                              gap_values[offsets[r]:offsets[r + 1]] if time else None, width, layers, tokens)
+                              gap_values[offsets[r]:offsets[r + 1]] if time else None, width, layers, tokens,
+                              in_sequence)
         for r in range(len(rows))])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[3], torch.zeros(tokens, D))
