@@ -50,13 +50,14 @@ def request_table(seed: int = 0, sizes: tuple[int, ...] = (3, 1, 4, 2)) -> pa.Ta
 
 
 def reference(module: str, timestamps: bool, soft: int = 0, candidate: str = "in_sequence", search: bool = False):
-    """test_side_fields' model (MLP tower) with `module` on the history, the transformer's candidate
-    as `candidate`, read with requests; with `search`, the history hard-searched by the candidate's
-    genre, which no request shares, and a second one (the same column) pooled on its table, which
-    its request shares."""
+    """test_side_fields' model (MLP tower) with `module` on the history (target attention's time bias
+    on, where timed), the transformer's candidate as `candidate`, read with requests; with
+    `search`, the history hard-searched by the candidate's genre, which no request shares, and a
+    second one (the same column) pooled on its table, which its request shares."""
     cfg = load_config(None, ["--model.tower=mlp", "--model.mlp.hidden=[16, 8]", "--data.request_column=request_id",
                              f"--data.time_column={'now' if timestamps else ''}",
-                             f"--model.sequence.transformer.candidate={candidate}"])
+                             f"--model.sequence.transformer.candidate={candidate}",
+                             "--model.sequence.target_attention.time_bias=true"])  # read where timed
     cfg.features = side_features(module, timestamps, search, soft)
     if search:
         cfg.features.append(FeatureSpec(name="bag", kind="sequence", column="history", table="item_rows",
@@ -70,8 +71,8 @@ def reference(module: str, timestamps: bool, soft: int = 0, candidate: str = "in
                          sequence_tables=EmbeddingCollection(tables=sequence_table_configs(cfg.features))
                          if unpooled else None, sequences=build_sequences(cfg.features, cfg.model.sequence),
                          shared_bags=shared_bags(cfg.features))
-    for name, weights in model.named_parameters():  # the time values start at zero: here they count
-        if "time_value" in name:
+    for name, weights in model.named_parameters():  # the time values and bias start at zero: here they count
+        if "time_value" in name or "time_bias" in name:
             torch.nn.init.normal_(weights)
     return cfg, model
 
