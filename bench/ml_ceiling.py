@@ -6,7 +6,8 @@ rows. docs/results.md, "The time bias: recency in the weights".
     .venv/bin/python bench/ml_ceiling.py [--data .cache/data/movielens-100k-v3]
 
 Every model has the base features: the user's mean past stars, log(1 + how many) and the
-candidate item's click rate in the training rows (smoothed towards the mean by 10 rows). Each
+candidate item's click rate in the training rows (smoothed towards the mean by 10 rows; a
+training row's own label left out). Each
 further row adds one feature: the newest k ratings' mean stars less the user's mean, or the mean
 stars of the behaviours of the candidate's genre less the user's mean. numpy, pyarrow and torch
 (for L-BFGS) only.
@@ -43,26 +44,43 @@ def older(rows: dict, fraction: float) -> dict:
 
 def features(rows: dict, click_rate: np.ndarray) -> np.ndarray:
     """[N, 3 + len(RECENT) + 1]: BASE, then each RECENT window's mean less the user's, then the
-    candidate's genre's mean less the user's (0 where the history has none of it)."""
+    candidate's genre's mean less the user's (0 where the history has none of it). `click_rate`:
+    one per row (see `click_rates`)."""
     out = []
-    for item, genre, stars, genres in zip(rows["item_id"], rows["item_genre"], rows["hist_ratings"],
+    for rate, genre, stars, genres in zip(click_rate, rows["item_genre"], rows["hist_ratings"],
                                           rows["hist_genres"]):
         stars, genres = np.asarray(stars, dtype=np.float64), np.asarray(genres)
         mean = stars.mean() if len(stars) else NO_HISTORY
         recent = [stars[-k:].mean() - mean if len(stars) else 0.0 for k in RECENT]
         same = genres == genre
-        out.append([mean, np.log1p(len(stars)), click_rate[item], *recent,
+        out.append([mean, np.log1p(len(stars)), rate, *recent,
                     stars[same].mean() - mean if same.any() else 0.0])
     return np.asarray(out)
 
 
+def click_rates(train: dict, rows: dict, own: bool) -> np.ndarray:
+    """Each row's item's click rate in `train`, smoothed towards the mean by 10 rows; `own`: the
+    rows are train's, and each leaves its own label out (else the feature holds the answer)."""
+    items = int(max(train["item_id"].max(), rows["item_id"].max())) + 1
+    prior = train["label"].mean()
+    seen = np.bincount(train["item_id"], minlength=items).astype(np.float64)
+    clicked = np.bincount(train["item_id"], weights=train["label"], minlength=items)
+    seen, clicked = seen[rows["item_id"]], clicked[rows["item_id"]]
+    if own:
+        seen, clicked = seen - 1, clicked - rows["label"]
+    return (clicked + 10 * prior) / (seen + 10)
+
+
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Mann-Whitney AUC (ties broken by order: the scores here are continuous)."""
-    ranks = np.empty(len(scores))
-    ranks[np.argsort(scores, kind="stable")] = np.arange(1, len(scores) + 1)
+    """Mann-Whitney AUC, a tie counting one half (average ranks: rows of one item and no history
+    score alike)."""
     pos = int(labels.sum())
     neg = len(labels) - pos
-    return float((ranks[labels == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
+    if not pos or not neg:
+        raise ValueError(f"AUC needs both labels: {pos} positive and {neg} negative rows")
+    values, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    average = np.cumsum(counts) - (counts - 1) / 2  # each distinct score's mean rank, 1-based
+    return float((average[inverse][labels == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
 def fit_auc(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> float:
@@ -91,12 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-at", type=float, default=0.8, help="the training rows' older fraction kept")
     args = p.parse_args(argv)
     train, test = older(load(f"{args.data}/train"), args.split_at), load(f"{args.data}/valid")
-    items = int(max(train["item_id"].max(), test["item_id"].max())) + 1
-    prior = train["label"].mean()
-    seen = np.bincount(train["item_id"], minlength=items)
-    clicked = np.bincount(train["item_id"], weights=train["label"], minlength=items)
-    click_rate = (clicked + 10 * prior) / (seen + 10)
-    x_train, x_test = features(train, click_rate), features(test, click_rate)
+    x_train = features(train, click_rates(train, train, own=True))
+    x_test = features(test, click_rates(train, test, own=False))
     names = [*(f"newest {k}'s mean stars - the user's" for k in RECENT),
              "the candidate genre's mean stars - the user's"]
     base = list(range(len(BASE)))

@@ -149,7 +149,9 @@ class GapBias(nn.Module, ScaledLearningRate):
     recency straight into the weights, where the scorer's MLP must learn it through a hidden
     layer. It starts at zero (the scores as without it) and trains at `lr_mult` x the dense
     rate: it is a table of one scalar per bucket, not a layer, and at the dense rate it barely
-    moves before a small log's early stop (docs/results.md, "Side fields on MovieLens")."""
+    moves before a small log's early stop (docs/results.md, "The time bias: recency in the
+    weights"). Under optim.sequence_lr_mult the two multiples compound: the module's own rate
+    times `lr_mult`."""
 
     def __init__(self, buckets: int, tokens: int, lr_mult: float):
         super().__init__()
@@ -168,17 +170,17 @@ class TargetAttention(nn.Module):
     what is summed then says how old the matches are, not only the score. `weights`: softmax
     over the behaviours (the weights sum to 1: how many match is lost), or sigmoid, each
     behaviour's weight on its own (DIN's unnormalised weights: the sum keeps the intensity).
-    `time_bias` > 0, with gaps: a `GapBias` on the scores, trained at that multiple of the dense rate
-    (model.sequence.target_attention.time_bias_lr_mult; 0: none)."""
+    `time_bias_lr_mult` > 0, with gaps: a `GapBias` on the scores, trained at that multiple of the
+    dense rate (0: none)."""
 
     def __init__(self, dim: int, tokens: int, hidden: list[int], time: tuple[int, int] | None = None,
-                 weights: str = "softmax", time_value: bool = False, time_bias: float = 0.0):
+                 weights: str = "softmax", time_value: bool = False, time_bias_lr_mult: float = 0.0):
         super().__init__()
         assert weights in ("softmax", "sigmoid"), weights
         self.time = nn.Embedding(*time) if time else None
         # at zero: the values start as the behaviours' vectors, as without it
         self.time_value = nn.Embedding(time[0], dim, _weight=torch.zeros(time[0], dim)) if time and time_value else None
-        self.time_bias = GapBias(time[0], tokens, time_bias) if time and time_bias else None
+        self.time_bias = GapBias(time[0], tokens, time_bias_lr_mult) if time and time_bias_lr_mult else None
         self.softmax = weights == "softmax"
         width = 4 * dim + (time[1] if time else 0)
         layers = []
@@ -279,7 +281,7 @@ class SequenceTransformer(nn.Module):
     The position, time and candidate embeddings start at `init_std`, the scale of the sequence's
     table (at N(0, 1) they drowned the behaviour's own vector, and the module did not learn).
     `time_bias` (with gaps) adds each block's relative time bias to its attention scores;
-    `target_time_bias` is the target attention's (`TargetAttention.time_bias`).
+    `target_time_bias_lr_mult` is the target attention's (`TargetAttention`'s `GapBias`).
 
     `in_sequence` False: the candidate is not a token of the blocks, only the query of the target
     attention after them (the query of the last block): the blocks then read the history alone,
@@ -287,7 +289,8 @@ class SequenceTransformer(nn.Module):
 
     def __init__(self, dim: int, tokens: int, max_len: int, layers: int, heads: int, width: int, ffn_ratio: int,
                  hidden: list[int], time: tuple[int, int] | None = None, *, init_std: float, weights: str,
-                 time_value: bool, time_bias: bool, in_sequence: bool = True, target_time_bias: float = 0.0):
+                 time_value: bool, time_bias: bool, in_sequence: bool = True,
+                 target_time_bias_lr_mult: float = 0.0):
         super().__init__()
         self.in_sequence = in_sequence
         self.inp = nn.Linear(dim, width) if width != dim else nn.Identity()
@@ -300,7 +303,7 @@ class SequenceTransformer(nn.Module):
         self.blocks = nn.ModuleList(SelfAttentionBlock(width, heads, ffn_ratio, time[0] if self.relative_time else 0)
                                     for _ in range(layers))
         self.out = nn.Linear(width, dim) if width != dim else nn.Identity()
-        self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value, target_time_bias)
+        self.target = TargetAttention(dim, tokens, hidden, time, weights, time_value, target_time_bias_lr_mult)
         self.max_len = max_len
 
     def forward(self, behaviours: torch.Tensor, mask: torch.Tensor, candidate: torch.Tensor,

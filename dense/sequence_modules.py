@@ -45,9 +45,10 @@ class TargetAttentionConfig:
     """With timestamps: add an embedding of each behaviour's time gap to the value summed, not only to its score."""
     time_bias: bool = False
     ("""With timestamps: a learned bias per gap bucket added to each behaviour's score (recency read straight """
-     """into the weights, HSTU's time bias).""")
+     """into the weights, HSTU's time bias); the transformer's target attention reads it too.""")
     time_bias_lr_mult: float = 30.0
-    """The time bias's learning rate as a multiple of optim.lr (one scalar per bucket: a table, not a layer)."""
+    ("""The time bias's learning rate as a multiple of the sequence modules' (optim.lr x optim.sequence_lr_mult): """
+     """one scalar per bucket is a table, not a layer.""")
 
     def validate(self) -> None:
         if not self.hidden:  # the scorer's last Linear reads the last hidden layer
@@ -109,7 +110,7 @@ def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
                                t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
                                (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
                                weights=target.weights, time_value=target.time_value, time_bias=t.time_bias,
-                               in_sequence=t.candidate == "in_sequence", target_time_bias=target_bias)
+                               in_sequence=t.candidate == "in_sequence", target_time_bias_lr_mult=target_bias)
 
 
 @dataclass

@@ -295,22 +295,32 @@ def _ml_ceiling():
 
 def test_ml_ceiling_features_are_each_rows_history_read_by_hand():
     """The recent windows' and the candidate genre's mean stars, less the user's mean; a row with
-    no history gets the middle of the stars and zeros; older() keeps the oldest rows by time."""
+    no history gets the middle of the stars and zeros; the click rate leaves a training row's own
+    label out; older() keeps the oldest rows by time; AUC counts a tie one half."""
     ceiling = _ml_ceiling()
-    rows = {"item_id": ceiling.np.array([1, 0, 2]), "item_genre": ceiling.np.array([7, 3, 3]),
-            "timestamp": ceiling.np.array([30, 10, 20]), "label": ceiling.np.array([1, 0, 1]),
+    np = ceiling.np
+    rows = {"item_id": np.array([1, 0, 1]), "item_genre": np.array([7, 3, 3]),
+            "timestamp": np.array([30, 10, 20]), "label": np.array([1, 0, 0]),
             "hist_ratings": [[1, 5, 4, 2, 5, 3, 4, 4, 1, 2, 5, 3], [], [2]],
             "hist_genres": [[7] * 6 + [3] * 6, [], [3]]}
-    x = ceiling.features(rows, ceiling.np.array([0.1, 0.2, 0.3]))
+    x = ceiling.features(rows, np.array([0.1, 0.2, 0.3]))
     stars = [1, 5, 4, 2, 5, 3, 4, 4, 1, 2, 5, 3]
     mean = sum(stars) / 12
-    expected = [mean, ceiling.np.log1p(12), 0.2, 3 - mean, (2 + 5 + 3) / 3 - mean, (4 + 1 + 2 + 5 + 3) / 5 - mean,
+    expected = [mean, np.log1p(12), 0.1, 3 - mean, (2 + 5 + 3) / 3 - mean, (4 + 1 + 2 + 5 + 3) / 5 - mean,
                 sum(stars[-10:]) / 10 - mean, (1 + 5 + 4 + 2 + 5 + 3) / 6 - mean]
     assert x[0] == pytest.approx(expected)
-    assert list(x[1]) == [3.5, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert x[2] == pytest.approx([2.0, ceiling.np.log1p(1), 0.3, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert list(x[1]) == [3.5, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert x[2] == pytest.approx([2.0, np.log1p(1), 0.3, 0.0, 0.0, 0.0, 0.0, 0.0])
+    prior = 1 / 3  # item 1: seen twice, clicked once; item 0: seen once, never clicked
+    assert ceiling.click_rates(rows, rows, own=True) == pytest.approx(
+        [(0 + 10 * prior) / 11, (0 + 10 * prior) / 10, (1 + 10 * prior) / 11])
+    assert ceiling.click_rates(rows, {"item_id": np.array([1, 2])}, own=False) == pytest.approx(
+        [(1 + 10 * prior) / 12, prior])
     assert list(ceiling.older(rows, 2 / 3)["timestamp"]) == [10, 20]
-    assert ceiling.auc(ceiling.np.array([0, 1, 0, 1]), ceiling.np.array([0.1, 0.4, 0.5, 0.8])) == 0.75
+    assert ceiling.auc(np.array([0, 1, 0, 1]), np.array([0.1, 0.4, 0.5, 0.8])) == 0.75
+    assert ceiling.auc(np.array([0, 1, 0, 1]), np.array([0.4, 0.4, 0.4, 0.8])) == 0.75  # 1 + 1/2 + 1/2 + 1
+    with pytest.raises(ValueError, match="AUC needs both labels: 0 positive and 2 negative rows"):
+        ceiling.auc(np.array([0, 0]), np.array([0.1, 0.2]))
 
 
 def test_ml_ceiling_prints_a_row_per_feature_on_a_converted_log(tmp_path):

@@ -216,14 +216,14 @@ def test_a_forward_on_fake_cuda_stays_on_the_device_and_reads_nothing_back(modul
 
 @pytest.mark.parametrize("module,time_bias,search_k", [
     ("target_attention", False, 0), ("transformer", False, 0), ("transformer", True, 0),
-    ("target_attention", False, 3)])
+    ("target_attention", False, 3), ("target_attention", True, 3)])
 def test_a_training_step_on_meta_reads_nothing_back(module, time_bias, search_k):
     """Padding, attention and backward on the meta device, which raises on every read back, copy to
     the host, value-sized output and CPU tensor in a device op (tests/test_fake_cuda.py): the
     backward, which fake CUDA cannot run on this CPU build (test_fake_cuda's docstring). With the
-    transformer's time bias (its `~` is beyond fake CUDA) and the soft search too."""
+    time biases (the transformer's `~` is beyond fake CUDA) and the soft search too."""
     cfg = SequenceConfig()
-    cfg.transformer.time_bias = time_bias
+    cfg.transformer.time_bias = cfg.target_attention.time_bias = time_bias
     features = [dataclasses.replace(f, search_k=search_k) if f.name == "hist" else f
                 for f in schema(module, timestamps="ts")]
     inputs = SequenceInputs(features, cfg).to(META)
@@ -261,9 +261,15 @@ def test_under_bf16_autocast_the_softmax_runs_in_fp32():
 @pytest.mark.parametrize("module", ["target_attention", "transformer"])
 def test_under_bf16_autocast_each_module_with_time_trains_near_its_fp32_self(module):
     """The scorer's in-place batched matmul takes no part in autocast: its operands follow the
-    first Linear's dtype (bf16 here), with the transformer's bf16 behaviours too."""
+    first Linear's dtype (bf16 here), with the transformer's bf16 behaviours too; the time bias,
+    fp32, lifts the bf16 scores to fp32 and takes a finite gradient."""
     torch.manual_seed(0)
-    inputs = SequenceInputs(schema(module, tokens=2, timestamps="ts"), SequenceConfig())
+    cfg = SequenceConfig()
+    cfg.target_attention.time_bias = True
+    inputs = SequenceInputs(schema(module, tokens=2, timestamps="ts"), cfg)
+    bias = [p for n, p in inputs.named_parameters() if n.endswith("time_bias.weight")]
+    assert len(bias) == 1
+    torch.nn.init.normal_(bias[0])  # it starts at zero: here it counts
     rows = [3, 0, 5, 2]
     gaps = (jagged(rows, width=None, seed=7).values(),)
     expected = inputs({}, lookups(rows), (1, 3, 5), gaps)
@@ -273,6 +279,7 @@ def test_under_bf16_autocast_each_module_with_time_trains_near_its_fp32_self(mod
     for key in expected:
         torch.testing.assert_close(got[key].float(), expected[key], rtol=0.05, atol=0.05)
     assert all(torch.isfinite(p.grad).all() for p in inputs.parameters() if p.grad is not None)
+    assert bias[0].grad is not None and bias[0].grad.abs().sum() > 0
 
 
 def test_rankmix_plan_plans_the_sequence_table_beside_the_bags():

@@ -120,6 +120,11 @@ def test_the_time_bias_trains_at_its_multiple_of_the_dense_rate():
     assert [g["lr"] for g in groups] == [0.002, pytest.approx(0.06)]
     assert [id(p) for p in groups[1]["params"]] == [id(module.time_bias.weight)]
     assert len(groups[0]["params"]) == len(list(module.parameters())) - 1
+    # under optim.sequence_lr_mult the module's own rate, then the bias's multiple of it
+    everything = {id(p) for p in module.parameters()}
+    groups = param_groups(module, list(module.parameters()), 0.002, sequence=everything, sequence_mult=5.0)
+    assert [(g["lr"], g["part"], len(g["params"])) for g in groups if g["params"]] == [
+        (pytest.approx(0.01), "sequence", len(everything) - 1), (pytest.approx(0.3), "sequence", 1)]
 
 
 def test_the_transformers_own_embeddings_start_at_the_scale_of_the_sequences_table():

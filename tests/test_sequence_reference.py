@@ -84,7 +84,7 @@ def test_the_transformer_matches_a_per_row_reference_composed_from_its_layers(wi
     the candidate inside the blocks (BST) or only their query, the empty row's tokens zeros."""
     torch.manual_seed(0)
     tokens, rows = 2, [3, 1, 6, 0, 2]
-    kwargs = {"target_time_bias": 30.0} if time_bias else {}  # else the default: none
+    kwargs = {"target_time_bias_lr_mult": 30.0} if time_bias else {}  # else the default: none
     module = SequenceTransformer(D, tokens, max_len=6, layers=layers, heads=2, width=width, ffn_ratio=2,
                                  hidden=[16], time=time, init_std=0.5, weights=weights, time_value=time_value,
                                  time_bias=time_bias, in_sequence=in_sequence, **kwargs)
@@ -134,7 +134,7 @@ def test_target_attention_without_gradients_is_the_same_function(tokens, hidden,
     cand = torch.randn(4, D)
     for time in (TIME, None):
         module = TargetAttention(D, tokens, hidden, time, weights, time_value=time is not None,
-                                 time_bias=30.0 if time else 0.0)
+                                 time_bias_lr_mult=30.0 if time else 0.0)
         if time:
             nn.init.normal_(module.time_value.weight)
             nn.init.normal_(module.time_bias.weight)
@@ -234,7 +234,7 @@ def test_the_time_bias_starts_at_zero_and_then_weighs_by_the_gap_alone(weights):
     x, mask = pad(seqs.values(), seqs.offsets(), 5)
     gaps = torch.tensor([[3, 7, 3, 0, 0], [7, 0, 0, 0, 0], [1, 3, 7, 7, 9]])
     cand = torch.randn(3, D)
-    biased = TargetAttention(D, 1, [16], TIME, weights, time_value=False, time_bias=30.0)
+    biased = TargetAttention(D, 1, [16], TIME, weights, time_value=False, time_bias_lr_mult=30.0)
     plain = TargetAttention(D, 1, [16], TIME, weights, time_value=False)
     plain.load_state_dict({k: v for k, v in biased.state_dict().items() if not k.startswith("time_bias.")})
     assert torch.equal(biased(x, mask, cand, gaps), plain(x, mask, cand, gaps))
