@@ -1,16 +1,16 @@
 """What MovieLens's behaviour history holds beyond its mean: logistic regressions on a few
-hand-made features of each row's past ratings, trained on the older 80% of the training rows
-(in time, as `data.split = "time"` with `split_at = 0.8`) and scored on the converter's test
-rows. docs/results.md, "The time bias: recency in the weights".
+hand-made features of each row's past ratings, on the towers' own split (the study's protocol:
+`data.split = "time"`, `split_at = 0.8`, `valid_fraction = 0.1`, cut by trainer/data/time_split.py;
+the regressions train on its training rows and are scored on its test rows by
+trainer/metrics/ranking.py's AUC). docs/results.md, "The time bias: recency in the weights".
 
-    .venv/bin/python bench/ml_ceiling.py [--data .cache/data/movielens-100k-v3]
+    .venv/bin/python bench/ml_ceiling.py [--config configs/movielens.toml] [--set data.KEY=VALUE ...]
 
 Every model has the base features: the user's mean past stars, log(1 + how many) and the
 candidate item's click rate in the training rows (smoothed towards the mean by 10 rows; a
-training row's own label left out). Each
-further row adds one feature: the newest k ratings' mean stars less the user's mean, or the mean
-stars of the behaviours of the candidate's genre less the user's mean. numpy, pyarrow and torch
-(for L-BFGS) only.
+training row's own label left out). Each further row adds one feature: the newest k ratings'
+mean stars less the user's mean, or the mean stars of the behaviours of the candidate's genre
+less the user's mean. L-BFGS in torch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from trainer.config_loader import load_config
+from trainer.data.datasets import build_dataset
+from trainer.metrics.ranking import auc
+
+PROTOCOL = ["--data.split=time", "--data.split_at=0.8", "--data.valid_fraction=0.1"]  # rankmix study's
 BASE = ["mean stars", "log1p(count)", "item click rate"]
 RECENT = (1, 3, 5, 10)
 NO_HISTORY = 3.5  # a row with no past rating: the middle of the stars
@@ -30,16 +35,10 @@ NO_HISTORY = 3.5  # a row with no past rating: the middle of the stars
 
 def load(path: str) -> dict:
     """The columns this needs, as numpy arrays and lists of lists."""
-    table = pq.read_table(path, columns=["item_id", "item_genre", "hist_ratings", "hist_genres", "timestamp", "label"])
+    table = pq.read_table(path, columns=["item_id", "item_genre", "hist_ratings", "hist_genres", "label"])
     return {"item_id": table["item_id"].to_numpy(), "item_genre": table["item_genre"].to_numpy(),
-            "timestamp": table["timestamp"].to_numpy(), "label": pc.cast(table["label"], "int64").to_numpy(),
+            "label": pc.cast(table["label"], "int64").to_numpy(),
             "hist_ratings": table["hist_ratings"].to_pylist(), "hist_genres": table["hist_genres"].to_pylist()}
-
-
-def older(rows: dict, fraction: float) -> dict:
-    """The oldest `fraction` of `rows` by timestamp (ties kept in file order)."""
-    keep = np.argsort(rows["timestamp"], kind="stable")[:int(len(rows["label"]) * fraction)]
-    return {k: v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep] for k, v in rows.items()}
 
 
 def features(rows: dict, click_rate: np.ndarray) -> np.ndarray:
@@ -71,18 +70,6 @@ def click_rates(train: dict, rows: dict, own: bool) -> np.ndarray:
     return (clicked + 10 * prior) / (seen + 10)
 
 
-def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Mann-Whitney AUC, a tie counting one half (average ranks: rows of one item and no history
-    score alike)."""
-    pos = int(labels.sum())
-    neg = len(labels) - pos
-    if not pos or not neg:
-        raise ValueError(f"AUC needs both labels: {pos} positive and {neg} negative rows")
-    values, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    average = np.cumsum(counts) - (counts - 1) / 2  # each distinct score's mean rank, 1-based
-    return float((average[inverse][labels == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
-
 def fit_auc(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> float:
     """A logistic regression fitted by L-BFGS on standardised features; its test AUC."""
     mu, sd = x_train.mean(0), x_train.std(0) + 1e-9
@@ -99,16 +86,17 @@ def fit_auc(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test
     opt.step(loss)
     with torch.no_grad():
         scores = linear(torch.tensor((x_test - mu) / sd)).squeeze(1).numpy()
-    return auc(y_test, scores)
+    return auc(torch.from_numpy(scores), torch.from_numpy(y_test))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=".cache/data/movielens-100k-v3",
-                   help="the converter's output: train/ and valid/ (rankmix data movielens)")
-    p.add_argument("--split-at", type=float, default=0.8, help="the training rows' older fraction kept")
+    p.add_argument("--config", default="configs/movielens.toml", help="the towers' config: its data and split")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, as `rankmix "
+                   "study --set`, after the protocol's")
     args = p.parse_args(argv)
-    train, test = older(load(f"{args.data}/train"), args.split_at), load(f"{args.data}/valid")
+    files = build_dataset(load_config(args.config, [*PROTOCOL, *(f"--{kv}" for kv in args.set)]))
+    train, test = load(files.train_path), load(files.eval_path)
     x_train = features(train, click_rates(train, train, own=True))
     x_test = features(test, click_rates(train, test, own=False))
     names = [*(f"newest {k}'s mean stars - the user's" for k in RECENT),

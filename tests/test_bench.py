@@ -296,11 +296,11 @@ def _ml_ceiling():
 def test_ml_ceiling_features_are_each_rows_history_read_by_hand():
     """The recent windows' and the candidate genre's mean stars, less the user's mean; a row with
     no history gets the middle of the stars and zeros; the click rate leaves a training row's own
-    label out; older() keeps the oldest rows by time; AUC counts a tie one half."""
+    label out."""
     ceiling = _ml_ceiling()
     np = ceiling.np
     rows = {"item_id": np.array([1, 0, 1]), "item_genre": np.array([7, 3, 3]),
-            "timestamp": np.array([30, 10, 20]), "label": np.array([1, 0, 0]),
+            "label": np.array([1, 0, 0]),
             "hist_ratings": [[1, 5, 4, 2, 5, 3, 4, 4, 1, 2, 5, 3], [], [2]],
             "hist_genres": [[7] * 6 + [3] * 6, [], [3]]}
     x = ceiling.features(rows, np.array([0.1, 0.2, 0.3]))
@@ -316,35 +316,34 @@ def test_ml_ceiling_features_are_each_rows_history_read_by_hand():
         [(0 + 10 * prior) / 11, (0 + 10 * prior) / 10, (1 + 10 * prior) / 11])
     assert ceiling.click_rates(rows, {"item_id": np.array([1, 2])}, own=False) == pytest.approx(
         [(1 + 10 * prior) / 12, prior])
-    assert list(ceiling.older(rows, 2 / 3)["timestamp"]) == [10, 20]
-    assert ceiling.auc(np.array([0, 1, 0, 1]), np.array([0.1, 0.4, 0.5, 0.8])) == 0.75
-    assert ceiling.auc(np.array([0, 1, 0, 1]), np.array([0.4, 0.4, 0.4, 0.8])) == 0.75  # 1 + 1/2 + 1/2 + 1
-    with pytest.raises(ValueError, match="AUC needs both labels: 0 positive and 2 negative rows"):
-        ceiling.auc(np.array([0, 0]), np.array([0.1, 0.2]))
 
 
 def test_ml_ceiling_prints_a_row_per_feature_on_a_converted_log(tmp_path):
-    """On a small log in the converter's columns whose label follows the newest rating: the table
-    has the base row and one per feature, and the newest rating's row scores above the base's."""
+    """On a small log in the converter's columns whose label follows the newest rating, cut by the
+    towers' own time split (the study's protocol): the table has the base row and one per
+    feature, and the newest rating's row scores above the base's."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
-    for split, n in (("train", 3000), ("valid", 1000)):
+    for split, n, start in (("train", 3000, 0), ("valid", 1000, 3000)):
         stars = [list(rng.integers(1, 6, size=rng.integers(1, 12))) for _ in range(n)]
         label = [int(s[-1] >= 4) if rng.random() < 0.8 else int(rng.random() < 0.5) for s in stars]
         (tmp_path / split).mkdir()
         pq.write_table(pa.table({
-            "item_id": rng.integers(0, 50, n), "item_genre": rng.integers(0, 5, n), "timestamp": np.arange(n),
+            "item_id": rng.integers(0, 50, n), "item_genre": rng.integers(0, 5, n), "timestamp": start + np.arange(n),
             "label": label, "hist_ratings": stars, "hist_genres": [list(rng.integers(0, 5, len(s))) for s in stars]}),
             tmp_path / split / "part-0.parquet")
-    proc = subprocess.run([sys.executable, "bench/ml_ceiling.py", "--data", str(tmp_path)], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=300)
+    sets = [f"data.{k}={v}" for k, v in (("dataset", "parquet"), ("train_path", tmp_path / "train"),
+                                         ("eval_path", tmp_path / "valid"), ("cache_dir", tmp_path / "cache"))]
+    proc = subprocess.run([sys.executable, "bench/ml_ceiling.py", *(a for kv in sets for a in ("--set", kv))],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0] == "2400 training rows, 1000 test rows"
-    rows = {r[0]: float(r[1]) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[3:])}
+    assert lines[0].startswith("data.split=time: cut at timestamp=3200: 2880 training, 320 validation, 800 test rows")
+    assert lines[1] == "2880 training rows, 800 test rows"
+    rows = {r[0]: float(r[1]) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[4:])}
     assert list(rows) == ["mean stars, log1p(count), item click rate", *(f"+ newest {k}'s mean stars - the user's"
                           for k in (1, 3, 5, 10)), "+ the candidate genre's mean stars - the user's"]
     assert rows["+ newest 1's mean stars - the user's"] > rows["mean stars, log1p(count), item click rate"] + 0.05
