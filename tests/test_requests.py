@@ -18,11 +18,11 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from dense.heads import build_dense
 from dense.model_config import TaskSpec
 from dense.sequence import build_sequences
-from embeddings.features import FeatureSpec, attended, validate_features
+from embeddings.features import FeatureSpec, attended, shared_sequences, validate_features
 from embeddings.tables import sequence_table_configs, table_configs
 from test_side_fields import side_features, side_table
 from trainer.config_loader import load_config
-from trainer.data.batch import Rows
+from trainer.data.batch import Part, Rows, assemble
 from trainer.data.encode import RowEncoder
 from trainer.data.requests import grouped_permutation, holders
 from trainer.ranking_model import RankingModel, shared_bags
@@ -194,6 +194,31 @@ def test_a_null_request_id_is_refused():
     with pytest.raises(ValueError) as e:
         encoder(cfg).encode(bad, "f.parquet, row group 0")
     assert str(e.value) == "f.parquet, row group 0, column 'request_id': null request id at row 7 (data.request_column)"
+
+
+@pytest.mark.parametrize("search,shared_names", [(False, {"history", "history_stars", "history_genre"}),
+                                                 (True, {"bag"})])
+def test_a_batch_gathers_each_shared_list_at_its_holder_row_alone_from_any_part(search, shared_names):
+    """Parts picked by an index (a shuffled window) and in order (a slice), one request's rows in
+    both: each shared list is its row's at the request's first row in the batch, empty elsewhere;
+    a list no request shares (a hard-searched history and its side fields) is every row's."""
+    cfg, _ = reference("target_attention", True, search=search)
+    rows = request_table()
+    encoded = encoder(cfg).encode(rows, "test")
+    plain = encoder(cfg, False).encode(rows, "test").to_batch()
+    order = grouped_permutation(np.random.default_rng(0), encoded.requests)
+    batch = assemble([Part(encoded, order[:9]), Part(encoded.slice(0, 10))])
+    picked = np.concatenate([order[:9], np.arange(10)])  # the batch's rows, as rows of `rows`
+    is_holder = holders(encoded.requests[picked])[0]
+    shared = {f.name for f in shared_sequences(cfg.features)}
+    assert shared == shared_names
+    for collection, every in ((batch.sparse, plain.sparse), (batch.sequence_ids, plain.sequence_ids)):
+        got, lists = collection.to_dict(), every.to_dict()
+        for name in got:
+            expected = [lists[name].to_dense()[int(r)].tolist() for r in picked]
+            if name in shared:
+                expected = [x if held else [] for x, held in zip(expected, is_holder)]
+            assert [x.tolist() for x in got[name].to_dense()] == expected, name
 
 
 def test_holders_and_the_grouped_shuffle_against_python():

@@ -12,7 +12,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from trainer.data.ids import bag_positions
-from trainer.data.requests import holders, keep_held
+from trainer.data.requests import holders
 
 
 @dataclass
@@ -247,6 +247,15 @@ class Part:
         flat, lengths[...] = bag_positions(o, self.index)
         return values[flat]
 
+    def held_ids(self, s: int, lengths: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """`ids` of the rows `keep` [rows] (bool) alone, every other row's bag left empty: a shared
+        sequence gathered at its requests' holder rows only (data.request_column), not at every row."""
+        o, values = self.rows.offsets[s], self.rows.values[s]
+        assert o is not None, "a shared feature is a list column"
+        flat, lengths[keep] = bag_positions(o, np.flatnonzero(keep) if self.index is None else self.index[keep])
+        lengths[~keep] = 0
+        return values[flat]
+
 
 def assemble(parts: list[Part], weights: np.ndarray | None = None) -> Batch:
     """The rows of `parts`, one after the other, as a Batch owning its memory: every column is
@@ -308,10 +317,11 @@ def _jagged(parts: list[Part], features: range,
     # of the feature's pieces of ids, not a sum over its lengths (a pass over the batch).
     per_key = []
     for row, s in zip(lengths, features):
-        pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
         if holding is not None and s in holding[1]:
-            held, row[...] = keep_held(np.concatenate(pieces), row, holding[0])
-            pieces = [held]
+            pieces = [p.held_ids(s, row[start:stop], holding[0][start:stop])
+                      for p, start, stop in zip(parts, bounds, bounds[1:])]
+        else:
+            pieces = [p.ids(s, row[start:stop]) for p, start, stop in zip(parts, bounds, bounds[1:])]
         ids += pieces
         per_key.append(sum(map(len, pieces)))
     # gathered ids are copied once more here, into one array: a second pass to size the values
