@@ -57,6 +57,11 @@ class TargetAttentionConfig:
         _positive(self, self.key, "hidden")
         _positive(self, self.key, "time_bias_lr_mult")
 
+    @property
+    def gap_bias_lr_mult(self) -> float:
+        """The multiple the modules build their `GapBias` at: time_bias_lr_mult where time_bias is on, else 0."""
+        return self.time_bias_lr_mult if self.time_bias else 0.0
+
 
 @dataclass
 class TransformerConfig:
@@ -95,7 +100,7 @@ def _build_target_attention(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     t = cfg.target_attention
     return TargetAttention(f.embedding_dim, f.sequence_tokens, t.hidden,
                            (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, t.weights, t.time_value,
-                           t.time_bias_lr_mult if t.time_bias else 0.0)
+                           t.gap_bias_lr_mult)
 
 
 @register_sequence("transformer", TransformerConfig)
@@ -103,14 +108,14 @@ def _build_transformer(cfg: SequenceConfig, f: FeatureSpec) -> nn.Module:
     from dense.sequence import SequenceTransformer  # on use: torch
 
     t, target = cfg.transformer, cfg.target_attention
-    target_bias = target.time_bias_lr_mult if target.time_bias else 0.0
     # the table's scale: TorchRec's init draws rows uniformly in +-1/sqrt(rows) (embeddings/init.py)
     table_std = 1 / math.sqrt(3 * f.num_embeddings)
     return SequenceTransformer(f.embedding_dim, f.sequence_tokens, f.max_len, t.layers, t.heads,
                                t.width or f.embedding_dim, t.ffn_ratio, target.hidden,
                                (cfg.time_buckets, cfg.time_dim) if f.timestamps else None, init_std=table_std,
                                weights=target.weights, time_value=target.time_value, time_bias=t.time_bias,
-                               in_sequence=t.candidate == "in_sequence", target_time_bias_lr_mult=target_bias)
+                               in_sequence=t.candidate == "in_sequence",
+                               target_time_bias_lr_mult=target.gap_bias_lr_mult)
 
 
 @dataclass

@@ -31,7 +31,7 @@ def target_reference(target: TargetAttention, b: torch.Tensor, v: torch.Tensor, 
     first, last = target.first, target.rest[-1]
     scores = torch.relu(x @ first.weight.t() + first.bias) @ last.weight.t() + last.bias  # [n, k]
     if target.time_bias is not None:  # one scalar per gap bucket and weighting
-        scores = scores + torch.stack([target.time_bias.weight[g] for g in gaps.tolist()])
+        scores = scores + target.time_bias.weight[gaps]
     weights = torch.softmax(scores, dim=0) if target.softmax else 1 / (1 + torch.exp(-scores))
     values = b + target.time_value.weight[gaps] if target.time_value is not None else b
     return weights.t() @ values
